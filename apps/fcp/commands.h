@@ -1,0 +1,11 @@
+#pragma once
+/// Each subcommand of `fcp` registers itself on the top-level app. Each lives in its own file.
+
+#include <CLI/CLI.hpp>
+
+namespace fcp::app {
+
+/// `fcp plan`: shard and assign a batch, print the plan summary.
+void addPlanCommand(CLI::App& app);
+
+}  // namespace fcp::app

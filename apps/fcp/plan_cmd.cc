@@ -1,0 +1,197 @@
+// `fcp plan`: build a batch, shard it, assign its blocks, print the summary (and the plan).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "fcp/core/error.h"
+#include "fcp/core/units.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/json.h"
+#include "fcp/plan/plan.h"
+
+namespace fcp::app {
+namespace {
+
+struct PlanArgs {
+  std::string workload = "lognormal";
+  std::string trace;
+  int64_t workers = 16;
+  std::string tokensPerWorker;  // default 32K for workloads, the trace's share for traces
+  std::string blockSize = "4K";
+  std::string memoryLimit;  // default: tokens per worker
+  double memorySlack = 0.1;
+  double alpha = 1.0;
+  double beta = 1.0;
+  uint64_t seed = 0;
+  std::string mask = "causal";
+  int64_t headsQ = 64;
+  int64_t headsKv = 8;
+  int64_t headDim = 128;
+  std::string dtype = "bf16";
+  bool json = false;
+  std::string planOut;
+};
+
+int64_t elementBytes(const std::string& dtype) {
+  if (dtype == "bf16" || dtype == "fp16") return 2;
+  if (dtype == "fp32") return 4;
+  throwInvalidArgument("unknown --dtype '", dtype, "': expected bf16, fp16 or fp32");
+}
+
+void requirePositive(int64_t value, const char* flag) {
+  if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
+}
+
+/// Writes `text` to `path` through a temporary file renamed into place, so a failure never
+/// leaves a half-written plan behind.
+void writeFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throwInvalidArgument("cannot write --plan-out file '", path, "'");
+    out << text << '\n';
+    if (!out.flush()) {
+      std::remove(tmp.c_str());
+      throwInvalidArgument("cannot write --plan-out file '", path, "'");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::remove(tmp.c_str());
+    throwInvalidArgument("cannot write --plan-out file '", path, "': ", ec.message());
+  }
+}
+
+void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings& t,
+                  const std::string& source) {
+  const auto& c = p.config;
+  std::printf("FCP plan: %s, %lld sequences, %lld tokens\n", source.c_str(),
+              static_cast<long long>(p.batch.numSequences()),
+              static_cast<long long>(p.batch.numTokens()));
+  std::printf("  workers %lld, %s tokens per worker, %s blocks, %s mask, %lld/%lld heads x %lld\n",
+              static_cast<long long>(c.numWorkers), formatTokenCount(c.tokensPerWorker).c_str(),
+              formatTokenCount(c.blockSize).c_str(), std::string(maskName(c.attention.mask)).c_str(),
+              static_cast<long long>(c.attention.numHeadsQ),
+              static_cast<long long>(c.attention.numHeadsKv),
+              static_cast<long long>(c.attention.headDim));
+  std::printf("  blocks %zu, pairs %zu, forward %.3g FLOP\n", p.blocks.size(), p.pairs.size(),
+              s.totalForwardFlops);
+  std::printf("  imbalance: compute %.4f, memory %.4f (max - mean) / max\n", s.computeImbalance,
+              s.memoryImbalance);
+  std::printf("  busiest worker %.4f%% above the lower bound (greedy alone: %.4f%%, %lld "
+              "improvement steps)\n",
+              100 * s.lowerBoundGap, 100 * (p.greedyMaxCost / p.lowerBound - 1),
+              static_cast<long long>(p.improveSteps));
+  std::printf("  memory: max %lld tokens per worker, cap %lld\n",
+              static_cast<long long>(s.maxWorkerTokens), static_cast<long long>(s.memoryCapTokens));
+  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f)\n", t.totalMs, t.shardMs, t.assignMs);
+}
+
+void runPlan(const PlanArgs& a) {
+  requirePositive(a.workers, "--workers");
+  requirePositive(a.headsQ, "--heads-q");
+  requirePositive(a.headsKv, "--heads-kv");
+  requirePositive(a.headDim, "--head-dim");
+  plan::PlanConfig config;
+  config.numWorkers = a.workers;
+  config.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  config.memorySlack = a.memorySlack;
+  config.alpha = a.alpha;
+  config.beta = a.beta;
+  config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
+  checkAttentionConfig(config.attention);
+
+  Batch batch;
+  std::string source;
+  if (!a.trace.empty()) {
+    batch = readTrace(a.trace);
+    source = "trace " + a.trace;
+    const int64_t share = (batch.numTokens() + a.workers - 1) / a.workers;
+    config.tokensPerWorker =
+        a.tokensPerWorker.empty() ? share : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+  } else {
+    const Workload& workload = findWorkload(a.workload);
+    config.tokensPerWorker = parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker,
+                                             "--tokens-per-worker");
+    if (config.tokensPerWorker > kMaxBatchTokens / a.workers) {
+      throwInvalidArgument("--workers ", a.workers, " x --tokens-per-worker ", config.tokensPerWorker,
+                           " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
+    }
+    batch = sampleBatch(workload, a.workers * config.tokensPerWorker, a.seed);
+    source = "workload " + workload.name + " (seed " + std::to_string(a.seed) + ")";
+  }
+  config.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
+
+  CostModel costModel{config.attention};
+  plan::PlanTimings timings;
+  const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
+  plan::checkValid(p);
+  const plan::PlanStats s = plan::computeStats(p);
+  if (!a.planOut.empty()) writeFileAtomically(a.planOut, plan::planToJson(p));
+
+  if (!a.json) {
+    printSummary(p, s, timings, source);
+    return;
+  }
+  const nlohmann::json out = {
+      {"workers", config.numWorkers},
+      {"tokens_per_worker", config.tokensPerWorker},
+      {"block_size", config.blockSize},
+      {"mask", std::string(maskName(config.attention.mask))},
+      {"sequences", p.batch.numSequences()},
+      {"tokens", p.batch.numTokens()},
+      {"blocks", p.blocks.size()},
+      {"pairs", p.pairs.size()},
+      {"forward_flops", s.totalForwardFlops},
+      {"imbalance", {{"compute", s.computeImbalance}, {"memory", s.memoryImbalance}}},
+      {"lower_bound_gap", s.lowerBoundGap},
+      {"greedy_lower_bound_gap", p.greedyMaxCost / p.lowerBound - 1},
+      {"improve_steps", p.improveSteps},
+      {"max_worker_tokens", s.maxWorkerTokens},
+      {"memory_cap_tokens", s.memoryCapTokens},
+      {"plan_ms", timings.totalMs},
+      {"plan_ms_by_phase", {{"shard", timings.shardMs}, {"assign", timings.assignMs}}}};
+  std::cout << out.dump() << '\n';
+}
+
+}  // namespace
+
+void addPlanCommand(CLI::App& app) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* cmd = app.add_subcommand("plan", "Shard a batch into blocks and assign them to workers");
+  auto* workload = cmd->add_option("--workload", args->workload,
+                                   "Length distribution: lognormal, lognormal-narrow, bimodal")
+                       ->capture_default_str();
+  auto* trace = cmd->add_option("--trace", args->trace,
+                                "File of sequence lengths, one per line (# comments allowed)");
+  workload->excludes(trace);
+  cmd->add_option("--workers", args->workers, "Number of workers (ranks)")->capture_default_str();
+  cmd->add_option("--tokens-per-worker", args->tokensPerWorker,
+                  "Tokens per worker, e.g. 32K (default 32K; for a trace, its total / workers)");
+  cmd->add_option("--block-size", args->blockSize, "Tokens per block, e.g. 4K")->capture_default_str();
+  cmd->add_option("--memory-limit", args->memoryLimit,
+                  "Per-worker memory budget M in tokens (default: tokens per worker)");
+  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot delta of M")
+      ->capture_default_str();
+  cmd->add_option("--alpha", args->alpha, "Weight of memory in the distributor's score")
+      ->capture_default_str();
+  cmd->add_option("--beta", args->beta, "Weight of compute in the distributor's score")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the batch sampler")->capture_default_str();
+  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
+  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
+  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
+  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "Element type: bf16, fp16 or fp32")->capture_default_str();
+  cmd->add_flag("--json", args->json, "Print one JSON object instead of the summary");
+  cmd->add_option("--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
+  cmd->callback([args] { runPlan(*args); });
+}
+
+}  // namespace fcp::app

@@ -1,0 +1,44 @@
+#pragma once
+/// The attention problem FCP parallelises: head counts, head size, element size and mask.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace fcp {
+
+/// Which (query, key) entries of one sequence take part in attention.
+enum class MaskKind {
+  kCausal,  ///< token q sees keys 0..q of its own sequence
+  kFull,    ///< token q sees every key of its own sequence
+};
+
+/// "causal" / "full".
+std::string_view maskName(MaskKind mask);
+/// Parses "causal" or "full"; throws Error(kInvalidArgument) otherwise.
+MaskKind parseMask(std::string_view text);
+
+/// Shape of one attention layer. Defaults: Llama-3-70B attention (64 Q heads, 8 KV heads,
+/// head dim 128, bf16), causal.
+struct AttentionConfig {
+  int64_t numHeadsQ = 64;
+  int64_t numHeadsKv = 8;
+  int64_t headDim = 128;
+  int64_t elementBytes = 2;
+  MaskKind mask = MaskKind::kCausal;
+
+  /// Bytes one token occupies in Q (and in O, dQ, dO: same shape).
+  int64_t qBytesPerToken() const { return numHeadsQ * headDim * elementBytes; }
+  /// Bytes one token occupies in K (and in V, dK, dV: same shape).
+  int64_t kBytesPerToken() const { return numHeadsKv * headDim * elementBytes; }
+  /// Bytes of one token's K and V together: what a KV transfer moves per token.
+  int64_t kvBytesPerToken() const { return 2 * kBytesPerToken(); }
+  /// Bytes one token occupies in O.
+  int64_t oBytesPerToken() const { return qBytesPerToken(); }
+};
+
+/// Throws Error(kInvalidArgument) naming the bad field unless every count is positive and
+/// numHeadsQ is a multiple of numHeadsKv.
+void checkAttentionConfig(const AttentionConfig& config);
+
+}  // namespace fcp

@@ -1,0 +1,61 @@
+#pragma once
+/// Batches of sequence lengths: sampled from a named workload or read from a trace file.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fcp {
+
+/// The sequences of one training step, in order; packed they form one token stream.
+struct Batch {
+  std::vector<int64_t> sequenceLengths;
+
+  int64_t numSequences() const { return static_cast<int64_t>(sequenceLengths.size()); }
+  /// Sum of the lengths (checked against overflow when the batch was made).
+  int64_t numTokens() const;
+};
+
+/// Shortest and longest sequence a sampled workload produces (the paper clips to [1K, 512K]).
+inline constexpr int64_t kMinSampledLength = 1024;
+inline constexpr int64_t kMaxSampledLength = 512 * 1024;
+
+/// Largest sequence and batch FCP accepts: with these, every count of visible (query, key)
+/// entries, summed over a batch, stays below 2^62 in int64 arithmetic.
+inline constexpr int64_t kMaxSequenceLength = int64_t{1} << 30;
+inline constexpr int64_t kMaxBatchTokens = int64_t{1} << 32;
+
+/// One lognormal component: ln(length) ~ Normal(mu, sigma).
+struct LognormalComponent {
+  double mu = 0;
+  double sigma = 1;
+};
+
+/// A named length distribution: an equal-weight mixture of lognormal components, clipped to
+/// [kMinSampledLength, kMaxSampledLength].
+struct Workload {
+  std::string name;
+  std::vector<LognormalComponent> components;
+};
+
+/// The built-in workloads: "lognormal", "lognormal-narrow", "bimodal".
+const std::vector<Workload>& builtinWorkloads();
+/// Looks up a built-in workload; throws Error(kInvalidArgument) listing the known names.
+const Workload& findWorkload(std::string_view name);
+
+/// Draws lengths from `workload` (seeded, identical on every machine) until exactly
+/// `numTokens` tokens are filled; the last sequence is cut to fit, so it may be shorter
+/// than kMinSampledLength.
+Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed);
+
+/// Reads a trace: one positive sequence length per line; blank lines and text after '#' are
+/// ignored. Throws Error(kInvalidArgument) for a missing or unreadable file, a line that is
+/// not a positive integer (naming the line), an empty trace, or a total past int64.
+Batch readTrace(const std::string& path);
+
+/// Checks every length is in [1, kMaxSequenceLength] and the total at most kMaxBatchTokens;
+/// throws Error(kInvalidArgument) naming the bad entry.
+void checkBatch(const Batch& batch);
+
+}  // namespace fcp

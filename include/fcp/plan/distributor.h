@@ -1,0 +1,52 @@
+#pragma once
+/// The Block Distributor (§4.1, Appendix A, Algorithm 1): which worker owns each block.
+///
+/// Terms: block i has memory m_i (tokens) and compute c_i (cost); worker w has loads m_w, c_w;
+/// m̂ and ĉ are the per-worker averages; the memory cap is floor(M · (1 + δ)) tokens.
+/// Greedy: blocks in descending max(m_i / m̂, c_i / ĉ), each to the worker minimising
+/// max(α (m_w + m_i) / m̂, β (c_w + c_i) / ĉ) among those under the cap (ties: lowest id).
+/// Improvement: while the busiest worker is above LB · (1 + target), the best single move or
+/// swap off it that lowers the larger of the two workers' loads is applied. LB = max(largest
+/// c_i, Σ c_i / N) bounds every assignment's busiest worker from below.
+///
+/// Both phases search a segment tree over workers (min memory, min and max compute per
+/// subtree) with branch and bound, so a step costs O(log N) when loads are spread and never
+/// scans full workers one by one. The improvement pass is bounded by a step count, not by
+/// time, so every rank stops at the same plan.
+
+#include <cstdint>
+#include <vector>
+
+namespace fcp::plan {
+
+struct DistributorOptions {
+  int64_t numWorkers = 1;
+  /// M: the per-worker memory budget in tokens.
+  int64_t memoryLimitTokens = 0;
+  /// δ: tolerated overshoot of M.
+  double memorySlack = 0.1;
+  double alpha = 1.0;  ///< weight of memory in the greedy's score
+  double beta = 1.0;   ///< weight of compute in the greedy's score
+  /// Stop improving once the busiest worker is within this fraction above LB.
+  double improveTarget = 0.001;
+  /// At most this many improvement steps per block (a deterministic budget).
+  int64_t improveStepsPerBlock = 4;
+};
+
+struct Assignment {
+  std::vector<int32_t> owner;  ///< block -> worker
+  double lowerBound = 0;       ///< LB as defined above
+  double greedyMaxCost = 0;    ///< busiest worker after the greedy, before improvement
+  int64_t improveSteps = 0;    ///< improvement steps applied
+};
+
+/// The cap in tokens: floor(M · (1 + δ)).
+int64_t memoryCapTokens(const DistributorOptions& options);
+
+/// Assigns blocks with memories `tokens` and costs `costs` (same length) to workers.
+/// Throws Error(kInvalidArgument) when options are out of range, a block or the whole batch
+/// cannot fit under the cap, or the greedy meets a block no worker has room for (naming it).
+Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                        const DistributorOptions& options);
+
+}  // namespace fcp::plan

@@ -1,0 +1,94 @@
+#pragma once
+/// The `Plan`: plain data saying which tokens form each block, which worker owns each block,
+/// and what must be computed. Deterministic (same inputs, same plan on every rank), JSON
+/// serialisable, and checked by `validate`.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fcp/core/config.h"
+#include "fcp/core/cost_model.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/distributor.h"
+#include "fcp/plan/sharding.h"
+
+namespace fcp::plan {
+
+/// Everything the planner was asked for.
+struct PlanConfig {
+  int64_t numWorkers = 16;
+  /// Tokens each worker holds in the user layout; also the default memory budget M.
+  int64_t tokensPerWorker = 32 * 1024;
+  int64_t blockSize = 4 * 1024;
+  /// M in Algorithm 1; 0 means tokensPerWorker.
+  int64_t memoryLimitTokens = 0;
+  double memorySlack = 0.1;
+  double alpha = 1.0;
+  double beta = 1.0;
+  double improveTarget = 0.001;
+  int64_t improveStepsPerBlock = 4;
+  AttentionConfig attention;
+
+  int64_t memoryLimit() const { return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker; }
+  friend bool operator==(const PlanConfig&, const PlanConfig&) = default;
+};
+
+/// One worker's load in the FCP layout.
+struct WorkerLoad {
+  int64_t numTokens = 0;
+  double cost = 0;  ///< forward cost of the pairs whose Q block it owns
+  friend bool operator==(const WorkerLoad&, const WorkerLoad&) = default;
+};
+
+struct Plan {
+  PlanConfig config;
+  Batch batch;
+  std::vector<Block> blocks;
+  std::vector<BlockPair> pairs;  ///< sorted by (qBlock, kvBlock); computed by the Q block's owner
+  std::vector<int32_t> owner;    ///< block -> worker
+  std::vector<WorkerLoad> loads; ///< per worker, derived from blocks, pairs and owner
+  double lowerBound = 0;         ///< LB = max(largest block cost, total cost / workers)
+  double greedyMaxCost = 0;      ///< busiest worker's cost before the improvement pass
+  int64_t improveSteps = 0;
+
+  friend bool operator==(const Plan&, const Plan&) = default;
+};
+
+/// Wall-clock time of each planning phase, in milliseconds. Kept out of `Plan`, which must be
+/// identical on every rank.
+struct PlanTimings {
+  double shardMs = 0;
+  double assignMs = 0;
+  double totalMs = 0;
+};
+
+/// Shards `batch`, builds its pairs and assigns blocks to workers. Throws
+/// Error(kInvalidArgument) for bad configuration or a batch the memory limit cannot hold.
+Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+               PlanTimings* timings = nullptr);
+
+/// Per-worker loads recomputed from a plan's blocks, pairs and owners.
+std::vector<WorkerLoad> computeLoads(const Plan& plan);
+
+/// Summary numbers of a plan.
+struct PlanStats {
+  double computeImbalance = 0;  ///< (max - mean) / max of worker cost
+  double memoryImbalance = 0;   ///< (max - mean) / max of worker tokens
+  double lowerBoundGap = 0;     ///< max cost / LB - 1
+  int64_t maxWorkerTokens = 0;
+  int64_t memoryCapTokens = 0;
+  double totalForwardFlops = 0;
+};
+PlanStats computeStats(const Plan& plan);
+
+/// Every violated invariant, one sentence each; empty when the plan is valid. Checks: each
+/// token of each sequence in exactly one block, each block on one worker, memory cap held,
+/// loads consistent, and every (Q chunk, KV chunk) pair the mask needs computed exactly once
+/// (and no pair that needs nothing).
+std::vector<std::string> validate(const Plan& plan);
+
+/// Throws Error(kInvalidPlan) listing the first violations unless `validate` finds none.
+void checkValid(const Plan& plan);
+
+}  // namespace fcp::plan

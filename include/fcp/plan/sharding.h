@@ -1,0 +1,66 @@
+#pragma once
+/// Sharding (§4.1): every sequence cut into blocks of about `blockSize` tokens.
+///
+/// A sequence of length L >= blockSize becomes k = ceil(L / blockSize) blocks, so no block
+/// exceeds blockSize and none is padded. Under a causal mask it is cut into 2k chunks of
+/// near-equal size and block j holds chunks j and 2k-1-j (Zig-Zag), so every block of the
+/// sequence carries the same causal work (exactly when 2k divides L, to within one token's
+/// row otherwise). Under a full mask the k blocks are contiguous near-equal pieces. Sequences
+/// shorter than blockSize are packed whole into shared blocks by first-fit decreasing (varlen
+/// packing), which keeps the block count within 11/9 of the fewest possible.
+
+#include <cstdint>
+#include <vector>
+
+#include "fcp/core/config.h"
+#include "fcp/core/cost_model.h"
+#include "fcp/core/workload.h"
+
+namespace fcp::plan {
+
+/// A contiguous token range [begin, end) of one sequence; positions count from the sequence's
+/// first token.
+struct Chunk {
+  int32_t sequence = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+
+  int64_t numTokens() const { return end - begin; }
+  friend bool operator==(const Chunk&, const Chunk&) = default;
+};
+
+/// The unit of scheduling: one or more chunks, either a Zig-Zag pair or contiguous piece of one
+/// sequence, or several whole short sequences packed together.
+struct Block {
+  std::vector<Chunk> chunks;
+
+  int64_t numTokens() const;
+  friend bool operator==(const Block&, const Block&) = default;
+};
+
+/// One (Q block, KV block) whose attention must be computed: `visible` is the number of
+/// (query, key) entries the mask lets through between them, `cost` their forward cost under
+/// the cost model (FLOPs at peak, see CostModel).
+struct BlockPair {
+  int32_t qBlock = 0;
+  int32_t kvBlock = 0;
+  int64_t visible = 0;
+  double cost = 0;
+
+  friend bool operator==(const BlockPair&, const BlockPair&) = default;
+};
+
+/// Cuts `batch` into blocks as described above, in a deterministic order: sequences' own
+/// blocks in sequence order, then the packed blocks. Throws Error(kInvalidArgument) for a
+/// non-positive block size or a batch that fails checkBatch.
+std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask);
+
+/// Every pair of blocks that shares visible entries under `mask`, sorted by (qBlock, kvBlock).
+/// A pair's cost sums, per sequence, forwardCost(visible, tokens of that sequence in the Q
+/// block): kernels run per sequence, so a packed block of short sequences runs short kernels.
+std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostModel& costModel);
+
+/// Forward cost of each block as a Q block: the sum of its pairs' costs.
+std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& pairs);
+
+}  // namespace fcp::plan

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian packages FCP needs, and only those that are missing, so a second run
+# is a no-op. Works on a fresh Debian 12 machine as root (or with sudo available).
+set -euo pipefail
+
+packages=(
+  build-essential cmake git
+  libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libcli11-dev
+  libdnnl-dev
+  libopenmpi-dev openmpi-bin
+  python3 python3-numpy python3-torch python3-matplotlib
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then
+  sudo_cmd=(sudo)
+fi
+echo "install_deps: installing ${missing[*]}"
+"${sudo_cmd[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}"

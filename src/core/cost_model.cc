@@ -1,0 +1,84 @@
+#include "fcp/core/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "fcp/core/error.h"
+
+namespace fcp {
+
+int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin, int64_t kEnd) {
+  if (qEnd <= qBegin || kEnd <= kBegin) return 0;
+  const int64_t width = kEnd - kBegin;
+  if (mask == MaskKind::kFull) return (qEnd - qBegin) * width;
+  // Causal: query i sees keys j <= i, so it sees clamp(i + 1 - kBegin, 0, width) keys of the
+  // range. Queries in [kBegin, kEnd) see a growing prefix (an arithmetic series); queries at or
+  // past kEnd see all `width` keys; queries before kBegin see none.
+  int64_t total = 0;
+  const int64_t a = std::max(qBegin, kBegin);
+  const int64_t b = std::min(qEnd, kEnd);
+  if (a < b) {
+    // sum_{i=a}^{b-1} (i + 1 - kBegin) = n * (first + last) / 2; n + (first + last) is odd, so
+    // exactly one factor is even and the division is exact.
+    const int64_t n = b - a;
+    const int64_t ends = (a + 1 - kBegin) + (b - kBegin);
+    total += (n % 2 == 0) ? (n / 2) * ends : n * (ends / 2);
+  }
+  const int64_t fullFrom = std::max(qBegin, kEnd);
+  if (fullFrom < qEnd) total += (qEnd - fullFrom) * width;
+  return total;
+}
+
+double forwardFlops(const AttentionConfig& config, int64_t visible) {
+  return 4.0 * static_cast<double>(visible) * static_cast<double>(config.numHeadsQ * config.headDim);
+}
+
+double backwardFlops(const AttentionConfig& config, int64_t visible) {
+  return 2.5 * forwardFlops(config, visible);
+}
+
+EfficiencyCurve::EfficiencyCurve(std::vector<std::pair<int64_t, double>> points)
+    : points_(std::move(points)) {
+  if (points_.empty()) throwInvalidArgument("efficiency curve has no points: expected at least one");
+  for (size_t i = 0; i < points_.size(); ++i) {
+    const auto [tokens, fraction] = points_[i];
+    if (tokens <= 0) {
+      throwInvalidArgument("efficiency curve point ", i, " has ", tokens, " tokens: expected > 0");
+    }
+    if (!(fraction > 0 && fraction <= 1)) {
+      throwInvalidArgument("efficiency curve point ", i, " has efficiency ", fraction,
+                           ": expected a fraction of peak in (0, 1]");
+    }
+    if (i > 0 && tokens <= points_[i - 1].first) {
+      throwInvalidArgument("efficiency curve point ", i, " has ", tokens,
+                           " tokens: expected more than the previous point's ",
+                           points_[i - 1].first);
+    }
+  }
+}
+
+EfficiencyCurve EfficiencyCurve::paperDefault() {
+  return EfficiencyCurve({{128, 0.07},
+                          {256, 0.14},
+                          {512, 0.25},
+                          {1024, 0.40},
+                          {2048, 0.56},
+                          {4096, 0.68},
+                          {8192, 0.73},
+                          {16384, 0.75}});
+}
+
+double EfficiencyCurve::at(int64_t tokens) const {
+  if (tokens <= points_.front().first) return points_.front().second;
+  if (tokens >= points_.back().first) return points_.back().second;
+  const auto upper = std::upper_bound(points_.begin(), points_.end(), tokens,
+                                      [](int64_t t, const auto& p) { return t < p.first; });
+  const auto lower = upper - 1;
+  const double x = std::log2(static_cast<double>(tokens));
+  const double x0 = std::log2(static_cast<double>(lower->first));
+  const double x1 = std::log2(static_cast<double>(upper->first));
+  const double w = (x - x0) / (x1 - x0);
+  return lower->second + w * (upper->second - lower->second);
+}
+
+}  // namespace fcp

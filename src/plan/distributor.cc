@@ -1,0 +1,293 @@
+#include "fcp/plan/distributor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "fcp/core/error.h"
+
+namespace fcp::plan {
+namespace {
+
+constexpr int64_t kNoMemory = std::numeric_limits<int64_t>::max();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// Segment tree over workers holding, per subtree, the least memory, the least compute and
+/// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
+/// hold "no memory left" so every search skips them.
+class WorkerTree {
+ public:
+  explicit WorkerTree(int32_t numWorkers) : numWorkers_(numWorkers) {
+    while (leaves_ < numWorkers) leaves_ *= 2;
+    const auto nodes = static_cast<size_t>(2 * leaves_);
+    minMem_.assign(nodes, kNoMemory);
+    minCost_.assign(nodes, kInf);
+    maxCost_.assign(nodes, -kInf);
+    argMax_.assign(nodes, -1);
+    for (int32_t w = 0; w < numWorkers; ++w) set(w, 0, 0.0);
+  }
+
+  void set(int32_t worker, int64_t mem, double cost) {
+    auto node = static_cast<size_t>(leaves_ + worker);
+    minMem_[node] = mem;
+    minCost_[node] = cost;
+    maxCost_[node] = cost;
+    argMax_[node] = worker;
+    for (node /= 2; node >= 1; node /= 2) {
+      const size_t l = 2 * node, r = 2 * node + 1;
+      minMem_[node] = std::min(minMem_[l], minMem_[r]);
+      minCost_[node] = std::min(minCost_[l], minCost_[r]);
+      const bool right = maxCost_[r] > maxCost_[l];  // ties keep the left (lower id)
+      maxCost_[node] = right ? maxCost_[r] : maxCost_[l];
+      argMax_[node] = right ? argMax_[r] : argMax_[l];
+    }
+  }
+
+  int32_t busiest() const { return argMax_[1]; }
+
+  /// The worker minimising score(mem, cost) among those with mem <= memLimit other than
+  /// `exclude`; ties go to the lowest id; -1 if none. `score` must be nondecreasing in both
+  /// arguments, so score(subtree minima) bounds every leaf below.
+  template <typename Score>
+  int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
+    Search<Score> s{*this, memLimit, exclude, score};
+    s.visit(1, 0, leaves_);
+    return s.bestWorker;
+  }
+
+ private:
+  template <typename Score>
+  struct Search {
+    const WorkerTree& tree;
+    int64_t memLimit;
+    int32_t exclude;
+    const Score& score;
+    double best = kInf;
+    int32_t bestWorker = -1;
+
+    double bound(size_t node) const { return score(tree.minMem_[node], tree.minCost_[node]); }
+
+    bool prune(size_t node, int32_t firstWorker, double b) const {
+      if (tree.minMem_[node] > memLimit) return true;
+      if (bestWorker < 0) return false;
+      return b > best || (b == best && firstWorker > bestWorker);
+    }
+
+    // `first` is the lowest worker id under `node`; `span` the number of leaves under it.
+    void visit(size_t node, int32_t first, int32_t span) {
+      const double b = bound(node);
+      if (prune(node, first, b)) return;
+      if (span == 1) {
+        if (first != exclude && first < tree.numWorkers_) {
+          best = b;
+          bestWorker = first;
+        }
+        return;
+      }
+      const int32_t half = span / 2;
+      const size_t l = 2 * node, r = 2 * node + 1;
+      if (bound(r) < bound(l)) {
+        visit(r, first + half, half);
+        visit(l, first, half);
+      } else {
+        visit(l, first, half);
+        visit(r, first + half, half);
+      }
+    }
+  };
+
+  int32_t numWorkers_;
+  int32_t leaves_ = 1;
+  std::vector<int64_t> minMem_;
+  std::vector<double> minCost_;
+  std::vector<double> maxCost_;
+  std::vector<int32_t> argMax_;
+};
+
+void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts) {
+  FCP_CHECK_EQ(numBlocks, numCosts);
+  if (o.numWorkers <= 0 || o.numWorkers > (int64_t{1} << 24)) {
+    throwInvalidArgument("invalid worker count ", o.numWorkers, ": expected 1 to ", 1 << 24);
+  }
+  if (o.memoryLimitTokens <= 0) {
+    throwInvalidArgument("invalid memory limit ", o.memoryLimitTokens, " tokens: expected > 0");
+  }
+  if (!(o.memorySlack >= 0 && o.memorySlack <= 100)) {
+    throwInvalidArgument("invalid memory slack ", o.memorySlack, ": expected 0 to 100");
+  }
+  if (!(o.alpha >= 0 && o.beta >= 0 && o.alpha + o.beta > 0 && std::isfinite(o.alpha + o.beta))) {
+    throwInvalidArgument("invalid weights alpha ", o.alpha, ", beta ", o.beta,
+                         ": expected finite, non-negative, not both zero");
+  }
+  if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
+    throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
+  }
+  if (o.improveStepsPerBlock < 0) {
+    throwInvalidArgument("invalid improvement budget ", o.improveStepsPerBlock,
+                         " steps per block: expected >= 0");
+  }
+}
+
+/// Per-worker state shared by both phases.
+struct Loads {
+  std::vector<int64_t> mem;
+  std::vector<double> cost;
+  std::vector<std::vector<int32_t>> blocks;
+  WorkerTree tree;
+
+  explicit Loads(int32_t n)
+      : mem(static_cast<size_t>(n), 0), cost(static_cast<size_t>(n), 0.0),
+        blocks(static_cast<size_t>(n)), tree(n) {}
+
+  void add(int32_t w, int32_t block, int64_t m, double c) {
+    mem[static_cast<size_t>(w)] += m;
+    cost[static_cast<size_t>(w)] += c;
+    blocks[static_cast<size_t>(w)].push_back(block);
+    tree.set(w, mem[static_cast<size_t>(w)], cost[static_cast<size_t>(w)]);
+  }
+
+  void remove(int32_t w, int32_t block, int64_t m, double c) {
+    auto& list = blocks[static_cast<size_t>(w)];
+    list.erase(std::find(list.begin(), list.end(), block));
+    mem[static_cast<size_t>(w)] -= m;
+    cost[static_cast<size_t>(w)] -= c;
+    tree.set(w, mem[static_cast<size_t>(w)], cost[static_cast<size_t>(w)]);
+  }
+};
+
+/// One candidate change off the busiest worker: move `block` to `to`, or swap it with `other`.
+struct Change {
+  double newMax = kInf;
+  int32_t block = -1;
+  int32_t to = -1;
+  int32_t other = -1;  ///< -1 for a move
+};
+
+Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
+                  const std::vector<double>& costs, int64_t cap) {
+  const auto w = static_cast<size_t>(busiest);
+  const double cw = loads.cost[w];
+  Change best;
+  const auto byCost = [](int64_t, double c) { return c; };
+  for (int32_t i : loads.blocks[w]) {
+    const int64_t mi = tokens[static_cast<size_t>(i)];
+    const double ci = costs[static_cast<size_t>(i)];
+    // Move: the least-loaded worker with room for the block.
+    const int32_t v = loads.tree.argMin(cap - mi, busiest, byCost);
+    if (v >= 0) {
+      const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
+      if (newMax < best.newMax) best = {newMax, i, v, -1};
+    }
+    // Swap: with a lighter block on the least-loaded worker overall.
+    const int32_t u = loads.tree.argMin(kNoMemory - 1, busiest, byCost);
+    if (u < 0) continue;
+    const auto us = static_cast<size_t>(u);
+    for (int32_t j : loads.blocks[us]) {
+      const int64_t mj = tokens[static_cast<size_t>(j)];
+      const double cj = costs[static_cast<size_t>(j)];
+      if (cj >= ci) continue;
+      if (loads.mem[w] - mi + mj > cap || loads.mem[us] - mj + mi > cap) continue;
+      const double newMax = std::max(cw - ci + cj, loads.cost[us] - cj + ci);
+      if (newMax < best.newMax) best = {newMax, i, u, j};
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+int64_t memoryCapTokens(const DistributorOptions& options) {
+  const double extra = std::floor(static_cast<double>(options.memoryLimitTokens) * options.memorySlack);
+  return options.memoryLimitTokens + static_cast<int64_t>(extra);
+}
+
+Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                        const DistributorOptions& options) {
+  checkOptions(options, tokens.size(), costs.size());
+  const auto n = static_cast<int32_t>(options.numWorkers);
+  const int64_t cap = memoryCapTokens(options);
+  const auto numBlocks = static_cast<int32_t>(tokens.size());
+
+  int64_t totalTokens = 0;
+  double totalCost = 0;
+  double maxBlockCost = 0;
+  for (int32_t i = 0; i < numBlocks; ++i) {
+    const int64_t m = tokens[static_cast<size_t>(i)];
+    if (m > cap) {
+      throwInvalidArgument("block ", i, " has ", m, " tokens: more than the memory cap of ", cap,
+                           " tokens per worker (M(1+delta)); raise --tokens-per-worker or lower "
+                           "--block-size");
+    }
+    totalTokens += m;
+    totalCost += costs[static_cast<size_t>(i)];
+    maxBlockCost = std::max(maxBlockCost, costs[static_cast<size_t>(i)]);
+  }
+  if (totalTokens > cap * static_cast<int64_t>(n)) {
+    throwInvalidArgument("memory limit cannot hold the batch: ", totalTokens, " tokens > ", n,
+                         " workers x ", cap, " tokens (M(1+delta)); raise --tokens-per-worker, "
+                         "--memory-slack or --workers");
+  }
+
+  Assignment result;
+  result.owner.assign(static_cast<size_t>(numBlocks), -1);
+  result.lowerBound = std::max(maxBlockCost, totalCost / n);
+  if (numBlocks == 0) return result;
+
+  const double mHat = static_cast<double>(totalTokens) / n;
+  const double cHat = totalCost > 0 ? totalCost / n : 1.0;
+  std::vector<int32_t> order(static_cast<size_t>(numBlocks));
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<double> key(static_cast<size_t>(numBlocks));
+  for (int32_t i = 0; i < numBlocks; ++i) {
+    key[static_cast<size_t>(i)] = std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
+                                           costs[static_cast<size_t>(i)] / cHat);
+  }
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const double ka = key[static_cast<size_t>(a)], kb = key[static_cast<size_t>(b)];
+    return ka != kb ? ka > kb : a < b;
+  });
+
+  Loads loads(n);
+  for (int32_t i : order) {
+    const int64_t mi = tokens[static_cast<size_t>(i)];
+    const double ci = costs[static_cast<size_t>(i)];
+    const double a = options.alpha / mHat, b = options.beta / cHat;
+    const auto score = [&](int64_t m, double c) {
+      return std::max(a * static_cast<double>(m + mi), b * (c + ci));
+    };
+    const int32_t w = loads.tree.argMin(cap - mi, -1, score);
+    if (w < 0) {
+      throwInvalidArgument("no worker has room for block ", i, " (", mi, " tokens) under the "
+                           "memory cap of ", cap, " tokens: raise --memory-slack or "
+                           "--tokens-per-worker");
+    }
+    result.owner[static_cast<size_t>(i)] = w;
+    loads.add(w, i, mi, ci);
+  }
+  result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
+
+  const double target = result.lowerBound * (1.0 + options.improveTarget);
+  const int64_t budget = options.improveStepsPerBlock * numBlocks;
+  while (result.improveSteps < budget) {
+    const int32_t busiest = loads.tree.busiest();
+    const double cw = loads.cost[static_cast<size_t>(busiest)];
+    if (cw <= target) break;
+    const Change c = bestChange(loads, busiest, tokens, costs, cap);
+    if (c.block < 0 || !(c.newMax < cw)) break;
+    const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
+    const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
+    loads.remove(busiest, c.block, mOf(c.block), cOf(c.block));
+    if (c.other >= 0) {
+      loads.remove(c.to, c.other, mOf(c.other), cOf(c.other));
+      loads.add(busiest, c.other, mOf(c.other), cOf(c.other));
+      result.owner[static_cast<size_t>(c.other)] = busiest;
+    }
+    loads.add(c.to, c.block, mOf(c.block), cOf(c.block));
+    result.owner[static_cast<size_t>(c.block)] = c.to;
+    ++result.improveSteps;
+  }
+  return result;
+}
+
+}  // namespace fcp::plan

@@ -1,0 +1,130 @@
+#include "fcp/plan/json.h"
+
+#include <nlohmann/json.hpp>
+
+#include "fcp/core/error.h"
+
+namespace fcp::plan {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kFormatVersion = 1;
+
+json configToJson(const PlanConfig& c) {
+  return {{"workers", c.numWorkers},
+          {"tokens_per_worker", c.tokensPerWorker},
+          {"block_size", c.blockSize},
+          {"memory_limit_tokens", c.memoryLimitTokens},
+          {"memory_slack", c.memorySlack},
+          {"alpha", c.alpha},
+          {"beta", c.beta},
+          {"improve_target", c.improveTarget},
+          {"improve_steps_per_block", c.improveStepsPerBlock},
+          {"heads_q", c.attention.numHeadsQ},
+          {"heads_kv", c.attention.numHeadsKv},
+          {"head_dim", c.attention.headDim},
+          {"element_bytes", c.attention.elementBytes},
+          {"mask", std::string(maskName(c.attention.mask))}};
+}
+
+/// Reads field `key` of `object` as T, naming it in the error when missing or mistyped.
+template <typename T>
+T field(const json& object, const char* key) {
+  const auto it = object.find(key);
+  if (it == object.end()) throwInvalidArgument("plan JSON: missing field '", key, "'");
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    throwInvalidArgument("plan JSON: field '", key, "' has the wrong type (", it->type_name(), ")");
+  }
+}
+
+PlanConfig configFromJson(const json& j) {
+  PlanConfig c;
+  c.numWorkers = field<int64_t>(j, "workers");
+  c.tokensPerWorker = field<int64_t>(j, "tokens_per_worker");
+  c.blockSize = field<int64_t>(j, "block_size");
+  c.memoryLimitTokens = field<int64_t>(j, "memory_limit_tokens");
+  c.memorySlack = field<double>(j, "memory_slack");
+  c.alpha = field<double>(j, "alpha");
+  c.beta = field<double>(j, "beta");
+  c.improveTarget = field<double>(j, "improve_target");
+  c.improveStepsPerBlock = field<int64_t>(j, "improve_steps_per_block");
+  c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
+  c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
+  c.attention.headDim = field<int64_t>(j, "head_dim");
+  c.attention.elementBytes = field<int64_t>(j, "element_bytes");
+  c.attention.mask = parseMask(field<std::string>(j, "mask"));
+  return c;
+}
+
+}  // namespace
+
+std::string planToJson(const Plan& plan) {
+  json blocks = json::array();
+  for (const Block& b : plan.blocks) {
+    json chunks = json::array();
+    for (const Chunk& c : b.chunks) chunks.push_back({c.sequence, c.begin, c.end});
+    blocks.push_back(std::move(chunks));
+  }
+  json pairs = json::array();
+  for (const BlockPair& p : plan.pairs) pairs.push_back({p.qBlock, p.kvBlock, p.visible, p.cost});
+  json loads = json::array();
+  for (const WorkerLoad& l : plan.loads) loads.push_back({l.numTokens, l.cost});
+  const json doc = {{"format", "fcp-plan"},
+                    {"version", kFormatVersion},
+                    {"config", configToJson(plan.config)},
+                    {"batch", plan.batch.sequenceLengths},
+                    {"blocks", std::move(blocks)},
+                    {"owner", plan.owner},
+                    {"pairs", std::move(pairs)},
+                    {"loads", std::move(loads)},
+                    {"lower_bound", plan.lowerBound},
+                    {"greedy_max_cost", plan.greedyMaxCost},
+                    {"improve_steps", plan.improveSteps}};
+  return doc.dump();
+}
+
+Plan planFromJson(std::string_view text) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throwInvalidArgument("plan JSON does not parse: ", e.what());
+  }
+  if (!doc.is_object() || doc.value("format", "") != "fcp-plan") {
+    throwInvalidArgument("not an FCP plan: expected a JSON object with \"format\": \"fcp-plan\"");
+  }
+  if (field<int>(doc, "version") != kFormatVersion) {
+    throwInvalidArgument("plan JSON version ", doc["version"].dump(), ": expected ", kFormatVersion);
+  }
+  Plan plan;
+  try {
+    plan.config = configFromJson(field<json>(doc, "config"));
+    plan.batch.sequenceLengths = field<std::vector<int64_t>>(doc, "batch");
+    for (const json& b : field<json>(doc, "blocks")) {
+      Block block;
+      for (const json& c : b) {
+        block.chunks.push_back({c.at(0).get<int32_t>(), c.at(1).get<int64_t>(), c.at(2).get<int64_t>()});
+      }
+      plan.blocks.push_back(std::move(block));
+    }
+    plan.owner = field<std::vector<int32_t>>(doc, "owner");
+    for (const json& p : field<json>(doc, "pairs")) {
+      plan.pairs.push_back({p.at(0).get<int32_t>(), p.at(1).get<int32_t>(), p.at(2).get<int64_t>(),
+                            p.at(3).get<double>()});
+    }
+    for (const json& l : field<json>(doc, "loads")) {
+      plan.loads.push_back({l.at(0).get<int64_t>(), l.at(1).get<double>()});
+    }
+  } catch (const json::exception& e) {
+    throwInvalidArgument("plan JSON has a malformed block, pair or load entry: ", e.what());
+  }
+  plan.lowerBound = field<double>(doc, "lower_bound");
+  plan.greedyMaxCost = field<double>(doc, "greedy_max_cost");
+  plan.improveSteps = field<int64_t>(doc, "improve_steps");
+  return plan;
+}
+
+}  // namespace fcp::plan

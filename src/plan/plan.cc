@@ -1,0 +1,296 @@
+#include "fcp/plan/plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <sstream>
+#include <tuple>
+
+#include "fcp/core/error.h"
+
+namespace fcp::plan {
+namespace {
+
+double msSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+DistributorOptions distributorOptions(const PlanConfig& config) {
+  DistributorOptions o;
+  o.numWorkers = config.numWorkers;
+  o.memoryLimitTokens = config.memoryLimit();
+  o.memorySlack = config.memorySlack;
+  o.alpha = config.alpha;
+  o.beta = config.beta;
+  o.improveTarget = config.improveTarget;
+  o.improveStepsPerBlock = config.improveStepsPerBlock;
+  return o;
+}
+
+/// Collects violations, keeping the first kMaxReported sentences and counting the rest.
+class Violations {
+ public:
+  template <typename... Parts>
+  void add(const Parts&... parts) {
+    ++count_;
+    if (messages_.size() >= kMaxReported) return;
+    std::ostringstream os;
+    (os << ... << parts);
+    messages_.push_back(os.str());
+  }
+  std::vector<std::string> take() {
+    if (count_ > messages_.size()) {
+      messages_.push_back("... and " + std::to_string(count_ - messages_.size()) + " more");
+    }
+    return std::move(messages_);
+  }
+  bool empty() const { return count_ == 0; }
+
+ private:
+  static constexpr size_t kMaxReported = 50;
+  std::vector<std::string> messages_;
+  size_t count_ = 0;
+};
+
+void checkTokenCoverage(const Plan& plan, Violations& v) {
+  const auto numSequences = plan.batch.sequenceLengths.size();
+  std::vector<std::vector<Chunk>> bySequence(numSequences);
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    if (plan.blocks[b].chunks.empty()) v.add("block ", b, " holds no tokens");
+    for (const Chunk& c : plan.blocks[b].chunks) {
+      if (c.sequence < 0 || static_cast<size_t>(c.sequence) >= numSequences) {
+        v.add("block ", b, " names sequence ", c.sequence, " but the batch has ", numSequences);
+      } else if (c.begin < 0 || c.end <= c.begin ||
+                 c.end > plan.batch.sequenceLengths[static_cast<size_t>(c.sequence)]) {
+        v.add("block ", b, " holds tokens [", c.begin, ", ", c.end, ") of sequence ", c.sequence,
+              " of length ", plan.batch.sequenceLengths[static_cast<size_t>(c.sequence)]);
+      } else {
+        bySequence[static_cast<size_t>(c.sequence)].push_back(c);
+      }
+    }
+  }
+  for (size_t s = 0; s < numSequences; ++s) {
+    auto& chunks = bySequence[s];
+    std::sort(chunks.begin(), chunks.end(),
+              [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
+    int64_t next = 0;
+    for (const Chunk& c : chunks) {
+      if (c.begin > next) v.add("sequence ", s, ": tokens [", next, ", ", c.begin, ") are in no block");
+      if (c.begin < next) v.add("sequence ", s, ": tokens from ", c.begin, " are in two blocks");
+      next = std::max(next, c.end);
+    }
+    const int64_t len = plan.batch.sequenceLengths[s];
+    if (next < len) v.add("sequence ", s, ": tokens [", next, ", ", len, ") are in no block");
+  }
+}
+
+void checkOwnersAndLoads(const Plan& plan, Violations& v) {
+  const int64_t n = plan.config.numWorkers;
+  if (plan.owner.size() != plan.blocks.size()) {
+    v.add("owner has ", plan.owner.size(), " entries for ", plan.blocks.size(), " blocks");
+    return;
+  }
+  for (size_t b = 0; b < plan.owner.size(); ++b) {
+    if (plan.owner[b] < 0 || plan.owner[b] >= n) {
+      v.add("block ", b, " is owned by worker ", plan.owner[b], ", not one of 0..", n - 1);
+    }
+  }
+  const auto numBlocks = static_cast<int32_t>(plan.blocks.size());
+  for (const BlockPair& p : plan.pairs) {
+    if (p.qBlock < 0 || p.qBlock >= numBlocks) return;  // checkPairs reports it
+  }
+  if (!v.empty()) return;
+  const std::vector<WorkerLoad> loads = computeLoads(plan);
+  const int64_t cap = memoryCapTokens(distributorOptions(plan.config));
+  for (size_t w = 0; w < loads.size(); ++w) {
+    if (loads[w].numTokens > cap) {
+      v.add("worker ", w, " holds ", loads[w].numTokens, " tokens, over the memory cap of ", cap);
+    }
+  }
+  if (plan.loads.size() != loads.size()) {
+    v.add("loads has ", plan.loads.size(), " entries for ", n, " workers");
+    return;
+  }
+  for (size_t w = 0; w < loads.size(); ++w) {
+    const double tolerance = 1e-9 * std::max(1.0, std::abs(loads[w].cost));
+    if (plan.loads[w].numTokens != loads[w].numTokens ||
+        std::abs(plan.loads[w].cost - loads[w].cost) > tolerance) {
+      v.add("worker ", w, " load says ", plan.loads[w].numTokens, " tokens / cost ",
+            plan.loads[w].cost, " but its blocks give ", loads[w].numTokens, " / ", loads[w].cost);
+    }
+  }
+}
+
+/// Every (Q chunk, KV chunk) of one sequence with visible entries must lie in exactly one pair.
+void checkPairs(const Plan& plan, Violations& v) {
+  const MaskKind mask = plan.config.attention.mask;
+  const auto numBlocks = static_cast<int32_t>(plan.blocks.size());
+  std::vector<int64_t> firstChunk(plan.blocks.size() + 1, 0);  // global chunk id of a block's first
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    firstChunk[b + 1] = firstChunk[b] + static_cast<int64_t>(plan.blocks[b].chunks.size());
+  }
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+    const BlockPair& pair = plan.pairs[p];
+    if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 || pair.kvBlock >= numBlocks) {
+      v.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..", numBlocks - 1);
+      continue;
+    }
+    if (p > 0 && std::tie(plan.pairs[p - 1].qBlock, plan.pairs[p - 1].kvBlock) >=
+                     std::tie(pair.qBlock, pair.kvBlock)) {
+      v.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ")");
+    }
+    const auto& qChunks = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks;
+    const auto& kChunks = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks;
+    int64_t visible = 0;
+    for (size_t i = 0; i < qChunks.size(); ++i) {
+      for (size_t j = 0; j < kChunks.size(); ++j) {
+        if (qChunks[i].sequence != kChunks[j].sequence) continue;
+        const int64_t e = visibleEntries(mask, qChunks[i].begin, qChunks[i].end, kChunks[j].begin,
+                                         kChunks[j].end);
+        if (e == 0) continue;
+        visible += e;
+        covered.push_back({firstChunk[static_cast<size_t>(pair.qBlock)] + static_cast<int64_t>(i),
+                           firstChunk[static_cast<size_t>(pair.kvBlock)] + static_cast<int64_t>(j)});
+      }
+    }
+    if (visible == 0) v.add("pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ") needs no computation");
+    if (visible != pair.visible) {
+      v.add("pair ", p, " says ", pair.visible, " visible entries but its chunks give ", visible);
+    }
+  }
+  std::sort(covered.begin(), covered.end());
+  for (size_t i = 1; i < covered.size(); ++i) {
+    if (covered[i] == covered[i - 1]) {
+      v.add("chunk pair (", covered[i].first, ", ", covered[i].second, ") is computed twice");
+    }
+  }
+  // What the mask needs: all same-sequence chunk pairs with visible entries.
+  std::vector<std::vector<int64_t>> chunksOf(plan.batch.sequenceLengths.size());
+  std::vector<const Chunk*> chunkById;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    for (const Chunk& c : plan.blocks[b].chunks) {
+      if (c.sequence >= 0 && static_cast<size_t>(c.sequence) < chunksOf.size()) {
+        chunksOf[static_cast<size_t>(c.sequence)].push_back(static_cast<int64_t>(chunkById.size()));
+      }
+      chunkById.push_back(&c);
+    }
+  }
+  for (const auto& ids : chunksOf) {
+    for (int64_t q : ids) {
+      for (int64_t k : ids) {
+        const Chunk& qc = *chunkById[static_cast<size_t>(q)];
+        const Chunk& kc = *chunkById[static_cast<size_t>(k)];
+        if (visibleEntries(mask, qc.begin, qc.end, kc.begin, kc.end) == 0) continue;
+        if (!std::binary_search(covered.begin(), covered.end(), std::make_pair(q, k))) {
+          v.add("sequence ", qc.sequence, ": Q tokens [", qc.begin, ", ", qc.end, ") x KV tokens [",
+                kc.begin, ", ", kc.end, ") are never computed");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+               PlanTimings* timings) {
+  const auto start = std::chrono::steady_clock::now();
+  checkAttentionConfig(config.attention);
+  if (config.numWorkers <= 0) {
+    throwInvalidArgument("invalid worker count ", config.numWorkers, ": expected > 0");
+  }
+  if (config.tokensPerWorker <= 0) {
+    throwInvalidArgument("invalid tokens per worker ", config.tokensPerWorker, ": expected > 0");
+  }
+  if (config.attention.mask != costModel.attention.mask) {
+    throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
+  }
+  Plan plan;
+  plan.config = config;
+  plan.batch = batch;
+  plan.blocks = shardBatch(batch, config.blockSize, config.attention.mask);
+  plan.pairs = blockPairs(plan.blocks, costModel);
+  const double shardMs = msSince(start);
+
+  const auto assignStart = std::chrono::steady_clock::now();
+  std::vector<int64_t> tokens;
+  tokens.reserve(plan.blocks.size());
+  for (const Block& b : plan.blocks) tokens.push_back(b.numTokens());
+  const std::vector<double> costs =
+      blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
+  Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
+  plan.owner = std::move(a.owner);
+  plan.lowerBound = a.lowerBound;
+  plan.greedyMaxCost = a.greedyMaxCost;
+  plan.improveSteps = a.improveSteps;
+  plan.loads = computeLoads(plan);
+  if (timings) {
+    timings->shardMs = shardMs;
+    timings->assignMs = msSince(assignStart);
+    timings->totalMs = msSince(start);
+  }
+  return plan;
+}
+
+std::vector<WorkerLoad> computeLoads(const Plan& plan) {
+  std::vector<WorkerLoad> loads(static_cast<size_t>(plan.config.numWorkers));
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    loads[static_cast<size_t>(plan.owner[b])].numTokens += plan.blocks[b].numTokens();
+  }
+  for (const BlockPair& p : plan.pairs) {
+    loads[static_cast<size_t>(plan.owner[static_cast<size_t>(p.qBlock)])].cost += p.cost;
+  }
+  return loads;
+}
+
+PlanStats computeStats(const Plan& plan) {
+  PlanStats s;
+  const auto n = static_cast<double>(plan.config.numWorkers);
+  double maxCost = 0, sumCost = 0;
+  int64_t maxTokens = 0, sumTokens = 0;
+  for (const WorkerLoad& l : plan.loads) {
+    maxCost = std::max(maxCost, l.cost);
+    sumCost += l.cost;
+    maxTokens = std::max(maxTokens, l.numTokens);
+    sumTokens += l.numTokens;
+  }
+  s.computeImbalance = maxCost > 0 ? (maxCost - sumCost / n) / maxCost : 0;
+  s.memoryImbalance =
+      maxTokens > 0 ? (static_cast<double>(maxTokens) - static_cast<double>(sumTokens) / n) /
+                          static_cast<double>(maxTokens)
+                    : 0;
+  s.lowerBoundGap = plan.lowerBound > 0 ? maxCost / plan.lowerBound - 1 : 0;
+  s.maxWorkerTokens = maxTokens;
+  s.memoryCapTokens = memoryCapTokens(distributorOptions(plan.config));
+  for (const BlockPair& p : plan.pairs) s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
+  return s;
+}
+
+std::vector<std::string> validate(const Plan& plan) {
+  Violations v;
+  if (plan.config.numWorkers <= 0) {
+    v.add("plan has ", plan.config.numWorkers, " workers: expected > 0");
+    return v.take();
+  }
+  for (size_t s = 0; s < plan.batch.sequenceLengths.size(); ++s) {
+    if (plan.batch.sequenceLengths[s] <= 0) {
+      v.add("sequence ", s, " has length ", plan.batch.sequenceLengths[s], ": expected > 0");
+    }
+  }
+  if (!v.empty()) return v.take();
+  checkTokenCoverage(plan, v);
+  checkOwnersAndLoads(plan, v);
+  checkPairs(plan, v);
+  return v.take();
+}
+
+void checkValid(const Plan& plan) {
+  const std::vector<std::string> violations = validate(plan);
+  if (violations.empty()) return;
+  std::string message = "plan breaks " + std::to_string(violations.size()) + " invariant(s): ";
+  for (size_t i = 0; i < violations.size() && i < 3; ++i) message += (i ? "; " : "") + violations[i];
+  throw Error(ErrorCode::kInvalidPlan, message);
+}
+
+}  // namespace fcp::plan
