@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <queue>
 
 #include "fcp/core/error.h"
 
@@ -12,6 +13,8 @@ namespace {
 
 constexpr int64_t kNoMemory = std::numeric_limits<int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
+/// How many of the least-loaded workers the improvement pass tries swaps with.
+constexpr int32_t kSwapCandidates = 8;
 
 /// Segment tree over workers holding, per subtree, the least memory, the least compute and
 /// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
@@ -46,8 +49,30 @@ class WorkerTree {
 
   int32_t busiest() const { return argMax_[1]; }
 
+  /// Up to `k` workers other than `exclude` in ascending compute (ties by id), found best
+  /// first in O(k log N).
+  std::vector<int32_t> leastLoaded(int32_t k, int32_t exclude) const {
+    using Entry = std::pair<double, size_t>;  // (subtree min cost, node)
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<>> frontier;
+    frontier.push({minCost_[1], 1});
+    std::vector<int32_t> out;
+    while (!frontier.empty() && static_cast<int32_t>(out.size()) < k) {
+      const auto [cost, node] = frontier.top();
+      frontier.pop();
+      if (cost == kInf) break;
+      if (node >= static_cast<size_t>(leaves_)) {
+        const auto worker = static_cast<int32_t>(node - static_cast<size_t>(leaves_));
+        if (worker != exclude) out.push_back(worker);
+        continue;
+      }
+      frontier.push({minCost_[2 * node], 2 * node});
+      frontier.push({minCost_[2 * node + 1], 2 * node + 1});
+    }
+    return out;
+  }
+
   /// The worker minimising score(mem, cost) among those with mem <= memLimit other than
-  /// `exclude`; ties go to the lowest id; -1 if none. `score` must be nondecreasing in both
+  /// `exclude`; among ties, the first one a fixed traversal order meets; -1 if none. `score` must be nondecreasing in both
   /// arguments, so score(subtree minima) bounds every leaf below.
   template <typename Score>
   int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
@@ -68,16 +93,16 @@ class WorkerTree {
 
     double bound(size_t node) const { return score(tree.minMem_[node], tree.minCost_[node]); }
 
-    bool prune(size_t node, int32_t firstWorker, double b) const {
-      if (tree.minMem_[node] > memLimit) return true;
-      if (bestWorker < 0) return false;
-      return b > best || (b == best && firstWorker > bestWorker);
+    // Ties are pruned too: the first worker the (deterministic) traversal reaches with the
+    // best score wins. Exploring ties for the lowest id costs O(N) when many workers tie.
+    bool prune(size_t node, double b) const {
+      return tree.minMem_[node] > memLimit || (bestWorker >= 0 && b >= best);
     }
 
     // `first` is the lowest worker id under `node`; `span` the number of leaves under it.
     void visit(size_t node, int32_t first, int32_t span) {
       const double b = bound(node);
-      if (prune(node, first, b)) return;
+      if (prune(node, b)) return;
       if (span == 1) {
         if (first != exclude && first < tree.numWorkers_) {
           best = b;
@@ -170,6 +195,7 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   const double cw = loads.cost[w];
   Change best;
   const auto byCost = [](int64_t, double c) { return c; };
+  const std::vector<int32_t> candidates = loads.tree.leastLoaded(kSwapCandidates, busiest);
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
@@ -179,17 +205,18 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
       const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
       if (newMax < best.newMax) best = {newMax, i, v, -1};
     }
-    // Swap: with a lighter block on the least-loaded worker overall.
-    const int32_t u = loads.tree.argMin(kNoMemory - 1, busiest, byCost);
-    if (u < 0) continue;
-    const auto us = static_cast<size_t>(u);
-    for (int32_t j : loads.blocks[us]) {
-      const int64_t mj = tokens[static_cast<size_t>(j)];
-      const double cj = costs[static_cast<size_t>(j)];
-      if (cj >= ci) continue;
-      if (loads.mem[w] - mi + mj > cap || loads.mem[us] - mj + mi > cap) continue;
-      const double newMax = std::max(cw - ci + cj, loads.cost[us] - cj + ci);
-      if (newMax < best.newMax) best = {newMax, i, u, j};
+    // Swap: with a lighter block on one of the least-loaded workers (memory is usually near
+    // the cap by now, so a swap of like-sized blocks is often the only way down).
+    for (int32_t u : candidates) {
+      const auto us = static_cast<size_t>(u);
+      for (int32_t j : loads.blocks[us]) {
+        const int64_t mj = tokens[static_cast<size_t>(j)];
+        const double cj = costs[static_cast<size_t>(j)];
+        if (cj >= ci) continue;
+        if (loads.mem[w] - mi + mj > cap || loads.mem[us] - mj + mi > cap) continue;
+        const double newMax = std::max(cw - ci + cj, loads.cost[us] - cj + ci);
+        if (newMax < best.newMax) best = {newMax, i, u, j};
+      }
     }
   }
   return best;

@@ -139,6 +139,9 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
         qTokens += pieces[qj].second.numTokens();
         ++qj;
       }
+      // Kernels over this Q block's tokens of the sequence run at f(qTokens).
+      const double fwdCostPerVisible =
+          forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
       for (size_t ki = 0; ki < pieces.size();) {
         size_t kj = ki;
         int64_t visible = 0;
@@ -152,7 +155,7 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
         }
         if (visible > 0) {
           pairs.push_back({pieces[qi].first, pieces[ki].first, visible,
-                           costModel.forwardCost(visible, qTokens)});
+                           static_cast<double>(visible) * fwdCostPerVisible});
         }
         ki = kj;
       }
