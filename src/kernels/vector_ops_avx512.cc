@@ -1,0 +1,3 @@
+// The avx512 instance of the kernels' vector code; target flags are set in CMakeLists.txt.
+#define FCP_VECTOR_OPS_NAME vectorOpsAvx512
+#include "vector_ops_impl.h"

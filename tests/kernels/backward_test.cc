@@ -1,0 +1,124 @@
+// Backward against the float64 reference (dQ, dK, dV of softmax(QK^T/sqrt(d))V under the mask),
+// through the real call sequence: forward -> computeDelta -> backward. Backward accumulates, so
+// gradient buffers cannot be poisoned with NaN; they start at zero, and SplitKeysAccumulate...
+// checks that a second pair adds to (rather than overwrites) the first.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "fcp/kernels/attention.h"
+#include "fcp/kernels/cpu_dispatch.h"
+#include "kernel_test_util.h"
+#include "mask_cases.h"
+
+namespace fcp::kernels {
+namespace {
+
+using testing::HostTensor;
+using testing::Layout;
+
+struct PathGuard {
+  ~PathGuard() { setCpuPath(CpuPath::kAuto); }
+};
+
+// Relative L2 of (after - before) against the reference gradient.
+double gradientError(const std::vector<float>& after, const std::vector<float>& before,
+                     const std::vector<double>& ref) {
+  std::vector<float> diff(after.size());
+  for (size_t i = 0; i < after.size(); ++i) diff[i] = after[i] - before[i];
+  for (float x : after)
+    if (std::isnan(x)) return std::numeric_limits<double>::quiet_NaN();
+  return testing::relativeL2(diff.data(), ref);
+}
+
+void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout) {
+  std::mt19937_64 rng(testing::testSeed() ^ (n * 977 + hq * 13 + static_cast<int>(layout)));
+  SCOPED_TRACE("seed " + std::to_string(testing::testSeed()));
+  HostTensor q(n, hq, d), k(n, hkv, d), v(n, hkv, d), dO(n, hq, d);
+  q.randomize(rng, 2.0f), k.randomize(rng), v.randomize(rng), dO.randomize(rng);
+  const testing::MaskSetup m = testing::makeMask(layout, n, n, rng);
+  const testing::Reference ref = testing::referenceBackward(
+      q.asDouble(DType::kFp32), k.asDouble(DType::kFp32), v.asDouble(DType::kFp32),
+      dO.asDouble(DType::kFp32), n, n, hq, hkv, d, testing::expand(m.q), testing::expand(m.k),
+      m.kind == MaskKind::kCausal);
+  PathGuard guard;
+  for (CpuPath path : {CpuPath::kPortable, CpuPath::kAvx2, CpuPath::kAvx512}) {
+    if (!cpuSupports(path)) continue;
+    for (DType dtype : {DType::kFp32, DType::kBf16}) {
+      SCOPED_TRACE(std::string(cpuPathName(path)) + " " + std::string(dtypeName(dtype)));
+      setCpuPath(path);
+      const double tol = dtype == DType::kFp32 ? 1e-5 : 1e-2;
+      std::vector<float> o(q.f32.size()), lse(n * hq), delta(n * hq);
+      forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
+      computeDelta({o.data(), n, hq, d, DType::kFp32}, dO.view(dtype), delta.data());
+      HostTensor dq0(n, hq, d), dk0(n, hkv, d), dv0(n, hkv, d);
+      std::vector<float> dq = dq0.f32, dk = dk0.f32, dv = dv0.f32;
+      backward(q.view(dtype), k.view(dtype), v.view(dtype), dO.view(dtype), lse.data(),
+               delta.data(), m.mask(), dq.data(), dk.data(), dv.data());
+      EXPECT_LE(gradientError(dq, dq0.f32, ref.dq), tol) << "dq";
+      EXPECT_LE(gradientError(dk, dk0.f32, ref.dk), tol) << "dk";
+      EXPECT_LE(gradientError(dv, dv0.f32, ref.dv), tol) << "dv";
+    }
+  }
+}
+
+class BackwardTest : public ::testing::TestWithParam<std::tuple<int64_t, int, Layout>> {};
+
+TEST_P(BackwardTest, MatchesFloat64Reference) {
+  const auto [n, ratio, layout] = GetParam();
+  if (n >= 1000) checkBackward(n, ratio, 1, 32, layout);
+  else checkBackward(n, 2 * ratio, 2, 64, layout);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Lengths, BackwardTest,
+    ::testing::Combine(::testing::Values<int64_t>(1, 7, 64, 127, 128, 129, 1000),
+                       ::testing::Values(1, 4, 8),
+                       ::testing::Values(Layout::kCausalOffsets, Layout::kFull, Layout::kVarlen)),
+    [](const auto& param_info) {
+      return "L" + std::to_string(std::get<0>(param_info.param)) + "_g" +
+             std::to_string(std::get<1>(param_info.param)) + "_" +
+             testing::layoutName(std::get<2>(param_info.param));
+    });
+
+TEST(BackwardLongTest, MatchesFloat64ReferenceAt4096) {
+  checkBackward(4096, 4, 1, 16, Layout::kCausalOffsets);
+}
+
+TEST(BackwardTest, SplitKeysAccumulateToOnePass) {
+  // The runtime recomputes each pair's backward and lets the gradients add up.
+  std::mt19937_64 rng(testing::testSeed());
+  const int64_t n = 333;
+  const int hq = 4, hkv = 2, d = 32;
+  HostTensor q(n, hq, d), k(n, hkv, d), v(n, hkv, d), dO(n, hq, d);
+  q.randomize(rng), k.randomize(rng), v.randomize(rng), dO.randomize(rng);
+  const testing::MaskSetup m = testing::makeMask(Layout::kCausalOffsets, n, n, rng);
+  std::vector<float> o(q.f32.size()), lse(n * hq), delta(n * hq);
+  forward(q.view(DType::kFp32), k.view(DType::kFp32), v.view(DType::kFp32), m.mask(), o.data(),
+          lse.data());
+  computeDelta({o.data(), n, hq, d, DType::kFp32}, dO.view(DType::kFp32), delta.data());
+  std::vector<float> dq1(q.f32.size()), dk1(k.f32.size()), dv1(k.f32.size());
+  backward(q.view(DType::kFp32), k.view(DType::kFp32), v.view(DType::kFp32),
+           dO.view(DType::kFp32), lse.data(), delta.data(), m.mask(), dq1.data(), dk1.data(),
+           dv1.data());
+  std::vector<float> dq2(q.f32.size()), dk2(k.f32.size()), dv2(k.f32.size());
+  const int64_t cut = 100, row = static_cast<int64_t>(hkv) * d;
+  for (auto [k0, k1] : {std::pair<int64_t, int64_t>{0, cut}, {cut, n}}) {
+    const std::vector<Segment> ks = testing::sliceSegments(m.k, k0, k1);
+    const TensorView kv{k.f32.data() + k0 * row, k1 - k0, hkv, d, DType::kFp32};
+    const TensorView vv{v.f32.data() + k0 * row, k1 - k0, hkv, d, DType::kFp32};
+    backward(q.view(DType::kFp32), kv, vv, dO.view(DType::kFp32), lse.data(), delta.data(),
+             {m.kind, m.q, ks}, dq2.data(), dk2.data() + k0 * row, dv2.data() + k0 * row);
+  }
+  std::vector<double> ref(dq1.begin(), dq1.end());
+  EXPECT_LE(testing::relativeL2(dq2.data(), ref), 1e-6);
+  ref.assign(dk1.begin(), dk1.end());
+  EXPECT_LE(testing::relativeL2(dk2.data(), ref), 1e-6);
+  ref.assign(dv1.begin(), dv1.end());
+  EXPECT_LE(testing::relativeL2(dv2.data(), ref), 1e-6);
+}
+
+}  // namespace
+}  // namespace fcp::kernels
