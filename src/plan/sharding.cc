@@ -28,7 +28,9 @@ std::vector<Chunk> splitEvenly(int32_t sequence, int64_t length, int64_t parts) 
 void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, MaskKind mask,
                         std::vector<Block>& blocks) {
   const int64_t k = (length + blockSize - 1) / blockSize;
-  if (mask == MaskKind::kFull) {
+  // Zig-Zag needs 2k non-empty chunks; when a block would hold under two tokens (block sizes
+  // of 1, or a 3-token sequence in 2-token blocks) contiguous blocks are used instead.
+  if (mask == MaskKind::kFull || 2 * k > length) {
     for (const Chunk& c : splitEvenly(sequence, length, k)) blocks.push_back(Block{{c}});
     return;
   }

@@ -35,6 +35,8 @@ struct AttentionConfig {
   int64_t kvBytesPerToken() const { return 2 * kBytesPerToken(); }
   /// Bytes one token occupies in O.
   int64_t oBytesPerToken() const { return qBytesPerToken(); }
+
+  friend bool operator==(const AttentionConfig&, const AttentionConfig&) = default;
 };
 
 /// Throws Error(kInvalidArgument) naming the bad field unless every count is positive and

@@ -15,6 +15,8 @@ struct Batch {
   int64_t numSequences() const { return static_cast<int64_t>(sequenceLengths.size()); }
   /// Sum of the lengths (checked against overflow when the batch was made).
   int64_t numTokens() const;
+
+  friend bool operator==(const Batch&, const Batch&) = default;
 };
 
 /// Shortest and longest sequence a sampled workload produces (the paper clips to [1K, 512K]).

@@ -4,8 +4,9 @@
 /// A sequence of length L >= blockSize becomes k = ceil(L / blockSize) blocks, so no block
 /// exceeds blockSize and none is padded. Under a causal mask it is cut into 2k chunks of
 /// near-equal size and block j holds chunks j and 2k-1-j (Zig-Zag), so every block of the
-/// sequence carries the same causal work (exactly when 2k divides L, to within one token's
-/// row otherwise). Under a full mask the k blocks are contiguous near-equal pieces. Sequences
+/// sequence carries the same causal work (exactly when 2k divides L, nearly otherwise). Under
+/// a full mask, or when 2k > L (blocks under two tokens), the k blocks are contiguous
+/// near-equal pieces. Sequences
 /// shorter than blockSize are packed whole into shared blocks by first-fit decreasing (varlen
 /// packing), which keeps the block count within 11/9 of the fewest possible.
 

@@ -1,0 +1,146 @@
+// Calibration: times the kernels and the same tile products alone. Every measurement keeps the
+// best of its repetitions: on shared machines the best time is the least disturbed one.
+#include "fcp/kernels/calibration.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "attention_internal.h"
+#include "gemm.h"
+#include "parallel.h"
+
+namespace fcp::kernels {
+namespace {
+
+double bestSeconds(const std::function<void()>& run, double minSeconds) {
+  using Clock = std::chrono::steady_clock;
+  double best = 1e30, total = 0;
+  for (int rep = 0; rep < 2 || total < minSeconds; ++rep) {
+    const auto start = Clock::now();
+    run();
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::min(best, s);
+    total += s;
+  }
+  return best;
+}
+
+struct Tensor {
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  TensorView view;
+};
+
+Tensor randomTensor(int64_t tokens, int heads, int dim, DType dtype, std::mt19937& rng) {
+  Tensor t;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  t.f32.resize(static_cast<size_t>(tokens) * heads * dim);
+  for (float& x : t.f32) x = dist(rng);
+  if (dtype == DType::kBf16) {
+    t.bf16.resize(t.f32.size());
+    for (size_t i = 0; i < t.f32.size(); ++i) t.bf16[i] = toBf16(t.f32[i]);
+    t.view = {t.bf16.data(), tokens, heads, dim, dtype};
+  } else {
+    t.view = {t.f32.data(), tokens, heads, dim, dtype};
+  }
+  return t;
+}
+
+}  // namespace
+
+CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
+  std::mt19937 rng(12345);
+  const int64_t n = c.blockTokens;
+  const Tensor q = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
+  const Tensor k = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
+  const Tensor v = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
+  const Tensor dO = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
+  const Segment seg{n, 0, 0};
+  const BlockMask mask{c.mask, {&seg, 1}, {&seg, 1}};
+  const KernelOptions options{c.numThreads};
+  const size_t qn = q.f32.size(), kn = k.f32.size();
+  std::vector<float> o(qn), lse(n * c.numHeadsQ), delta(n * c.numHeadsQ), dq(qn), dk(kn), dv(kn);
+
+  CalibrationResult r;
+  r.usefulForwardFlops = 4.0 * static_cast<double>(countVisiblePairs(mask)) * c.numHeadsQ *
+                         c.headDim;
+  r.forwardSeconds = bestSeconds(
+      [&] { detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, false); },
+      minSeconds);
+  computeDelta({o.data(), n, c.numHeadsQ, c.headDim, DType::kFp32}, dO.view, delta.data());
+  r.backwardSeconds = bestSeconds(
+      [&] {
+        detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(), mask,
+                            dq.data(), dk.data(), dv.data(), options, false);
+      },
+      minSeconds);
+  double gemmFlops = 0;
+  const double fwdGemmSeconds = bestSeconds(
+      [&] {
+        gemmFlops = detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options,
+                                       true);
+      },
+      minSeconds);
+  r.forwardGemmGflops = gemmFlops / fwdGemmSeconds * 1e-9;
+  const double bwdGemmSeconds = bestSeconds(
+      [&] {
+        gemmFlops = detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(),
+                                        mask, dq.data(), dk.data(), dv.data(), options, true);
+      },
+      minSeconds);
+  r.backwardGemmGflops = gemmFlops / bwdGemmSeconds * 1e-9;
+  r.forwardGflops = r.usefulForwardFlops / r.forwardSeconds * 1e-9;
+  r.backwardGflops = 2.5 * r.usefulForwardFlops / r.backwardSeconds * 1e-9;
+  return r;
+}
+
+double measurePeakGemmGflops(int numThreads, double minSeconds) {
+  const int64_t size = 768;
+  const int threads = detail::resolveThreads(numThreads);
+  std::vector<std::vector<float>> a(threads, std::vector<float>(size * size, 0.5f));
+  std::vector<std::vector<float>> cs(threads, std::vector<float>(size * size, 0.0f));
+  const double seconds = bestSeconds(
+      [&] {
+        detail::parallelFor(threads, threads, [&](int64_t t, int) {
+          detail::sgemm('N', 'T', size, size, size, 1.0f, a[t].data(), size, a[t].data(), size,
+                        0.0f, cs[t].data(), size);
+        });
+      },
+      minSeconds);
+  return 2.0 * static_cast<double>(size * size * size) * threads / seconds * 1e-9;
+}
+
+double measureBf16GemmGflops(int64_t m, int64_t n, int64_t k, int numThreads, double minSeconds) {
+  if (!detail::bf16GemmAvailable()) return -1.0;
+  const int threads = detail::resolveThreads(numThreads);
+  std::vector<uint16_t> a(m * k, 0x3f80), b(n * k, 0x3f80);
+  std::vector<std::vector<float>> cs(threads, std::vector<float>(m * n, 0.0f));
+  const double seconds = bestSeconds(
+      [&] {
+        detail::parallelFor(threads, threads, [&](int64_t t, int) {
+          detail::gemmBf16('N', 'T', m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f,
+                           cs[t].data(), n);
+        });
+      },
+      minSeconds);
+  return 2.0 * static_cast<double>(m * n * k) * threads / seconds * 1e-9;
+}
+
+std::string cpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    std::string name = line.substr(colon + 1);
+    name.erase(0, name.find_first_not_of(" \t"));
+    return name;
+  }
+  return "unknown";
+}
+
+}  // namespace fcp::kernels

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Bad input to `fcp plan`: each case must exit nonzero with exactly one line on stderr that
+# names the bad value, print nothing on stdout, and leave no --plan-out file behind.
+set -u
+fcp=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+passed=0
+
+printf '4096\n# comment\n\n12x\n' > "$tmp/bad_line.txt"
+printf '4096\n-3\n' > "$tmp/negative.txt"
+printf '99999999999999999999\n' > "$tmp/huge.txt"
+printf '1073741824\n1073741824\n1073741824\n1073741824\n1073741824\n' > "$tmp/total.txt"
+printf '# only comments\n\n' > "$tmp/empty.txt"
+mkdir "$tmp/dir.txt"
+
+# expect NAME EXPECTED_TEXT ARGS...: run `fcp plan ARGS --plan-out FILE`.
+expect() {
+  local name=$1 text=$2
+  shift 2
+  local out="$tmp/plan_$name.json"
+  "$fcp" plan "$@" --plan-out "$out" > "$tmp/stdout" 2> "$tmp/stderr"
+  local code=$?
+  local why=""
+  [ $code -eq 0 ] && why="exit code 0"
+  [ -s "$tmp/stdout" ] && why="$why; printed on stdout"
+  [ "$(wc -l < "$tmp/stderr")" -eq 1 ] || why="$why; stderr is not one line"
+  grep -qF -- "$text" "$tmp/stderr" || why="$why; stderr lacks '$text'"
+  [ -e "$out" ] && why="$why; left $out behind"
+  if [ -n "$why" ]; then
+    echo "FAIL $name:$why"
+    sed 's/^/    stderr: /' "$tmp/stderr"
+    failures=$((failures + 1))
+  else
+    passed=$((passed + 1))
+  fi
+}
+
+expect unknown_workload "'zipf'" --workload zipf
+expect unknown_flag "--frobnicate" --frobnicate 3
+expect missing_trace "$tmp/missing.txt" --trace "$tmp/missing.txt"
+expect unreadable_trace "$tmp/dir.txt" --trace "$tmp/dir.txt"
+expect bad_trace_line "line 4: '12x'" --trace "$tmp/bad_line.txt"
+expect negative_trace_line "line 2: '-3'" --trace "$tmp/negative.txt"
+expect huge_trace_line "line 1" --trace "$tmp/huge.txt"
+expect trace_total "batch passes" --trace "$tmp/total.txt"
+expect empty_trace "no sequence lengths" --trace "$tmp/empty.txt"
+expect workload_and_trace "--trace" --workload lognormal --trace "$tmp/bad_line.txt"
+expect zero_workers "--workers 0" --workers 0
+expect negative_workers "--workers -4" --workers -4
+expect zero_block "--block-size '0'" --block-size 0
+expect negative_block "--block-size '-4K'" --block-size -4K
+expect bad_suffix_block "--block-size '4Q'" --block-size 4Q
+expect zero_tokens "--tokens-per-worker '0'" --tokens-per-worker 0
+expect overflow_tokens "--tokens-per-worker '9999999999999999999K'" --tokens-per-worker 9999999999999999999K
+expect batch_too_large "passes" --workers 1000000 --tokens-per-worker 1M
+expect memory_cannot_hold "cannot hold the batch" --memory-limit 16K
+expect block_over_cap "more than the memory cap" --tokens-per-worker 2K --block-size 4K
+expect bad_mask "'diagonal'" --mask diagonal
+expect bad_heads "not a multiple" --heads-q 12 --heads-kv 8
+expect bad_dtype "'int3'" --dtype int3
+expect bad_slack "memory slack -1" --memory-slack -1
+
+echo "$passed passed, $failures failed"
+[ $failures -eq 0 ]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# `fcp plan` as a user runs it: the summary, the JSON fields, and the same plan from two
+# separate processes given the same seed.
+set -u
+fcp=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+passed=0
+check() {  # check NAME COMMAND...: the command must succeed
+  local name=$1
+  shift
+  if "$@"; then passed=$((passed + 1)); else echo "FAIL $name"; failures=$((failures + 1)); fi
+}
+
+check summary_runs "$fcp" plan --workers 8 > "$tmp/summary.txt"
+check summary_mentions_imbalance grep -q "imbalance: compute" "$tmp/summary.txt"
+
+check json_runs "$fcp" plan --workers 32 --workload bimodal --seed 4 --json \
+  --plan-out "$tmp/a.json" > "$tmp/summary.json"
+"$fcp" plan --workers 32 --workload bimodal --seed 4 --plan-out "$tmp/b.json" > /dev/null
+check same_seed_same_plan cmp -s "$tmp/a.json" "$tmp/b.json"
+"$fcp" plan --workers 32 --workload bimodal --seed 5 --plan-out "$tmp/c.json" > /dev/null
+check other_seed_other_plan bash -c "! cmp -s '$tmp/a.json' '$tmp/c.json'"
+
+# The summary JSON has the documented fields, with sane values.
+check json_fields /usr/bin/python3 - "$tmp/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+for key in ["workers", "sequences", "blocks", "imbalance", "lower_bound_gap", "plan_ms"]:
+    assert key in s, key
+assert s["workers"] == 32 and s["tokens"] == 32 * 32768
+assert 0 <= s["imbalance"]["compute"] < 0.05 and 0 <= s["imbalance"]["memory"] < 1
+assert s["lower_bound_gap"] >= 0 and s["plan_ms"] > 0
+PY
+
+# A trace: lengths as given, memory budget defaulting to the trace's share.
+printf '# lengths\n100000\n\n5000\n300\n300\n' > "$tmp/trace.txt"
+check trace_runs "$fcp" plan --trace "$tmp/trace.txt" --workers 4 --json > "$tmp/trace.json"
+check trace_fields /usr/bin/python3 -c "
+import json; s = json.load(open('$tmp/trace.json'))
+assert s['sequences'] == 4 and s['tokens'] == 105600, s"
+
+check help_exits_zero "$fcp" plan --help > /dev/null
+
+echo "$passed passed, $failures failed"
+[ $failures -eq 0 ]

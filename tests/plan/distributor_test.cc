@@ -1,0 +1,176 @@
+#include "fcp/plan/distributor.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+
+namespace fcp::plan {
+namespace {
+
+struct Blocks {
+  std::vector<int64_t> tokens;
+  std::vector<double> costs;
+};
+
+Blocks randomBlocks(Rng& rng, int count, int64_t maxTokens) {
+  Blocks b;
+  for (int i = 0; i < count; ++i) {
+    b.tokens.push_back(1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(maxTokens)));
+    // Long-tailed costs, like blocks of long and short sequences.
+    b.costs.push_back(std::exp(3.0 * rng.uniform()) * static_cast<double>(b.tokens.back()));
+  }
+  return b;
+}
+
+/// Algorithm 1 without the improvement pass, written plainly: O(K * N) scan, ties to the
+/// lowest worker id.
+std::vector<int32_t> naiveGreedy(const Blocks& b, const DistributorOptions& o) {
+  const auto n = static_cast<size_t>(o.numWorkers);
+  const int64_t cap = memoryCapTokens(o);
+  const double mHat = static_cast<double>(std::accumulate(b.tokens.begin(), b.tokens.end(), int64_t{0})) / static_cast<double>(n);
+  const double cHat = std::accumulate(b.costs.begin(), b.costs.end(), 0.0) / static_cast<double>(n);
+  std::vector<size_t> order(b.tokens.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto key = [&](size_t i) { return std::max(static_cast<double>(b.tokens[i]) / mHat, b.costs[i] / cHat); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return key(x) > key(y); });
+  std::vector<int64_t> mem(n, 0);
+  std::vector<double> cost(n, 0);
+  std::vector<int32_t> owner(b.tokens.size(), -1);
+  for (size_t i : order) {
+    double best = 1e300;
+    size_t bestW = n;
+    for (size_t w = 0; w < n; ++w) {
+      if (mem[w] + b.tokens[i] > cap) continue;
+      // Same arithmetic as the distributor (scale first), so near-ties round alike.
+      const double score = std::max((o.alpha / mHat) * static_cast<double>(mem[w] + b.tokens[i]),
+                                    (o.beta / cHat) * (cost[w] + b.costs[i]));
+      if (score < best) {
+        best = score;
+        bestW = w;
+      }
+    }
+    EXPECT_LT(bestW, n);
+    owner[i] = static_cast<int32_t>(bestW);
+    mem[bestW] += b.tokens[i];
+    cost[bestW] += b.costs[i];
+  }
+  return owner;
+}
+
+struct Loads {
+  std::vector<int64_t> mem;
+  std::vector<double> cost;
+};
+
+Loads loadsOf(const Blocks& b, const std::vector<int32_t>& owner, int64_t n) {
+  Loads l{std::vector<int64_t>(static_cast<size_t>(n), 0), std::vector<double>(static_cast<size_t>(n), 0)};
+  for (size_t i = 0; i < owner.size(); ++i) {
+    l.mem[static_cast<size_t>(owner[i])] += b.tokens[i];
+    l.cost[static_cast<size_t>(owner[i])] += b.costs[i];
+  }
+  return l;
+}
+
+TEST(DistributorTest, GreedyMatchesAPlainImplementationOfAlgorithm1) {
+  Rng rng(2);
+  for (int trial = 0; trial < 30; ++trial) {
+    DistributorOptions o;
+    o.numWorkers = 1 + static_cast<int64_t>(rng.next() % 40);
+    // Token counts drawn from a wide range put the loads in general position: exact score
+    // ties between workers with different loads (which each implementation may break its own
+    // way) then do not occur.
+    const int64_t maxTokens = int64_t{1} << 30;
+    const Blocks b = randomBlocks(rng, static_cast<int>(o.numWorkers * (1 + rng.next() % 10)), maxTokens);
+    o.memoryLimitTokens = std::accumulate(b.tokens.begin(), b.tokens.end(), int64_t{0}) / o.numWorkers + maxTokens;
+    o.alpha = trial % 3 == 0 ? 0.5 : 1.0;
+    o.improveStepsPerBlock = 0;
+    const Assignment a = assignBlocks(b.tokens, b.costs, o);
+    const std::vector<int32_t> reference = naiveGreedy(b, o);
+    // Scores now tie only between identical (still empty) workers, where any choice gives the
+    // same loads: compare the multiset of per-worker loads.
+    auto mine = loadsOf(b, a.owner, o.numWorkers), theirs = loadsOf(b, reference, o.numWorkers);
+    std::sort(mine.cost.begin(), mine.cost.end());
+    std::sort(theirs.cost.begin(), theirs.cost.end());
+    ASSERT_EQ(mine.cost, theirs.cost) << "trial " << trial;
+  }
+}
+
+TEST(DistributorTest, EveryBlockPlacedUnderTheCapAndNearTheLowerBound) {
+  Rng rng(4);
+  for (int trial = 0; trial < 20; ++trial) {
+    DistributorOptions o;
+    o.numWorkers = 8 + static_cast<int64_t>(rng.next() % 200);
+    const Blocks b = randomBlocks(rng, static_cast<int>(o.numWorkers * 8), 4096);
+    o.memoryLimitTokens = std::accumulate(b.tokens.begin(), b.tokens.end(), int64_t{0}) / o.numWorkers + 1;
+    o.memorySlack = 0.15;
+    const Assignment a = assignBlocks(b.tokens, b.costs, o);
+    ASSERT_EQ(a.owner.size(), b.tokens.size());
+    const Loads l = loadsOf(b, a.owner, o.numWorkers);
+    for (int64_t m : l.mem) ASSERT_LE(m, memoryCapTokens(o));
+    const double maxCost = *std::max_element(l.cost.begin(), l.cost.end());
+    const double total = std::accumulate(b.costs.begin(), b.costs.end(), 0.0);
+    const double lb = std::max(*std::max_element(b.costs.begin(), b.costs.end()), total / static_cast<double>(o.numWorkers));
+    EXPECT_DOUBLE_EQ(a.lowerBound, lb);
+    EXPECT_GE(maxCost, lb * (1 - 1e-12));
+    EXPECT_LE(maxCost, a.greedyMaxCost * (1 + 1e-12));  // improvement never makes it worse
+    EXPECT_LE(maxCost, lb * 1.01) << "trial " << trial << " workers " << o.numWorkers;
+  }
+}
+
+TEST(DistributorTest, SameInputSameAssignment) {
+  Rng rng(6);
+  const Blocks b = randomBlocks(rng, 3000, 4096);
+  DistributorOptions o;
+  o.numWorkers = 300;
+  o.memoryLimitTokens = 4096 * 6;
+  const Assignment x = assignBlocks(b.tokens, b.costs, o);
+  const Assignment y = assignBlocks(b.tokens, b.costs, o);
+  EXPECT_EQ(x.owner, y.owner);
+  EXPECT_EQ(x.improveSteps, y.improveSteps);
+}
+
+TEST(DistributorTest, MemoryThatCannotHoldTheBatchIsAnError) {
+  DistributorOptions o;
+  o.numWorkers = 2;
+  o.memoryLimitTokens = 100;
+  o.memorySlack = 0;
+  EXPECT_THROW(assignBlocks({60, 60, 60, 60}, {1, 1, 1, 1}, o), Error);  // 240 > 2 x 100
+  EXPECT_THROW(assignBlocks({101}, {1}, o), Error);                      // one block over the cap
+  // Fits in total, but no packing does: three blocks of 60 into two workers of 100.
+  try {
+    assignBlocks({60, 60, 60}, {1, 1, 1}, o);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no worker has room"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(assignBlocks({50, 50, 50, 50}, {1, 1, 1, 1}, o));
+}
+
+TEST(DistributorTest, BadOptionsAreErrors) {
+  DistributorOptions o;
+  o.memoryLimitTokens = 10;
+  o.numWorkers = 0;
+  EXPECT_THROW(assignBlocks({1}, {1}, o), Error);
+  o.numWorkers = 1;
+  o.memorySlack = -0.1;
+  EXPECT_THROW(assignBlocks({1}, {1}, o), Error);
+  o.memorySlack = 0.1;
+  o.alpha = 0;
+  o.beta = 0;
+  EXPECT_THROW(assignBlocks({1}, {1}, o), Error);
+}
+
+TEST(DistributorTest, NoBlocksIsFine) {
+  DistributorOptions o;
+  o.numWorkers = 4;
+  o.memoryLimitTokens = 10;
+  EXPECT_TRUE(assignBlocks({}, {}, o).owner.empty());
+}
+
+}  // namespace
+}  // namespace fcp::plan

@@ -1,0 +1,156 @@
+#include "fcp/plan/plan.h"
+
+#include <gtest/gtest.h>
+
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+#include "fcp/plan/json.h"
+
+namespace fcp::plan {
+namespace {
+
+Plan makePlan(const std::string& workload, int64_t workers, MaskKind mask, uint64_t seed,
+              int64_t tokensPerWorker = 32 * 1024, int64_t blockSize = 4 * 1024) {
+  PlanConfig c;
+  c.numWorkers = workers;
+  c.tokensPerWorker = tokensPerWorker;
+  c.blockSize = blockSize;
+  c.attention.mask = mask;
+  const Batch batch = sampleBatch(findWorkload(workload), workers * tokensPerWorker, seed);
+  return buildPlan(batch, c, CostModel{c.attention});
+}
+
+bool mentions(const std::vector<std::string>& violations, const std::string& text) {
+  for (const auto& v : violations) {
+    if (v.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(PlanTest, PlansOfEveryWorkloadAndMaskAreValid) {
+  for (const auto& w : builtinWorkloads()) {
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      for (int64_t workers : {1, 3, 16, 64}) {
+        const Plan p = makePlan(w.name, workers, mask, 3);
+        const auto violations = validate(p);
+        ASSERT_TRUE(violations.empty()) << w.name << " " << workers << ": " << violations.front();
+        const PlanStats s = computeStats(p);
+        EXPECT_LE(s.maxWorkerTokens, s.memoryCapTokens);
+        EXPECT_GE(s.lowerBoundGap, -1e-12);
+      }
+    }
+  }
+}
+
+TEST(PlanTest, SmallOddShapesAreValid) {
+  // Tiny blocks, a block larger than every sequence, a single worker, lengths off the grid.
+  Rng rng(12);
+  for (int trial = 0; trial < 40; ++trial) {
+    PlanConfig c;
+    c.numWorkers = 1 + static_cast<int64_t>(rng.next() % 9);
+    c.blockSize = 1 + static_cast<int64_t>(rng.next() % 300);
+    c.attention.mask = trial % 2 ? MaskKind::kCausal : MaskKind::kFull;
+    Batch batch;
+    for (uint64_t i = 0, n = 1 + rng.next() % 12; i < n; ++i) {
+      batch.sequenceLengths.push_back(1 + static_cast<int64_t>(rng.next() % 1000));
+    }
+    c.tokensPerWorker =
+        std::max((batch.numTokens() + c.numWorkers - 1) / c.numWorkers, c.blockSize);
+    c.memorySlack = 1.0;  // always room for a block: the point here is shape, not balance
+    const Plan p = buildPlan(batch, c, CostModel{c.attention});
+    const auto violations = validate(p);
+    ASSERT_TRUE(violations.empty()) << "trial " << trial << ": " << violations.front();
+  }
+}
+
+TEST(PlanTest, LoadsBalancedAtScale) {
+  const Plan p = makePlan("lognormal", 256, MaskKind::kCausal, 1);
+  const PlanStats s = computeStats(p);
+  EXPECT_LT(s.computeImbalance, 0.01);
+  EXPECT_LT(s.lowerBoundGap, 0.005);
+}
+
+TEST(PlanTest, SameSeedGivesByteIdenticalJson) {
+  const std::string a = planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 42));
+  const std::string b = planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 42));
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 43)));
+}
+
+TEST(PlanTest, JsonRoundTripIsExact) {
+  const Plan p = makePlan("lognormal", 16, MaskKind::kCausal, 5);
+  const std::string text = planToJson(p);
+  const Plan back = planFromJson(text);
+  EXPECT_EQ(back, p);
+  EXPECT_EQ(planToJson(back), text);
+  EXPECT_TRUE(validate(back).empty());
+}
+
+TEST(PlanTest, JsonErrorsNameTheField) {
+  EXPECT_THROW(planFromJson("not json"), Error);
+  EXPECT_THROW(planFromJson("{\"format\": \"other\"}"), Error);
+  const Plan p = makePlan("lognormal", 2, MaskKind::kCausal, 5);
+  std::string text = planToJson(p);
+  const auto at = text.find("\"owner\"");
+  text.replace(at, 7, "\"ownerX\"");
+  try {
+    planFromJson(text);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'owner'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PlanTest, ValidateCatchesEachBrokenInvariant) {
+  const Plan good = makePlan("lognormal", 8, MaskKind::kCausal, 9);
+  ASSERT_TRUE(validate(good).empty());
+
+  Plan p = good;
+  p.pairs.erase(p.pairs.begin() + static_cast<std::ptrdiff_t>(p.pairs.size() / 2));
+  EXPECT_TRUE(mentions(validate(p), "never computed"));
+
+  p = good;
+  p.pairs.push_back(p.pairs.back());
+  EXPECT_TRUE(mentions(validate(p), "computed twice"));
+
+  p = good;
+  p.blocks[0].chunks[0].end -= 1;  // a token that is in no block
+  EXPECT_TRUE(mentions(validate(p), "in no block"));
+
+  p = good;
+  p.blocks[1].chunks.push_back(good.blocks[0].chunks[0]);  // a token in two blocks
+  EXPECT_TRUE(mentions(validate(p), "in two blocks"));
+
+  p = good;
+  p.owner[0] = 8;
+  EXPECT_TRUE(mentions(validate(p), "not one of 0..7"));
+
+  p = good;
+  for (auto& o : p.owner) o = 0;  // everything on worker 0: over the cap
+  EXPECT_TRUE(mentions(validate(p), "over the memory cap"));
+
+  p = good;
+  p.loads[3].numTokens += 1;
+  EXPECT_TRUE(mentions(validate(p), "worker 3 load says"));
+
+  p = good;
+  p.batch.sequenceLengths[0] += 1;
+  EXPECT_TRUE(mentions(validate(p), "in no block"));
+
+  EXPECT_THROW(checkValid(p), Error);
+}
+
+TEST(PlanTest, BadConfigurationIsAnError) {
+  PlanConfig c;
+  const Batch batch{{4096}};
+  c.numWorkers = 0;
+  EXPECT_THROW(buildPlan(batch, c, CostModel{c.attention}), Error);
+  c.numWorkers = 2;
+  c.tokensPerWorker = -1;
+  EXPECT_THROW(buildPlan(batch, c, CostModel{c.attention}), Error);
+  c.tokensPerWorker = 1024;  // 2 x 1126 < 4096 tokens
+  EXPECT_THROW(buildPlan(batch, c, CostModel{c.attention}), Error);
+}
+
+}  // namespace
+}  // namespace fcp::plan

@@ -1,0 +1,171 @@
+#include "fcp/plan/sharding.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+
+namespace fcp::plan {
+namespace {
+
+/// Every token of every sequence appears in exactly one chunk: counted token by token.
+void expectExactTokenAccounting(const Batch& batch, const std::vector<Block>& blocks) {
+  std::vector<std::vector<int>> seen(batch.sequenceLengths.size());
+  for (size_t s = 0; s < seen.size(); ++s) seen[s].assign(static_cast<size_t>(batch.sequenceLengths[s]), 0);
+  for (const Block& b : blocks) {
+    for (const Chunk& c : b.chunks) {
+      ASSERT_LT(c.begin, c.end);
+      for (int64_t t = c.begin; t < c.end; ++t) ++seen[static_cast<size_t>(c.sequence)][static_cast<size_t>(t)];
+    }
+  }
+  for (size_t s = 0; s < seen.size(); ++s) {
+    for (size_t t = 0; t < seen[s].size(); ++t) {
+      ASSERT_EQ(seen[s][t], 1) << "sequence " << s << " token " << t;
+    }
+  }
+}
+
+Batch randomBatch(Rng& rng, int64_t blockSize, int numSequences) {
+  Batch b;
+  for (int i = 0; i < numSequences; ++i) {
+    // A mix of short (packed), exact, and long lengths, including the edges.
+    const int64_t edges[] = {1, blockSize - 1, blockSize, blockSize + 1, 2 * blockSize,
+                             2 * blockSize + 3};
+    const uint64_t pick = rng.next() % 10;
+    b.sequenceLengths.push_back(pick < 6 ? std::max<int64_t>(1, edges[pick])
+                                         : 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(7 * blockSize)));
+  }
+  return b;
+}
+
+TEST(ShardingTest, EveryTokenInExactlyOneBlockNoBlockOverSize) {
+  Rng rng(1);
+  for (int64_t blockSize : {1, 2, 7, 64, 100, 4096}) {
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      const Batch batch = randomBatch(rng, blockSize, blockSize > 1000 ? 12 : 40);
+      const auto blocks = shardBatch(batch, blockSize, mask);
+      expectExactTokenAccounting(batch, blocks);
+      for (const Block& b : blocks) ASSERT_LE(b.numTokens(), blockSize);
+    }
+  }
+}
+
+TEST(ShardingTest, LongSequenceMakesCeilBlocksOfZigZagPairs) {
+  const int64_t blockSize = 8;
+  const Batch batch{{8 * 5}};  // k = 5 blocks, 10 chunks of 4
+  const auto blocks = shardBatch(batch, blockSize, MaskKind::kCausal);
+  ASSERT_EQ(blocks.size(), 5u);
+  for (int64_t j = 0; j < 5; ++j) {
+    ASSERT_EQ(blocks[static_cast<size_t>(j)].chunks.size(), 2u);
+    EXPECT_EQ(blocks[static_cast<size_t>(j)].chunks[0], (Chunk{0, 4 * j, 4 * j + 4}));
+    EXPECT_EQ(blocks[static_cast<size_t>(j)].chunks[1], (Chunk{0, 4 * (9 - j), 4 * (9 - j) + 4}));
+  }
+  const auto full = shardBatch(batch, blockSize, MaskKind::kFull);
+  ASSERT_EQ(full.size(), 5u);
+  EXPECT_EQ(full[2].chunks, (std::vector<Chunk>{{0, 16, 24}}));
+}
+
+/// Causal work of a block as Q against the whole sequence, counted entry by entry.
+int64_t bruteForceBlockWork(const Block& b) {
+  int64_t work = 0;
+  for (const Chunk& c : b.chunks) {
+    for (int64_t i = c.begin; i < c.end; ++i) work += i + 1;
+  }
+  return work;
+}
+
+TEST(ShardingTest, ZigZagBlocksOfASequenceCarryEqualWork) {
+  for (int64_t len : {64, 4096, 4096 * 3, 12345, 4097, 8191, 100000}) {
+    const int64_t blockSize = 4096;
+    const auto blocks = shardBatch(Batch{{len}}, blockSize, MaskKind::kCausal);
+    std::vector<int64_t> work;
+    for (const Block& b : blocks) work.push_back(bruteForceBlockWork(b));
+    const auto [lo, hi] = std::minmax_element(work.begin(), work.end());
+    const int64_t k = static_cast<int64_t>(blocks.size());
+    if (len % (2 * k) == 0) {
+      EXPECT_EQ(*lo, *hi) << "len " << len;
+    } else {
+      // Chunks differ by at most one token, so blocks differ by at most two rows of work.
+      EXPECT_LE(*hi - *lo, 2 * len) << "len " << len;
+      EXPECT_LE(static_cast<double>(*hi - *lo) / static_cast<double>(*hi), 2.0 / (static_cast<double>(len) / static_cast<double>(k) / 2))
+          << "len " << len;
+    }
+  }
+}
+
+TEST(ShardingTest, ShortSequencesArePackedIntoFewBlocks) {
+  Rng rng(5);
+  const int64_t blockSize = 4096;
+  Batch batch;
+  int64_t shortTokens = 0;
+  for (int i = 0; i < 500; ++i) {
+    const int64_t len = 1 + static_cast<int64_t>(rng.next() % 4095);
+    batch.sequenceLengths.push_back(len);
+    shortTokens += len;
+  }
+  batch.sequenceLengths.push_back(3 * blockSize + 5);  // one long sequence among them
+  const auto blocks = shardBatch(batch, blockSize, MaskKind::kCausal);
+  expectExactTokenAccounting(batch, blocks);
+  int64_t packed = 0;
+  for (const Block& b : blocks) {
+    const bool isLong = b.chunks.front().sequence == 500;
+    if (isLong) continue;
+    ++packed;
+    for (const Chunk& c : b.chunks) {
+      // Short sequences stay whole: the kernel runs them as varlen segments.
+      EXPECT_EQ(c.begin, 0);
+      EXPECT_EQ(c.end, batch.sequenceLengths[static_cast<size_t>(c.sequence)]);
+    }
+  }
+  const int64_t fewest = (shortTokens + blockSize - 1) / blockSize;
+  EXPECT_GE(packed, fewest);
+  // First-fit decreasing uses at most 11/9 OPT + 6/9 bins.
+  EXPECT_LE(packed, fewest * 11 / 9 + 1);
+}
+
+TEST(ShardingTest, PairsCountEveryVisibleEntryOnce) {
+  Rng rng(8);
+  const CostModel cm{};
+  for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+    CostModel model = cm;
+    model.attention.mask = mask;
+    const Batch batch = randomBatch(rng, 16, 30);
+    const auto blocks = shardBatch(batch, 16, mask);
+    const auto pairs = blockPairs(blocks, model);
+    int64_t fromPairs = 0;
+    for (const BlockPair& p : pairs) {
+      EXPECT_GT(p.visible, 0);
+      fromPairs += p.visible;
+    }
+    int64_t expected = 0;
+    for (int64_t len : batch.sequenceLengths) {
+      expected += mask == MaskKind::kCausal ? len * (len + 1) / 2 : len * len;
+    }
+    EXPECT_EQ(fromPairs, expected);
+    EXPECT_TRUE(std::is_sorted(pairs.begin(), pairs.end(), [](const BlockPair& a, const BlockPair& b) {
+      return std::tie(a.qBlock, a.kvBlock) < std::tie(b.qBlock, b.kvBlock);
+    }));
+  }
+}
+
+TEST(ShardingTest, PackedBlocksCostMoreThanOneLongKernelOfTheSameWork) {
+  // Short kernels run at lower efficiency: a packed block's cost uses each sequence's length.
+  CostModel model{};
+  const auto blocks = shardBatch(Batch{{512, 512}}, 4096, MaskKind::kCausal);
+  ASSERT_EQ(blocks.size(), 1u);
+  const auto pairs = blockPairs(blocks, model);
+  ASSERT_EQ(pairs.size(), 1u);
+  EXPECT_DOUBLE_EQ(pairs[0].cost, model.forwardCost(2 * (512 * 513 / 2), 512));
+}
+
+TEST(ShardingTest, RejectsBadBlockSize) {
+  EXPECT_THROW(shardBatch(Batch{{10}}, 0, MaskKind::kCausal), Error);
+  EXPECT_THROW(shardBatch(Batch{{10}}, -4, MaskKind::kCausal), Error);
+  EXPECT_THROW(shardBatch(Batch{{10, 0}}, 4, MaskKind::kCausal), Error);
+}
+
+}  // namespace
+}  // namespace fcp::plan
