@@ -280,8 +280,10 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
     const double a = options.alpha / mHat, b = options.beta / cHat;
+    // Summed in double: m is "no memory left" (int64 max) on padding leaves. Token counts
+    // are far below 2^53, so the sum is exact for real workers.
     const auto score = [&](int64_t m, double c) {
-      return std::max(a * static_cast<double>(m + mi), b * (c + ci));
+      return std::max(a * (static_cast<double>(m) + static_cast<double>(mi)), b * (c + ci));
     };
     const int32_t w = loads.tree.argMin(cap - mi, -1, score);
     if (w < 0) {

@@ -47,7 +47,7 @@ std::vector<int32_t> naiveGreedy(const Blocks& b, const DistributorOptions& o) {
     for (size_t w = 0; w < n; ++w) {
       if (mem[w] + b.tokens[i] > cap) continue;
       // Same arithmetic as the distributor (scale first), so near-ties round alike.
-      const double score = std::max((o.alpha / mHat) * static_cast<double>(mem[w] + b.tokens[i]),
+      const double score = std::max((o.alpha / mHat) * (static_cast<double>(mem[w]) + static_cast<double>(b.tokens[i])),
                                     (o.beta / cHat) * (cost[w] + b.costs[i]));
       if (score < best) {
         best = score;
