@@ -1,0 +1,130 @@
+// Block-attention kernels against their own GEMM and against Debian torch 1.13's attention, in
+// one run: head_dim 128, GQA 8:1 (8 Q heads, 1 KV head), self pairs of 1K, 2K and 4K tokens,
+// causal and full, fp32 and bf16, 1 and 2 threads. Prints a table; asserts nothing.
+//
+// Columns: kernel useful GFLOP/s (masked-out work not counted), dnnl_sgemm GFLOP/s running the
+// same tile products alone (same tiles, threads and order), their ratio, the same for the
+// backward, then torch's forward and backward useful GFLOP/s and our speed-up over it.
+//
+// usage: kernel_bench [--tokens N...] [--threads T...] [--min-seconds S] [--no-torch]
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "fcp/kernels/attention.h"
+#include "fcp/kernels/calibration.h"
+#include "fcp/kernels/cpu_dispatch.h"
+
+using namespace fcp::kernels;
+
+namespace {
+
+struct Args {
+  std::vector<int64_t> tokens{1024, 2048, 4096};
+  std::vector<int> threads{1, 2};
+  double minSeconds = 0.3;
+  bool torch = true;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto list = [&](auto& out) {
+      out.clear();
+      while (i + 1 < argc && argv[i + 1][0] != '-') out.push_back(static_cast<typename std::decay_t<decltype(out)>::value_type>(std::atoll(argv[++i])));
+    };
+    if (flag == "--tokens") list(a.tokens);
+    else if (flag == "--threads") list(a.threads);
+    else if (flag == "--min-seconds" && i + 1 < argc) a.minSeconds = std::atof(argv[++i]);
+    else if (flag == "--no-torch") a.torch = false;
+    else {
+      std::fprintf(stderr, "kernel_bench: unknown argument '%s'\n", flag.c_str());
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+using Key = std::tuple<std::string, std::string, int64_t, int>;  // dtype, mask, tokens, threads
+
+// Torch's numbers, from bench/torch_attention_bench.py run with Debian's /usr/bin/python3.
+std::map<Key, std::pair<double, double>> runTorch(const Args& a) {
+  std::string cmd = "/usr/bin/python3 " FCP_BENCH_DIR "/torch_attention_bench.py --tokens";
+  for (int64_t t : a.tokens) cmd += " " + std::to_string(t);
+  cmd += " --threads";
+  for (int t : a.threads) cmd += " " + std::to_string(t);
+  std::map<Key, std::pair<double, double>> out;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return out;
+  char line[4096];
+  while (std::fgets(line, sizeof line, pipe)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("dtype")) continue;
+    out[{j["dtype"], j["mask"], j["tokens"], j["threads"]}] = {j["forward_gflops"],
+                                                               j["backward_gflops"]};
+  }
+  pclose(pipe);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  std::printf("CPU: %s; vector path: %s; head_dim 128, 8 Q heads, 1 KV head\n",
+              cpuModelName().c_str(), std::string(cpuPathName(activeCpuPath())).c_str());
+  for (int t : a.threads)
+    std::printf("peak dnnl_sgemm (768^3 per thread), %d thread(s): %.1f GFLOP/s\n", t,
+                measurePeakGemmGflops(t, a.minSeconds));
+  for (int t : a.threads) {
+    const double bf16 = measureBf16GemmGflops(256, 128, 128, t, a.minSeconds);
+    if (bf16 < 0)
+      std::printf("bf16 GEMM (dnnl_gemm_bf16bf16f32), %d thread(s): unavailable on this CPU "
+                  "(oneDNN 2.6 needs AVX-512); bf16 runs convert to fp32 and use sgemm\n", t);
+    else
+      std::printf("bf16 GEMM (256x128x128 per thread), %d thread(s): %.1f GFLOP/s\n", t, bf16);
+  }
+  std::map<Key, std::pair<double, double>> torch;
+  if (a.torch) {
+    std::printf("running torch 1.13 (this takes minutes)...\n");
+    std::fflush(stdout);
+    torch = runTorch(a);
+  }
+  std::printf("\n%-5s %-6s %6s %3s | %8s %8s %5s | %8s %8s %5s | %8s %8s %7s\n", "dtype", "mask",
+              "tokens", "thr", "fwd", "sgemm", "ratio", "bwd", "sgemm", "ratio", "torchF",
+              "torchB", "x torch");
+  for (DType dtype : {DType::kFp32, DType::kBf16}) {
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      for (int64_t n : a.tokens) {
+        for (int t : a.threads) {
+          const CalibrationResult r = calibrate({dtype, mask, n, 8, 1, 128, t}, a.minSeconds);
+          const std::string maskName = mask == MaskKind::kCausal ? "causal" : "full";
+          std::printf("%-5s %-6s %6lld %3d | %8.1f %8.1f %5.2f | %8.1f %8.1f %5.2f |",
+                      std::string(dtypeName(dtype)).c_str(), maskName.c_str(),
+                      static_cast<long long>(n), t, r.forwardGflops, r.forwardGemmGflops,
+                      r.forwardGflops / r.forwardGemmGflops, r.backwardGflops,
+                      r.backwardGemmGflops, r.backwardGflops / r.backwardGemmGflops);
+          const auto it = torch.find({std::string(dtypeName(dtype)), maskName, n, t});
+          if (it == torch.end()) {
+            std::printf(" %8s %8s %7s\n", "-", "-", "-");
+          } else {
+            const auto [tf, tb] = it->second;
+            std::printf(" %8.2f %8.2f %7.1f\n", tf, tb,
+                        (r.forwardSeconds + r.backwardSeconds) > 0
+                            ? (r.forwardGflops / tf + r.backwardGflops / tb) / 2
+                            : 0.0);
+          }
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  return 0;
+}
