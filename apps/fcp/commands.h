@@ -8,4 +8,7 @@ namespace fcp::app {
 /// `fcp plan`: shard and assign a batch, print the plan summary.
 void addPlanCommand(CLI::App& app);
 
+/// `fcp bench kernel`: calibrate the block-attention kernels, write the efficiency curve.
+void addBenchCommand(CLI::App& app);
+
 }  // namespace fcp::app

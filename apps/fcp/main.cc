@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
   fcp::app::addPlanCommand(app);
+  fcp::app::addBenchCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

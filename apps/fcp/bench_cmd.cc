@@ -1,0 +1,191 @@
+// `fcp bench kernel`: calibrates the CPU block-attention kernels. Measures forward and backward
+// useful GFLOP/s against block length beside the same tile products run through dnnl_sgemm,
+// prints a table (or JSON records), and writes the efficiency curve the cost model loads.
+//
+// Curve format (fcp::core reads it): {"kind": "fcp-efficiency-curve", "device", "dtype",
+// "threads", "peak_gflops", "forward": [[tokens, fraction], ...], "backward": [...]}, where
+// fraction = kernel GFLOP/s / peak_gflops and peak_gflops is the best sgemm GFLOP/s on large
+// tiles measured in the same run. The curve is made from the full-mask pairs: a causal plan's
+// pairs are mostly off-diagonal, i.e. full.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "fcp/core/error.h"
+#include "fcp/core/units.h"
+#include "fcp/kernels/attention.h"
+#include "fcp/kernels/calibration.h"
+#include "fcp/kernels/cpu_dispatch.h"
+
+namespace fcp::app {
+namespace {
+
+struct KernelBenchArgs {
+  std::string dtype = "fp32";
+  std::vector<std::string> masks{"causal", "full"};
+  std::vector<std::string> tokens{"256", "512", "1K", "2K", "4K", "8K"};
+  int threads = 1;
+  int headsQ = 8;
+  int headsKv = 1;
+  int headDim = 128;
+  double minSeconds = 0.2;
+  std::string path = "auto";
+  bool json = false;
+  std::string curveOut;
+};
+
+kernels::DType parseDtype(const std::string& text) {
+  if (text == "fp32") return kernels::DType::kFp32;
+  if (text == "bf16") return kernels::DType::kBf16;
+  throwInvalidArgument("unknown --dtype '", text, "': expected fp32 or bf16");
+}
+
+kernels::MaskKind parseMask(const std::string& text) {
+  if (text == "causal") return kernels::MaskKind::kCausal;
+  if (text == "full") return kernels::MaskKind::kFull;
+  throwInvalidArgument("unknown --mask '", text, "': expected causal or full");
+}
+
+kernels::CpuPath parsePath(const std::string& text) {
+  for (kernels::CpuPath p : {kernels::CpuPath::kAuto, kernels::CpuPath::kPortable,
+                             kernels::CpuPath::kAvx2, kernels::CpuPath::kAvx512})
+    if (text == kernels::cpuPathName(p)) return p;
+  throwInvalidArgument("unknown --path '", text, "': expected auto, portable, avx2 or avx512");
+}
+
+void requirePositive(int64_t value, const char* flag) {
+  if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
+}
+
+void runKernelBench(const KernelBenchArgs& a) {
+  const kernels::DType dtype = parseDtype(a.dtype);
+  std::vector<kernels::MaskKind> masks;
+  for (const std::string& m : a.masks) masks.push_back(parseMask(m));
+  std::vector<int64_t> tokens;
+  for (const std::string& t : a.tokens) {
+    tokens.push_back(parseTokenCount(t, "--tokens"));
+    requirePositive(tokens.back(), "--tokens");
+  }
+  std::sort(tokens.begin(), tokens.end());
+  requirePositive(a.threads, "--threads");
+  requirePositive(a.headsQ, "--heads-q");
+  requirePositive(a.headsKv, "--heads-kv");
+  requirePositive(a.headDim, "--head-dim");
+  if (a.headsQ % a.headsKv != 0)
+    throwInvalidArgument("invalid --heads-q ", a.headsQ, ": expected a multiple of --heads-kv ",
+                         a.headsKv);
+  if (!(a.minSeconds >= 0.0))
+    throwInvalidArgument("invalid --min-seconds ", a.minSeconds, ": expected >= 0");
+  kernels::setCpuPath(parsePath(a.path));
+
+  const std::string device = kernels::cpuModelName();
+  if (!a.json) {
+    std::printf("fcp bench kernel: %s, vector path %s, %s, %d/%d heads x %d, %d thread(s)\n",
+                device.c_str(), std::string(kernels::cpuPathName(kernels::activeCpuPath())).c_str(),
+                a.dtype.c_str(), a.headsQ, a.headsKv, a.headDim, a.threads);
+    std::printf("%-6s %7s | %8s %8s %6s | %8s %8s %6s\n", "mask", "tokens", "fwd", "gemm",
+                "ratio", "bwd", "gemm", "ratio");
+  }
+  // Peak: the best GEMM speed seen in this run, on large tiles before and after the kernels
+  // and on the kernels' own tiles, so that a disturbed measurement cannot inflate fractions.
+  double peak = kernels::measurePeakGemmGflops(a.threads, a.minSeconds);
+  struct Row {
+    std::string mask;
+    int64_t tokens;
+    kernels::CalibrationResult r;
+  };
+  std::vector<Row> rows;
+  for (kernels::MaskKind mask : masks) {
+    const std::string maskName = mask == kernels::MaskKind::kCausal ? "causal" : "full";
+    for (int64_t n : tokens) {
+      const kernels::CalibrationResult r = kernels::calibrate(
+          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads}, a.minSeconds);
+      rows.push_back({maskName, n, r});
+      peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
+      if (a.json) continue;
+      std::printf("%-6s %7s | %8.1f %8.1f %6.2f | %8.1f %8.1f %6.2f\n", maskName.c_str(),
+                  formatTokenCount(n).c_str(), r.forwardGflops, r.forwardGemmGflops,
+                  r.forwardGflops / r.forwardGemmGflops, r.backwardGflops, r.backwardGemmGflops,
+                  r.backwardGflops / r.backwardGemmGflops);
+      std::fflush(stdout);
+    }
+  }
+  peak = std::max(peak, kernels::measurePeakGemmGflops(a.threads, a.minSeconds));
+  if (!a.json) std::printf("peak (best dnnl_sgemm GFLOP/s of this run): %.1f\n", peak);
+
+  nlohmann::json forwardCurve = nlohmann::json::array(), backwardCurve = nlohmann::json::array();
+  const bool curveFromFull = std::find(a.masks.begin(), a.masks.end(), "full") != a.masks.end();
+  for (const Row& row : rows) {
+    const kernels::CalibrationResult& r = row.r;
+    if (a.json) {
+      for (const char* direction : {"forward", "backward"}) {
+        const bool fwd = direction[0] == 'f';
+        const double gflops = fwd ? r.forwardGflops : r.backwardGflops;
+        const nlohmann::json record = {
+            {"dtype", a.dtype},
+            {"mask", row.mask},
+            {"direction", direction},
+            {"tokens", row.tokens},
+            {"threads", a.threads},
+            {"heads_q", a.headsQ},
+            {"heads_kv", a.headsKv},
+            {"head_dim", a.headDim},
+            {"gflops", gflops},
+            {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
+            {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
+            {"fraction_of_peak", gflops / peak},
+            {"peak_gflops", peak}};
+        std::cout << record.dump() << '\n';
+      }
+    }
+    if (row.mask == "full" || !curveFromFull) {
+      forwardCurve.push_back({row.tokens, r.forwardGflops / peak});
+      backwardCurve.push_back({row.tokens, r.backwardGflops / peak});
+    }
+  }
+  if (a.curveOut.empty()) return;
+  const nlohmann::json curve = {{"kind", "fcp-efficiency-curve"}, {"device", device},
+                                {"dtype", a.dtype},               {"threads", a.threads},
+                                {"peak_gflops", peak},            {"forward", forwardCurve},
+                                {"backward", backwardCurve}};
+  std::ofstream out(a.curveOut);
+  out << curve.dump(2) << '\n';
+  if (!out.flush()) throwInvalidArgument("cannot write --curve-out file '", a.curveOut, "'");
+  if (!a.json) std::printf("efficiency curve written to %s\n", a.curveOut.c_str());
+}
+
+}  // namespace
+
+void addBenchCommand(CLI::App& app) {
+  CLI::App* bench = app.add_subcommand("bench", "Measure FCP's components on this machine");
+  bench->require_subcommand(1);
+  auto args = std::make_shared<KernelBenchArgs>();
+  CLI::App* kernel = bench->add_subcommand(
+      "kernel", "Block-attention kernels: GFLOP/s vs block length, beside dnnl_sgemm on the same "
+                "tiles; writes the efficiency curve");
+  kernel->add_option("--dtype", args->dtype, "fp32 or bf16")->capture_default_str();
+  kernel->add_option("--mask", args->masks, "causal and/or full (self pairs of one sequence)")
+      ->capture_default_str();
+  kernel->add_option("--tokens", args->tokens, "block lengths (e.g. 256 1K 8K)")
+      ->capture_default_str();
+  kernel->add_option("--threads", args->threads, "worker threads")->capture_default_str();
+  kernel->add_option("--heads-q", args->headsQ, "query heads")->capture_default_str();
+  kernel->add_option("--heads-kv", args->headsKv, "key/value heads")->capture_default_str();
+  kernel->add_option("--head-dim", args->headDim, "head dimension")->capture_default_str();
+  kernel->add_option("--min-seconds", args->minSeconds, "time per measurement (best of reps)")
+      ->capture_default_str();
+  kernel->add_option("--path", args->path, "vector path: auto, portable, avx2, avx512")
+      ->capture_default_str();
+  kernel->add_flag("--json", args->json,
+                   "one JSON record per (dtype, mask, direction, tokens, threads)");
+  kernel->add_option("--curve-out", args->curveOut, "write the efficiency curve (JSON) here");
+  kernel->callback([args] { runKernelBench(*args); });
+}
+
+}  // namespace fcp::app
