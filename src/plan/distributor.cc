@@ -7,6 +7,7 @@
 #include <queue>
 
 #include "fcp/core/error.h"
+#include "score_index.h"
 
 namespace fcp::plan {
 namespace {
@@ -141,9 +142,9 @@ void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts
   if (!(o.memorySlack >= 0 && o.memorySlack <= 100)) {
     throwInvalidArgument("invalid memory slack ", o.memorySlack, ": expected 0 to 100");
   }
-  if (!(o.alpha >= 0 && o.beta >= 0 && o.alpha + o.beta > 0 && std::isfinite(o.alpha + o.beta))) {
+  if (!(o.alpha > 0 && o.beta > 0 && std::isfinite(o.alpha) && std::isfinite(o.beta))) {
     throwInvalidArgument("invalid weights alpha ", o.alpha, ", beta ", o.beta,
-                         ": expected finite, non-negative, not both zero");
+                         ": expected finite and positive");
   }
   if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
     throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
@@ -276,16 +277,11 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   });
 
   Loads loads(n);
+  detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
   for (int32_t i : order) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
-    const double a = options.alpha / mHat, b = options.beta / cHat;
-    // Summed in double: m is "no memory left" (int64 max) on padding leaves. Token counts
-    // are far below 2^53, so the sum is exact for real workers.
-    const auto score = [&](int64_t m, double c) {
-      return std::max(a * (static_cast<double>(m) + static_cast<double>(mi)), b * (c + ci));
-    };
-    const int32_t w = loads.tree.argMin(cap - mi, -1, score);
+    const int32_t w = index.argMin(cap - mi, mi, ci);
     if (w < 0) {
       throwInvalidArgument("no worker has room for block ", i, " (", mi, " tokens) under the "
                            "memory cap of ", cap, " tokens: raise --memory-slack or "
@@ -293,6 +289,7 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     }
     result.owner[static_cast<size_t>(i)] = w;
     loads.add(w, i, mi, ci);
+    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   }
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
 

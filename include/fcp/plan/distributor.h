@@ -9,10 +9,12 @@
 /// swap off it that lowers the larger of the two workers' loads is applied. LB = max(largest
 /// c_i, Σ c_i / N) bounds every assignment's busiest worker from below.
 ///
-/// Both phases search a segment tree over workers (min memory, min and max compute per
-/// subtree) with branch and bound, so a step costs O(log N) when loads are spread and never
-/// scans full workers one by one. The improvement pass is bounded by a step count, not by
-/// time, so every rank stops at the same plan.
+/// The greedy finds the exact argmin in O(log N) with a treap of workers ordered by
+/// α m_w / m̂ − β c_w / ĉ (where the score switches between its two terms); ties go to the
+/// lowest worker id. The improvement pass searches a segment tree over workers (least
+/// compute, least memory, most compute per subtree). Neither scans full workers one by one.
+/// The improvement pass is bounded by a step count, not by time, so every rank stops at the
+/// same plan.
 
 #include <cstdint>
 #include <vector>
@@ -25,8 +27,8 @@ struct DistributorOptions {
   int64_t memoryLimitTokens = 0;
   /// δ: tolerated overshoot of M.
   double memorySlack = 0.1;
-  double alpha = 1.0;  ///< weight of memory in the greedy's score
-  double beta = 1.0;   ///< weight of compute in the greedy's score
+  double alpha = 1.0;  ///< weight of memory in the greedy's score (> 0)
+  double beta = 1.0;   ///< weight of compute in the greedy's score (> 0)
   /// Stop improving once the busiest worker is within this fraction above LB.
   double improveTarget = 0.001;
   /// At most this many improvement steps per block (a deterministic budget).
