@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -33,8 +34,12 @@ struct PlanArgs {
   int64_t headsKv = 8;
   int64_t headDim = 128;
   std::string dtype = "bf16";
+  int64_t coalesce = 16;
+  int64_t buffers = 3;
+  double localityTolerance = 0.002;
   bool json = false;
   std::string planOut;
+  std::string planIn;
 };
 
 int64_t elementBytes(const std::string& dtype) {
@@ -90,11 +95,55 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               static_cast<long long>(p.improveSteps));
   std::printf("  memory: max %lld tokens per worker, cap %lld\n",
               static_cast<long long>(s.maxWorkerTokens), static_cast<long long>(s.memoryCapTokens));
-  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f)\n", t.totalMs, t.shardMs, t.assignMs);
+  std::printf("  communication: %lld transfers, %.3g bytes, %d rounds (= max degree %d), %d "
+              "forward stages, imbalance %.4f\n",
+              static_cast<long long>(p.transfers.size()), static_cast<double>(s.commBytes),
+              p.numRounds, s.maxDegree, s.numForwardStages, s.commImbalance);
+  std::printf("  round maxima: sum %.4g bytes; lower bounds %.4g (busiest worker), %.4g (sorted)\n",
+              static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
+              static_cast<double>(s.sortedRoundBound));
+  std::printf("  reshuffle: %.4g bytes\n", static_cast<double>(s.reshuffleBytes));
+  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f, transfers %.2f, colour %.2f, "
+              "schedule %.2f)\n",
+              t.totalMs, t.shardMs, t.assignMs, t.transfersMs, t.colorMs, t.scheduleMs);
+}
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throwInvalidArgument("cannot read --plan-in file '", path, "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+/// `fcp plan --plan-in FILE`: a saved plan, checked, then summarised like a new one.
+void runLoadedPlan(const PlanArgs& a) {
+  const plan::Plan p = plan::planFromJson(readFile(a.planIn));
+  const auto violations = plan::validate(p);
+  if (!violations.empty()) {
+    throw Error(ErrorCode::kInvalidPlan, "plan '" + a.planIn + "' is invalid: " + violations.front() +
+                                             (violations.size() > 1 ? " (and more)" : ""));
+  }
+  const plan::PlanStats s = plan::computeStats(p);
+  if (a.json) {
+    std::cout << nlohmann::json({{"workers", p.config.numWorkers}, {"valid", true},
+                                 {"imbalance", {{"compute", s.computeImbalance},
+                                                {"memory", s.memoryImbalance},
+                                                {"comm", s.commImbalance}}}}).dump()
+              << '\n';
+  } else {
+    printSummary(p, s, plan::PlanTimings{}, "loaded from " + a.planIn);
+  }
 }
 
 void runPlan(const PlanArgs& a) {
+  if (!a.planIn.empty()) return runLoadedPlan(a);
   requirePositive(a.workers, "--workers");
+  if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected at least 1");
+  if (a.buffers < 2) {
+    throwInvalidArgument("invalid --buffers ", a.buffers,
+                         ": expected at least 2, the least that overlaps receiving with computing");
+  }
   requirePositive(a.headsQ, "--heads-q");
   requirePositive(a.headsKv, "--heads-kv");
   requirePositive(a.headDim, "--head-dim");
@@ -104,6 +153,9 @@ void runPlan(const PlanArgs& a) {
   config.memorySlack = a.memorySlack;
   config.alpha = a.alpha;
   config.beta = a.beta;
+  config.coalesce = a.coalesce;
+  config.bufferDepth = a.buffers;
+  config.localityTolerance = a.localityTolerance;
   config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(config.attention);
 
@@ -133,10 +185,19 @@ void runPlan(const PlanArgs& a) {
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
   plan::checkValid(p);
   const plan::PlanStats s = plan::computeStats(p);
+  // Reshuffle bytes without the locality preference, for comparison (not in plan_ms).
+  plan::PlanConfig noLocality = config;
+  noLocality.localityTolerance = 0;
+  const int64_t reshuffleWithout =
+      config.localityTolerance > 0
+          ? plan::computeStats(plan::buildPlan(batch, noLocality, costModel)).reshuffleBytes
+          : s.reshuffleBytes;
   if (!a.planOut.empty()) writeFileAtomically(a.planOut, plan::planToJson(p));
 
   if (!a.json) {
     printSummary(p, s, timings, source);
+    std::printf("  reshuffle without the locality preference: %.4g bytes\n",
+                static_cast<double>(reshuffleWithout));
     return;
   }
   const nlohmann::json out = {
@@ -149,14 +210,32 @@ void runPlan(const PlanArgs& a) {
       {"blocks", p.blocks.size()},
       {"pairs", p.pairs.size()},
       {"forward_flops", s.totalForwardFlops},
-      {"imbalance", {{"compute", s.computeImbalance}, {"memory", s.memoryImbalance}}},
+      {"imbalance",
+       {{"compute", s.computeImbalance}, {"memory", s.memoryImbalance}, {"comm", s.commImbalance}}},
+      {"rounds", p.numRounds},
+      {"max_degree", s.maxDegree},
+      {"stages", s.numForwardStages},
+      {"coalesce", config.coalesce},
+      {"buffers", config.bufferDepth},
+      {"transfers", p.transfers.size()},
+      {"comm_bytes", s.commBytes},
+      {"reshuffle_bytes", s.reshuffleBytes},
+      {"reshuffle_bytes_without_locality", reshuffleWithout},
+      {"round_max_bytes_sum", s.sumRoundMaxima},
+      {"round_max_bytes_lower_bounds",
+       {{"busiest_worker", s.maxWorkerCommBytes}, {"sorted_transfers", s.sortedRoundBound}}},
       {"lower_bound_gap", s.lowerBoundGap},
       {"greedy_lower_bound_gap", p.greedyMaxCost / p.lowerBound - 1},
       {"improve_steps", p.improveSteps},
       {"max_worker_tokens", s.maxWorkerTokens},
       {"memory_cap_tokens", s.memoryCapTokens},
       {"plan_ms", timings.totalMs},
-      {"plan_ms_by_phase", {{"shard", timings.shardMs}, {"assign", timings.assignMs}}}};
+      {"plan_ms_by_phase",
+       {{"shard", timings.shardMs},
+        {"assign", timings.assignMs},
+        {"transfers", timings.transfersMs},
+        {"colour", timings.colorMs},
+        {"schedule", timings.scheduleMs}}}};
   std::cout << out.dump() << '\n';
 }
 
@@ -190,7 +269,16 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "Element type: bf16, fp16 or fp32")->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the summary");
+  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one pipeline stage")
+      ->capture_default_str();
+  cmd->add_option("--buffers", args->buffers, "Stages of remote KV a worker may hold (>= 2)")
+      ->capture_default_str();
+  cmd->add_option("--locality-tolerance", args->localityTolerance,
+                  "Prefer a block's user-layout worker when within this fraction of the best")
+      ->capture_default_str();
   cmd->add_option("--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
+  cmd->add_option("--plan-in", args->planIn,
+                  "Check and summarise a plan written by --plan-out instead of planning");
   cmd->callback([args] { runPlan(*args); });
 }
 

@@ -21,6 +21,9 @@ json configToJson(const PlanConfig& c) {
           {"beta", c.beta},
           {"improve_target", c.improveTarget},
           {"improve_steps_per_block", c.improveStepsPerBlock},
+          {"coalesce", c.coalesce},
+          {"buffer_depth", c.bufferDepth},
+          {"locality_tolerance", c.localityTolerance},
           {"heads_q", c.attention.numHeadsQ},
           {"heads_kv", c.attention.numHeadsKv},
           {"head_dim", c.attention.headDim},
@@ -51,12 +54,42 @@ PlanConfig configFromJson(const json& j) {
   c.beta = field<double>(j, "beta");
   c.improveTarget = field<double>(j, "improve_target");
   c.improveStepsPerBlock = field<int64_t>(j, "improve_steps_per_block");
+  c.coalesce = field<int64_t>(j, "coalesce");
+  c.bufferDepth = field<int64_t>(j, "buffer_depth");
+  c.localityTolerance = field<double>(j, "locality_tolerance");
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
   c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
   c.attention.headDim = field<int64_t>(j, "head_dim");
   c.attention.elementBytes = field<int64_t>(j, "element_bytes");
   c.attention.mask = parseMask(field<std::string>(j, "mask"));
   return c;
+}
+
+/// A pass's stages: [worker][stage] -> [send, recv, compute, release, sendGrad, recvGrad].
+json stagesToJson(const std::vector<std::vector<Stage>>& stages) {
+  json workers = json::array();
+  for (const auto& ws : stages) {
+    json list = json::array();
+    for (const Stage& st : ws) {
+      list.push_back({st.send, st.recv, st.compute, st.release, st.sendGrad, st.recvGrad});
+    }
+    workers.push_back(std::move(list));
+  }
+  return workers;
+}
+
+std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
+  std::vector<std::vector<Stage>> stages;
+  for (const json& ws : j) {
+    std::vector<Stage> list;
+    for (const json& st : ws) {
+      using Ids = std::vector<int32_t>;
+      list.push_back({st.at(0).get<Ids>(), st.at(1).get<Ids>(), st.at(2).get<Ids>(),
+                      st.at(3).get<Ids>(), st.at(4).get<Ids>(), st.at(5).get<Ids>()});
+    }
+    stages.push_back(std::move(list));
+  }
+  return stages;
 }
 
 }  // namespace
@@ -72,6 +105,14 @@ std::string planToJson(const Plan& plan) {
   for (const BlockPair& p : plan.pairs) pairs.push_back({p.qBlock, p.kvBlock, p.visible, p.cost});
   json loads = json::array();
   for (const WorkerLoad& l : plan.loads) loads.push_back({l.numTokens, l.cost});
+  json transfers = json::array();
+  for (const Transfer& t : plan.transfers) {
+    transfers.push_back({t.block, t.sender, t.receiver, t.bytes, t.round});
+  }
+  json reshuffle = json::array();
+  for (const ReshufflePiece& p : plan.reshuffle) {
+    reshuffle.push_back({p.userWorker, p.fcpWorker, p.begin, p.end});
+  }
   const json doc = {{"format", "fcp-plan"},
                     {"version", kFormatVersion},
                     {"config", configToJson(plan.config)},
@@ -82,7 +123,12 @@ std::string planToJson(const Plan& plan) {
                     {"loads", std::move(loads)},
                     {"lower_bound", plan.lowerBound},
                     {"greedy_max_cost", plan.greedyMaxCost},
-                    {"improve_steps", plan.improveSteps}};
+                    {"improve_steps", plan.improveSteps},
+                    {"transfers", std::move(transfers)},
+                    {"num_rounds", plan.numRounds},
+                    {"forward", stagesToJson(plan.forward)},
+                    {"backward", stagesToJson(plan.backward)},
+                    {"reshuffle", std::move(reshuffle)}};
   return doc.dump();
 }
 
@@ -118,12 +164,24 @@ Plan planFromJson(std::string_view text) {
     for (const json& l : field<json>(doc, "loads")) {
       plan.loads.push_back({l.at(0).get<int64_t>(), l.at(1).get<double>()});
     }
+    for (const json& t : field<json>(doc, "transfers")) {
+      plan.transfers.push_back({t.at(0).get<int32_t>(), t.at(1).get<int32_t>(), t.at(2).get<int32_t>(),
+                                t.at(3).get<int64_t>(), t.at(4).get<int32_t>()});
+    }
+    plan.forward = stagesFromJson(field<json>(doc, "forward"));
+    plan.backward = stagesFromJson(field<json>(doc, "backward"));
+    for (const json& p : field<json>(doc, "reshuffle")) {
+      plan.reshuffle.push_back({p.at(0).get<int32_t>(), p.at(1).get<int32_t>(), p.at(2).get<int64_t>(),
+                                p.at(3).get<int64_t>()});
+    }
   } catch (const json::exception& e) {
-    throwInvalidArgument("plan JSON has a malformed block, pair or load entry: ", e.what());
+    throwInvalidArgument("plan JSON has a malformed block, pair, load, transfer, stage or "
+                         "reshuffle entry: ", e.what());
   }
   plan.lowerBound = field<double>(doc, "lower_bound");
   plan.greedyMaxCost = field<double>(doc, "greedy_max_cost");
   plan.improveSteps = field<int64_t>(doc, "improve_steps");
+  plan.numRounds = field<int32_t>(doc, "num_rounds");
   return plan;
 }
 

@@ -6,10 +6,15 @@
 #include <sstream>
 #include <tuple>
 
+#include "communication.h"
 #include "fcp/core/error.h"
+#include "fcp/plan/coloring.h"
+#include "violations.h"
 
 namespace fcp::plan {
 namespace {
+
+using detail::Violations;
 
 double msSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -24,33 +29,9 @@ DistributorOptions distributorOptions(const PlanConfig& config) {
   o.beta = config.beta;
   o.improveTarget = config.improveTarget;
   o.improveStepsPerBlock = config.improveStepsPerBlock;
+  o.localityTolerance = config.localityTolerance;
   return o;
 }
-
-/// Collects violations, keeping the first kMaxReported sentences and counting the rest.
-class Violations {
- public:
-  template <typename... Parts>
-  void add(const Parts&... parts) {
-    ++count_;
-    if (messages_.size() >= kMaxReported) return;
-    std::ostringstream os;
-    (os << ... << parts);
-    messages_.push_back(os.str());
-  }
-  std::vector<std::string> take() {
-    if (count_ > messages_.size()) {
-      messages_.push_back("... and " + std::to_string(count_ - messages_.size()) + " more");
-    }
-    return std::move(messages_);
-  }
-  bool empty() const { return count_ == 0; }
-
- private:
-  static constexpr size_t kMaxReported = 50;
-  std::vector<std::string> messages_;
-  size_t count_ = 0;
-};
 
 void checkTokenCoverage(const Plan& plan, Violations& v) {
   const auto numSequences = plan.batch.sequenceLengths.size();
@@ -203,6 +184,13 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   if (config.tokensPerWorker <= 0) {
     throwInvalidArgument("invalid tokens per worker ", config.tokensPerWorker, ": expected > 0");
   }
+  if (config.coalesce <= 0) {
+    throwInvalidArgument("invalid coalesce ", config.coalesce, ": expected at least 1 round per stage");
+  }
+  if (config.bufferDepth < 2) {
+    throwInvalidArgument("invalid buffer depth ", config.bufferDepth,
+                         ": expected at least 2, the least that overlaps receiving with computing");
+  }
   if (config.attention.mask != costModel.attention.mask) {
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
   }
@@ -219,15 +207,29 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   for (const Block& b : plan.blocks) tokens.push_back(b.numTokens());
   const std::vector<double> costs =
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
-  Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
+  Assignment a = assignBlocks(tokens, costs, detail::homeWorkers(plan), distributorOptions(config));
   plan.owner = std::move(a.owner);
   plan.lowerBound = a.lowerBound;
   plan.greedyMaxCost = a.greedyMaxCost;
   plan.improveSteps = a.improveSteps;
   plan.loads = computeLoads(plan);
+  const double assignMs = msSince(assignStart);
+
+  const auto transfersStart = std::chrono::steady_clock::now();
+  plan.transfers = detail::buildTransfers(plan);
+  const double transfersMs = msSince(transfersStart);
+  const auto colorStart = std::chrono::steady_clock::now();
+  detail::colorTransfers(plan);
+  const double colorMs = msSince(colorStart);
+  const auto scheduleStart = std::chrono::steady_clock::now();
+  detail::buildStages(plan);
+  plan.reshuffle = detail::buildReshuffle(plan);
   if (timings) {
     timings->shardMs = shardMs;
-    timings->assignMs = msSince(assignStart);
+    timings->assignMs = assignMs;
+    timings->transfersMs = transfersMs;
+    timings->colorMs = colorMs;
+    timings->scheduleMs = msSince(scheduleStart);
     timings->totalMs = msSince(start);
   }
   return plan;
@@ -264,6 +266,33 @@ PlanStats computeStats(const Plan& plan) {
   s.maxWorkerTokens = maxTokens;
   s.memoryCapTokens = memoryCapTokens(distributorOptions(plan.config));
   for (const BlockPair& p : plan.pairs) s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
+
+  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
+  std::vector<Edge> edges;
+  for (const Transfer& t : plan.transfers) {
+    s.commBytes += t.bytes;
+    moved[static_cast<size_t>(t.sender)] += t.bytes;
+    moved[static_cast<size_t>(t.receiver)] += t.bytes;
+    edges.push_back({t.sender, t.receiver, t.bytes});
+  }
+  const int64_t maxMoved = *std::max_element(moved.begin(), moved.end());
+  s.commImbalance = maxMoved > 0 ? (static_cast<double>(maxMoved) - 2.0 * static_cast<double>(s.commBytes) / n) /
+                                       static_cast<double>(maxMoved)
+                                 : 0;
+  const auto& a = plan.config.attention;
+  for (const ReshufflePiece& p : plan.reshuffle) {
+    if (p.userWorker == p.fcpWorker) continue;
+    s.reshuffleBytes += (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
+  }
+  const auto numWorkers = static_cast<int32_t>(plan.config.numWorkers);
+  const RoundCostBounds bounds = roundCostBounds(numWorkers, edges);
+  s.maxWorkerCommBytes = bounds.maxWorkerBytes;
+  s.sortedRoundBound = bounds.sortedRoundBound;
+  EdgeColoring coloring{plan.numRounds, {}};
+  for (const Transfer& t : plan.transfers) coloring.color.push_back(t.round);
+  s.sumRoundMaxima = sumOfRoundMaxima(edges, coloring);
+  s.maxDegree = maxDegree(numWorkers, edges);
+  s.numForwardStages = plan.forward.empty() ? 0 : static_cast<int32_t>(plan.forward.front().size());
   return s;
 }
 
@@ -282,6 +311,7 @@ std::vector<std::string> validate(const Plan& plan) {
   checkTokenCoverage(plan, v);
   checkOwnersAndLoads(plan, v);
   checkPairs(plan, v);
+  if (v.empty()) detail::validateCommunication(plan, v);
   return v.take();
 }
 

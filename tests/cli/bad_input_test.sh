@@ -62,5 +62,22 @@ expect bad_heads "not a multiple" --heads-q 12 --heads-kv 8
 expect bad_dtype "'int3'" --dtype int3
 expect bad_slack "memory slack -1" --memory-slack -1
 
+expect zero_coalesce "--coalesce 0" --coalesce 0
+expect one_buffer "--buffers 1" --buffers 1
+expect missing_plan_in "$tmp/none.json" --plan-in "$tmp/none.json"
+printf '{"format": "fcp-plan", "version": 1}' > "$tmp/partial.json"
+expect partial_plan_in "missing field" --plan-in "$tmp/partial.json"
+# A plan that parses but breaks an invariant: one transfer moved into another's round.
+"$fcp" plan --workers 8 --plan-out "$tmp/good.json" > /dev/null
+/usr/bin/python3 - "$tmp/good.json" "$tmp/bad.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+t = p["transfers"]
+first = next(i for i in range(1, len(t)) if t[i][1] == t[0][1])
+t[first][4] = t[0][4]
+json.dump(p, open(sys.argv[2], "w"))
+PY
+expect invalid_plan_in "is not a matching" --plan-in "$tmp/bad.json"
+
 echo "$passed passed, $failures failed"
 [ $failures -eq 0 ]

@@ -27,8 +27,16 @@ check other_seed_other_plan bash -c "! cmp -s '$tmp/a.json' '$tmp/c.json'"
 check json_fields /usr/bin/python3 - "$tmp/summary.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-for key in ["workers", "sequences", "blocks", "imbalance", "lower_bound_gap", "plan_ms"]:
+for key in ["workers", "sequences", "blocks", "imbalance", "lower_bound_gap", "plan_ms",
+            "rounds", "max_degree", "stages", "comm_bytes", "reshuffle_bytes",
+            "round_max_bytes_sum", "round_max_bytes_lower_bounds", "plan_ms_by_phase"]:
     assert key in s, key
+assert s["rounds"] == s["max_degree"] > 0
+assert 0 <= s["imbalance"]["comm"] < 0.5
+b = s["round_max_bytes_lower_bounds"]
+assert s["round_max_bytes_sum"] >= max(b["busiest_worker"], b["sorted_transfers"]) > 0
+assert s["reshuffle_bytes"] <= s["reshuffle_bytes_without_locality"]
+assert set(s["plan_ms_by_phase"]) == {"shard", "assign", "transfers", "colour", "schedule"}
 assert s["workers"] == 32 and s["tokens"] == 32 * 32768
 assert 0 <= s["imbalance"]["compute"] < 0.05 and 0 <= s["imbalance"]["memory"] < 1
 assert s["lower_bound_gap"] >= 0 and s["plan_ms"] > 0
@@ -40,6 +48,10 @@ check trace_runs "$fcp" plan --trace "$tmp/trace.txt" --workers 4 --json > "$tmp
 check trace_fields /usr/bin/python3 -c "
 import json; s = json.load(open('$tmp/trace.json'))
 assert s['sequences'] == 4 and s['tokens'] == 105600, s"
+
+# A saved plan loads back and validates.
+check plan_in_runs "$fcp" plan --plan-in "$tmp/a.json" --json > "$tmp/loaded.json"
+check plan_in_valid grep -q '"valid":true' "$tmp/loaded.json"
 
 check help_exits_zero "$fcp" plan --help > /dev/null
 

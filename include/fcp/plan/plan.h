@@ -11,6 +11,7 @@
 #include "fcp/core/cost_model.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/distributor.h"
+#include "fcp/plan/schedule.h"
 #include "fcp/plan/sharding.h"
 
 namespace fcp::plan {
@@ -28,6 +29,13 @@ struct PlanConfig {
   double beta = 1.0;
   double improveTarget = 0.001;
   int64_t improveStepsPerBlock = 4;
+  /// Rounds merged into one pipeline stage (the bottom-up coalescer).
+  int64_t coalesce = 16;
+  /// Groups of remote KV a worker may hold at once; 2 is the least that overlaps.
+  int64_t bufferDepth = 3;
+  /// Locality preference: a block goes to the worker already holding most of its tokens in the
+  /// user layout when that worker's score is within this fraction of the best; 0 disables it.
+  double localityTolerance = 0.002;
   AttentionConfig attention;
 
   int64_t memoryLimit() const { return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker; }
@@ -52,6 +60,13 @@ struct Plan {
   double greedyMaxCost = 0;      ///< busiest worker's cost before the improvement pass
   int64_t improveSteps = 0;
 
+  std::vector<Transfer> transfers;  ///< sorted by (block, receiver)
+  int32_t numRounds = 0;            ///< Δ of the transfer graph
+  std::vector<std::vector<Stage>> forward;   ///< [worker][stage]
+  std::vector<std::vector<Stage>> backward;  ///< [worker][stage]
+  /// Inward reshuffle, sorted by begin; the outward one is the same pieces reversed.
+  std::vector<ReshufflePiece> reshuffle;
+
   friend bool operator==(const Plan&, const Plan&) = default;
 };
 
@@ -60,6 +75,9 @@ struct Plan {
 struct PlanTimings {
   double shardMs = 0;
   double assignMs = 0;
+  double transfersMs = 0;
+  double colorMs = 0;
+  double scheduleMs = 0;
   double totalMs = 0;
 };
 
@@ -79,13 +97,25 @@ struct PlanStats {
   int64_t maxWorkerTokens = 0;
   int64_t memoryCapTokens = 0;
   double totalForwardFlops = 0;
+  int64_t commBytes = 0;          ///< forward KV bytes sent over the network
+  double commImbalance = 0;       ///< (max - mean) / max of bytes sent + received per worker
+  int64_t reshuffleBytes = 0;     ///< forward: Q, K, V in and O out, off-worker pieces only
+  int64_t maxWorkerCommBytes = 0; ///< weighted bound: most bytes a worker sends or receives
+  int64_t sortedRoundBound = 0;   ///< weighted bound: Σ_k ((k−1)N+1)-th largest transfer
+  int64_t sumRoundMaxima = 0;     ///< Σ over rounds of the largest transfer
+  int32_t maxDegree = 0;
+  int32_t numForwardStages = 0;
 };
 PlanStats computeStats(const Plan& plan);
 
 /// Every violated invariant, one sentence each; empty when the plan is valid. Checks: each
 /// token of each sequence in exactly one block, each block on one worker, memory cap held,
-/// loads consistent, and every (Q chunk, KV chunk) pair the mask needs computed exactly once
-/// (and no pair that needs nothing).
+/// loads consistent, every (Q chunk, KV chunk) pair the mask needs computed exactly once (and
+/// no pair that needs nothing); transfers exactly those needed, each round a matching, rounds
+/// = Δ; in both passes every pair computed once by its Q owner after its KV arrived, every
+/// transfer (and backward, every dK/dV partial) sent once and received once, at most
+/// `coalesce` per worker and stage, buffers never over depth; the reshuffle moves every token
+/// exactly once each way.
 std::vector<std::string> validate(const Plan& plan);
 
 /// Throws Error(kInvalidPlan) listing the first violations unless `validate` finds none.

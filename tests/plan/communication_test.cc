@@ -1,0 +1,253 @@
+// The Communication Planner inside buildPlan: transfers, rounds, stages, reshuffle, and the
+// invariants validate() holds them to.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+#include "fcp/plan/json.h"
+#include "fcp/plan/plan.h"
+
+namespace fcp::plan {
+namespace {
+
+Plan planFor(const Batch& batch, int64_t workers, int64_t blockSize, int64_t coalesce = 16,
+             int64_t buffers = 3, MaskKind mask = MaskKind::kCausal) {
+  PlanConfig c;
+  c.numWorkers = workers;
+  c.blockSize = blockSize;
+  c.coalesce = coalesce;
+  c.bufferDepth = buffers;
+  c.attention.mask = mask;
+  c.tokensPerWorker = std::max((batch.numTokens() + workers - 1) / workers, blockSize);
+  c.memorySlack = 1.0;  // cap 2T >= T + block: always room
+  return buildPlan(batch, c, CostModel{c.attention});
+}
+
+bool mentions(const std::vector<std::string>& violations, const std::string& text) {
+  return std::any_of(violations.begin(), violations.end(),
+                     [&](const std::string& v) { return v.find(text) != std::string::npos; });
+}
+
+void expectValid(const Plan& p, const std::string& what) {
+  const auto violations = validate(p);
+  ASSERT_TRUE(violations.empty()) << what << ": " << violations.front();
+}
+
+/// Every remote pair's KV arrives through exactly one transfer, recomputed here from scratch.
+void expectTransfersAreExactlyTheNeededOnes(const Plan& p) {
+  std::set<std::pair<int32_t, int32_t>> needed;
+  for (const BlockPair& pair : p.pairs) {
+    const int32_t w = p.owner[static_cast<size_t>(pair.qBlock)];
+    if (p.owner[static_cast<size_t>(pair.kvBlock)] != w) needed.insert({pair.kvBlock, w});
+  }
+  std::set<std::pair<int32_t, int32_t>> got;
+  for (const Transfer& t : p.transfers) {
+    EXPECT_TRUE(got.insert({t.block, t.receiver}).second) << "transfer sent twice";
+    EXPECT_EQ(t.sender, p.owner[static_cast<size_t>(t.block)]);
+  }
+  EXPECT_EQ(got, needed);
+}
+
+TEST(CommunicationTest, AdversarialShapesGiveValidPlans) {
+  const int64_t b = 64;
+  struct Case {
+    const char* name;
+    Batch batch;
+    int64_t workers;
+  };
+  std::vector<int64_t> shorts(200, 17);
+  const std::vector<Case> cases = {
+      {"one giant sequence", Batch{{b * 64}}, 8},
+      {"one giant among short ones", Batch{{b * 40, 5, 9, 30, 63, 64, 1}}, 6},
+      {"only short sequences", Batch{shorts}, 7},
+      {"workers with nothing to do", Batch{{b * 2, 3}}, 9},
+      {"one worker", Batch{{b * 5, 7, b + 1}}, 1},
+      {"two workers", Batch{{b * 7 + 3, 33}}, 2},
+  };
+  for (const Case& c : cases) {
+    for (int64_t coalesce : {1, 2, 16}) {
+      for (int64_t buffers : {2, 3, 5}) {
+        const Plan p = planFor(c.batch, c.workers, b, coalesce, buffers);
+        expectValid(p, c.name);
+        expectTransfersAreExactlyTheNeededOnes(p);
+      }
+    }
+  }
+}
+
+TEST(CommunicationTest, RandomPlansAreValidAndRoundsEqualMaxDegree) {
+  Rng rng(21);
+  for (int trial = 0; trial < 25; ++trial) {
+    Batch batch;
+    for (uint64_t i = 0, n = 1 + rng.next() % 30; i < n; ++i) {
+      // Long-tailed: mostly short, some many blocks long.
+      batch.sequenceLengths.push_back(1 + static_cast<int64_t>(std::exp(7.0 * rng.uniform())));
+    }
+    const int64_t workers = 1 + static_cast<int64_t>(rng.next() % 24);
+    const Plan p = planFor(batch, workers, 32 + static_cast<int64_t>(rng.next() % 100),
+                           1 + static_cast<int64_t>(rng.next() % 8), 2 + static_cast<int64_t>(rng.next() % 3),
+                           trial % 3 ? MaskKind::kCausal : MaskKind::kFull);
+    expectValid(p, "trial " + std::to_string(trial));
+    expectTransfersAreExactlyTheNeededOnes(p);
+    // Rounds = Δ, counted here from the transfers.
+    std::vector<int32_t> out(static_cast<size_t>(workers)), in(static_cast<size_t>(workers));
+    for (const Transfer& t : p.transfers) {
+      ++out[static_cast<size_t>(t.sender)];
+      ++in[static_cast<size_t>(t.receiver)];
+    }
+    int32_t delta = 0;
+    for (int64_t w = 0; w < workers; ++w) delta = std::max({delta, out[static_cast<size_t>(w)], in[static_cast<size_t>(w)]});
+    EXPECT_EQ(p.numRounds, delta);
+  }
+}
+
+TEST(CommunicationTest, StagesRespectCoalesceAndBufferDepth) {
+  const Plan p = planFor(sampleBatch(findWorkload("lognormal"), 32 * 8192, 3), 32, 1024, 4, 2);
+  expectValid(p, "lognormal");
+  for (const auto& stages : p.forward) {
+    int64_t held = 0, maxHeld = 0;
+    for (const Stage& st : stages) {
+      EXPECT_LE(st.send.size(), 4u);
+      EXPECT_LE(st.recv.size(), 4u);
+      held += static_cast<int64_t>(st.recv.size());
+      maxHeld = std::max(maxHeld, held);
+      held -= static_cast<int64_t>(st.release.size());
+    }
+    EXPECT_LE(maxHeld, 2 * 4);
+    EXPECT_EQ(held, 0);
+  }
+}
+
+TEST(CommunicationTest, ReshuffleMovesEveryTokenOnceToItsBlockOwner) {
+  const Batch batch = sampleBatch(findWorkload("bimodal"), 16 * 32768, 8);
+  const Plan p = planFor(batch, 16, 4096);
+  // Token by token: which worker owns it in the FCP layout.
+  std::vector<int32_t> fcpOwner(static_cast<size_t>(batch.numTokens()), -1);
+  std::vector<int64_t> seqStart(1, 0);
+  for (int64_t len : batch.sequenceLengths) seqStart.push_back(seqStart.back() + len);
+  for (size_t b = 0; b < p.blocks.size(); ++b) {
+    for (const Chunk& c : p.blocks[b].chunks) {
+      for (int64_t t = c.begin; t < c.end; ++t) {
+        fcpOwner[static_cast<size_t>(seqStart[static_cast<size_t>(c.sequence)] + t)] = p.owner[b];
+      }
+    }
+  }
+  std::vector<int> moved(fcpOwner.size(), 0);
+  const int64_t perWorker = batch.numTokens() / 16;
+  for (const ReshufflePiece& piece : p.reshuffle) {
+    for (int64_t t = piece.begin; t < piece.end; ++t) {
+      ++moved[static_cast<size_t>(t)];
+      ASSERT_EQ(piece.userWorker, t / perWorker);
+      ASSERT_EQ(piece.fcpWorker, fcpOwner[static_cast<size_t>(t)]);
+    }
+  }
+  EXPECT_TRUE(std::all_of(moved.begin(), moved.end(), [](int m) { return m == 1; }));
+}
+
+TEST(CommunicationTest, LocalityPreferenceNeverMovesMoreAndKeepsBalance) {
+  for (const auto& w : builtinWorkloads()) {
+    const Batch batch = sampleBatch(w, 64 * 32768, 2);
+    PlanConfig c;
+    c.numWorkers = 64;
+    c.localityTolerance = 0;
+    const Plan without = buildPlan(batch, c, CostModel{c.attention});
+    c.localityTolerance = 0.002;
+    const Plan with = buildPlan(batch, c, CostModel{c.attention});
+    EXPECT_LE(computeStats(with).reshuffleBytes, computeStats(without).reshuffleBytes) << w.name;
+    EXPECT_LT(computeStats(with).lowerBoundGap, 0.01) << w.name;
+  }
+}
+
+TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
+  const Plan good = planFor(sampleBatch(findWorkload("lognormal"), 16 * 16384, 4), 16, 1024, 2, 2);
+  ASSERT_TRUE(validate(good).empty());
+  ASSERT_GT(good.transfers.size(), 10u);
+
+  Plan p = good;  // two transfers from one sender in one round
+  for (size_t t = 1; t < p.transfers.size(); ++t) {
+    if (p.transfers[t].sender == p.transfers[0].sender) {
+      p.transfers[t].round = p.transfers[0].round;
+      break;
+    }
+  }
+  EXPECT_TRUE(mentions(validate(p), "is not a matching"));
+
+  p = good;
+  p.numRounds += 1;
+  EXPECT_TRUE(mentions(validate(p), "rounds, but"));
+
+  p = good;
+  p.transfers.pop_back();
+  EXPECT_TRUE(mentions(validate(p), "transfers but its pairs need"));
+
+  // A remote pair moved to the first stage: computed before its KV arrives.
+  p = good;
+  bool moved = false;
+  for (auto& stages : p.forward) {
+    for (size_t s = 1; s < stages.size() && !moved; ++s) {
+      for (size_t i = 0; i < stages[s].compute.size() && !moved; ++i) {
+        const int32_t pair = stages[s].compute[i];
+        const BlockPair& bp = p.pairs[static_cast<size_t>(pair)];
+        if (p.owner[static_cast<size_t>(bp.kvBlock)] == p.owner[static_cast<size_t>(bp.qBlock)]) continue;
+        stages[s].compute.erase(stages[s].compute.begin() + static_cast<std::ptrdiff_t>(i));
+        stages[0].compute.push_back(pair);
+        moved = true;
+      }
+    }
+  }
+  ASSERT_TRUE(moved);
+  EXPECT_TRUE(mentions(validate(p), "before its KV block"));
+
+  p = good;  // a pair computed twice
+  for (auto& stages : p.backward) {
+    if (!stages.back().compute.empty()) {
+      stages.back().compute.push_back(stages.back().compute.front());
+      break;
+    }
+  }
+  EXPECT_TRUE(mentions(validate(p), "happens twice"));
+
+  p = good;  // buffers never freed
+  for (auto& stages : p.forward) {
+    for (auto& st : stages) st.release.clear();
+  }
+  EXPECT_TRUE(mentions(validate(p), "never freed"));
+
+  p = good;  // a dK/dV partial sent in the same stage as the KV's pairs are computed
+  for (int64_t w = 0; w < 16 && p.backward.size() == 16; ++w) {
+    auto& stages = p.backward[static_cast<size_t>(w)];
+    for (size_t s = 1; s < stages.size(); ++s) {
+      if (!stages[s].sendGrad.empty()) {
+        stages[s - 1].sendGrad.push_back(stages[s].sendGrad.back());
+        stages[s].sendGrad.pop_back();
+        w = 16;
+        break;
+      }
+    }
+  }
+  EXPECT_TRUE(mentions(validate(p), "dK/dV partial"));
+
+  p = good;  // the reshuffle skips some tokens
+  p.reshuffle.erase(p.reshuffle.begin() + 1);
+  EXPECT_TRUE(mentions(validate(p), "reshuffle piece"));
+
+  p = good;  // reshuffle to the wrong worker
+  p.reshuffle[0].fcpWorker = (p.reshuffle[0].fcpWorker + 1) % 16;
+  EXPECT_TRUE(mentions(validate(p), "not to the owner"));
+}
+
+TEST(CommunicationTest, BadScheduleOptionsAreErrors) {
+  PlanConfig c;
+  c.coalesce = 0;
+  EXPECT_THROW(buildPlan(Batch{{4096}}, c, CostModel{c.attention}), Error);
+  c.coalesce = 16;
+  c.bufferDepth = 1;
+  EXPECT_THROW(buildPlan(Batch{{4096}}, c, CostModel{c.attention}), Error);
+}
+
+}  // namespace
+}  // namespace fcp::plan
