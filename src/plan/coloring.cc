@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <memory>
 #include <numeric>
 
@@ -26,132 +27,158 @@ void checkEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
   }
 }
 
-/// Edge indices in descending `bytes`, ties by index: a stable LSD radix sort on
-/// (max − bytes), 8 bits a pass, skipping passes in which every key has the same digit (so
-/// equal sizes cost one histogram pass).
-std::vector<int32_t> descendingBySize(const std::vector<Edge>& edges) {
-  const size_t m = edges.size();
-  int64_t maxBytes = 0;
-  for (const Edge& e : edges) maxBytes = std::max(maxBytes, e.bytes);
-  std::vector<uint64_t> key(m);
-  for (size_t i = 0; i < m; ++i) key[i] = static_cast<uint64_t>(maxBytes - edges[i].bytes);
-  std::vector<int32_t> order(m), next(m);
-  std::iota(order.begin(), order.end(), 0);
-  const auto passes = static_cast<int>((std::bit_width(static_cast<uint64_t>(maxBytes)) + 7) / 8);
-  for (int pass = 0; pass < passes; ++pass) {
-    const int shift = 8 * pass;
-    size_t count[257] = {};
-    for (size_t i = 0; i < m; ++i) ++count[((key[i] >> shift) & 0xff) + 1];
-    if (std::find(count + 1, count + 257, m) != count + 257) continue;  // one digit for all
-    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
-    for (size_t i = 0; i < m; ++i) {
-      const auto e = static_cast<size_t>(order[i]);
-      next[count[(key[e] >> shift) & 0xff]++] = order[i];
+/// A size class that orders transfers by size to within 1/64: sizes below 128 bytes are
+/// their own class; above, the class is the exponent and the six bits after the leading one.
+/// Classes grow with size and stay below kSizeClasses.
+constexpr int32_t kSizeClasses = 64 + 58 * 64;
+int32_t sizeClass(int64_t bytes) {
+  const auto b = static_cast<uint64_t>(bytes);
+  if (b < 128) return static_cast<int32_t>(b);
+  const auto shift = static_cast<int32_t>(std::bit_width(b)) - 7;
+  return 64 + 64 * shift + static_cast<int32_t>((b >> shift) - 64);
+}
+
+/// Next-fit grouping of one side's vertices into groups of degree sum ≤ cap (a vertex of
+/// larger degree alone). Returns each worker's group and sets `numGroups`.
+std::vector<int32_t> groupVertices(const std::vector<int32_t>& degree, int32_t cap,
+                                   int32_t& numGroups) {
+  std::vector<int32_t> group(degree.size());
+  numGroups = 0;
+  int64_t load = 0;
+  for (size_t w = 0; w < degree.size(); ++w) {
+    if (numGroups == 0 || load + degree[w] > cap) {
+      ++numGroups;
+      load = 0;
     }
-    order.swap(next);
+    load += degree[w];
+    group[w] = numGroups - 1;
   }
-  return order;
+  return group;
 }
 
 /// Alternating-path (Kőnig) edge colouring of a bipartite multigraph with exactly Δ colours.
 ///
-/// Terms: vertices 0..N−1 are senders and N..2N−1 receivers; edges are numbered in the order
-/// they are coloured. A colour is *free* at a vertex when none of its coloured edges has it;
-/// `free_` holds one bit per (vertex, colour), and `at_[x·Δ + c]` names the edge of colour c at
-/// x, valid only while c is not free at x (so the table is never cleared). To colour (u, v):
-/// a colour free at both ends is taken when there is one (the lowest, so that edges coloured
-/// early, the largest, share rounds). Otherwise a is free at u but not v and b free at v but not
-/// u; the a/b path starting at v cannot reach u (u's side is entered by a-edges, and u has
-/// none), so swapping a and b on it frees a at v. Before walking a long path we try the cheap
-/// case where the path has one edge (some b free at both v and the a-neighbour of v), and walk
-/// the two candidate paths (from v, and from u with the roles swapped) in lock step so we pay
-/// for the shorter one only.
+/// Terms: vertices are numbered on both sides together (here they are groups of workers);
+/// edges are numbered in the order they are coloured. A colour is *free* at a vertex when none
+/// of its coloured edges has it; `free_` holds one bit per (vertex, colour) and `low_[x]` a
+/// word of x's row before which no colour is free. To colour (u, v): the lowest colour free at
+/// both ends is taken when there is one (lowest, so that edges coloured early, the largest,
+/// share rounds). Otherwise a is free at u but not v and b free at v but not u; the a/b path
+/// starting at v cannot reach u (u's side is entered by a-edges, and u has none), so swapping
+/// a and b on it frees a at v. Paths need `at_[x·Δ + c]`, the edge of colour c at x (valid only
+/// while c is not free at x, so it is never cleared); it is built on the first conflict, since
+/// on graphs with slack greedy colouring never conflicts and the table would be the largest
+/// memory traffic. Before walking a long path we try paths of one edge (some colour free at
+/// both v and the a-neighbour of v, from either end), and walk the two candidate paths (from
+/// v, and from u with a and b swapped) in lock step so we pay for the shorter only.
 class Colorer {
  public:
-  Colorer(int32_t numVertices, int32_t numColors, size_t numEdges)
-      : colors_(numColors),
-        words_((static_cast<size_t>(numColors) + 63) / 64),
-        free_(static_cast<size_t>(numVertices) * words_, ~uint64_t{0}),
-        at_(new int32_t[static_cast<size_t>(numVertices) * static_cast<size_t>(numColors)]),
-        ends_(numEdges),
-        color_(numEdges, -1) {
+  /// `ends[e]` holds edge e's two vertices (sender groups first, then receiver groups), in
+  /// colouring order; colours land in `color`, indexed the same way.
+  Colorer(const std::vector<std::pair<int32_t, int32_t>>& ends, int32_t numVertices,
+          int32_t numColors, std::vector<int32_t>& color)
+      : ends_(ends),
+        vertices_(static_cast<size_t>(numVertices)),
+        colors_(static_cast<size_t>(numColors)),
+        words_((colors_ + 63) / 64),
+        free_(vertices_ * words_, ~uint64_t{0}),
+        low_(vertices_, 0),
+        color_(color) {
     // Bits past Δ in the last word are never free.
-    if (numColors % 64 != 0) {
-      const uint64_t tail = (uint64_t{1} << (numColors % 64)) - 1;
-      for (size_t x = 0; x < static_cast<size_t>(numVertices); ++x) {
-        free_[x * words_ + words_ - 1] = tail;
-      }
+    if (colors_ % 64 != 0) {
+      const uint64_t tail = (uint64_t{1} << (colors_ % 64)) - 1;
+      for (size_t x = 0; x < vertices_; ++x) free_[x * words_ + words_ - 1] = tail;
     }
   }
 
-  void color(int32_t e, int32_t u, int32_t v) {
-    ends_[static_cast<size_t>(e)] = {u, v};
-    if (int32_t c = firstCommonFree(u, v); c >= 0) return assign(e, c);
-    const int32_t a = firstFree(u), b = firstFree(v);
-    FCP_CHECK(a >= 0 && b >= 0, "vertex with more than Δ = ", colors_, " edges");
-    if (tryShortSwap(e, u, v)) return;
-    // Walk v's a/b path and u's b/a path one edge at a time; flip whichever ends first.
-    int32_t xv = v, xu = u, cv = a, cu = b;
-    while (true) {
-      if (isFree(xv, cv)) {
-        flipPath(v, a, b);
-        return assign(e, a);
+  /// Colours the edges in order.
+  void colorAll() {
+    // The two bitset rows are the only random accesses of the greedy step; fetching them a
+    // few edges ahead overlaps their cache misses.
+    constexpr size_t kAhead = 8;
+    for (size_t e = 0; e < ends_.size(); ++e) {
+      if (e + kAhead < ends_.size()) {
+        const auto [u, v] = ends_[e + kAhead];
+        __builtin_prefetch(&free_[static_cast<size_t>(u) * words_ +
+                                  static_cast<size_t>(low_[static_cast<size_t>(u)])]);
+        __builtin_prefetch(&free_[static_cast<size_t>(v) * words_ +
+                                  static_cast<size_t>(low_[static_cast<size_t>(v)])]);
       }
-      if (isFree(xu, cu)) {
-        flipPath(u, b, a);
-        return assign(e, b);
-      }
-      xv = other(edgeAt(xv, cv), xv);
-      xu = other(edgeAt(xu, cu), xu);
-      cv = cv == a ? b : a;
-      cu = cu == a ? b : a;
+      done_ = e;
+      color(static_cast<int32_t>(e));
     }
   }
-
-  std::vector<int32_t> takeColors() { return std::move(color_); }
 
  private:
-  bool isFree(int32_t x, int32_t c) const {
-    return (free_[static_cast<size_t>(x) * words_ + static_cast<size_t>(c) / 64] >> (c % 64)) & 1;
+  void color(int32_t e) {
+    const auto [u, v] = ends(e);
+    if (const int32_t c = firstCommonFree(u, v); c >= 0) return place(e, c);
+    if (!at_) buildTable();
+    if (tryShortSwap(e, u, v) || tryShortSwap(e, v, u)) return;
+    const int32_t a = firstCommonFree(u, u), b = firstCommonFree(v, v);
+    FCP_CHECK(a >= 0 && b >= 0, "a vertex has more than Δ = ", colors_, " edges");
+    // Walk v's a/b path and u's b/a path one edge at a time; flip whichever ends first.
+    for (int32_t xv = v, xu = u, cv = a, cu = b;; cv = a + b - cv, cu = a + b - cu) {
+      if (isFree(xv, cv)) return flipPath(v, a, b), place(e, a);
+      if (isFree(xu, cu)) return flipPath(u, b, a), place(e, b);
+      xv = other(edgeAt(xv, cv), xv);
+      xu = other(edgeAt(xu, cu), xu);
+    }
   }
-  int32_t edgeAt(int32_t x, int32_t c) const {
-    return at_[static_cast<size_t>(x) * static_cast<size_t>(colors_) + static_cast<size_t>(c)];
+
+  std::pair<int32_t, int32_t> ends(int32_t e) const { return ends_[static_cast<size_t>(e)]; }
+  size_t slot(int32_t x, int32_t c) const { return static_cast<size_t>(x) * colors_ + static_cast<size_t>(c); }
+  uint64_t& freeWord(int32_t x, int32_t c) {
+    return free_[static_cast<size_t>(x) * words_ + static_cast<size_t>(c) / 64];
   }
+  bool isFree(int32_t x, int32_t c) {
+    return (freeWord(x, c) >> (c % 64)) & 1;
+  }
+  int32_t edgeAt(int32_t x, int32_t c) const { return at_[slot(x, c)]; }
   int32_t other(int32_t e, int32_t x) const {
-    const auto& [u, v] = ends_[static_cast<size_t>(e)];
+    const auto [u, v] = ends(e);
     return u == x ? v : u;
   }
-  void setFree(int32_t x, int32_t c, bool isFreeNow) {
-    uint64_t& w = free_[static_cast<size_t>(x) * words_ + static_cast<size_t>(c) / 64];
-    const uint64_t bit = uint64_t{1} << (c % 64);
-    w = isFreeNow ? (w | bit) : (w & ~bit);
-  }
+
   void place(int32_t e, int32_t c) {
-    const auto& [u, v] = ends_[static_cast<size_t>(e)];
+    const auto [u, v] = ends(e);
     color_[static_cast<size_t>(e)] = c;
-    for (int32_t x : {u, v}) {
-      setFree(x, c, false);
-      at_[static_cast<size_t>(x) * static_cast<size_t>(colors_) + static_cast<size_t>(c)] = e;
-    }
+    const uint64_t bit = uint64_t{1} << (c % 64);
+    freeWord(u, c) &= ~bit;
+    freeWord(v, c) &= ~bit;
+    if (at_) at_[slot(u, c)] = at_[slot(v, c)] = e;
   }
   void unplace(int32_t e) {
-    const auto& [u, v] = ends_[static_cast<size_t>(e)];
-    setFree(u, color_[static_cast<size_t>(e)], true);
-    setFree(v, color_[static_cast<size_t>(e)], true);
+    const auto [u, v] = ends(e);
+    const int32_t c = color_[static_cast<size_t>(e)];
+    const uint64_t bit = uint64_t{1} << (c % 64);
+    freeWord(u, c) |= bit;
+    freeWord(v, c) |= bit;
+    const auto word = static_cast<int32_t>(c / 64);
+    low_[static_cast<size_t>(u)] = std::min(low_[static_cast<size_t>(u)], word);
+    low_[static_cast<size_t>(v)] = std::min(low_[static_cast<size_t>(v)], word);
   }
-  void assign(int32_t e, int32_t c) { place(e, c); }
 
-  int32_t firstFree(int32_t x) const {
-    const uint64_t* f = &free_[static_cast<size_t>(x) * words_];
-    for (size_t w = 0; w < words_; ++w) {
-      if (f[w]) return static_cast<int32_t>(64 * w + static_cast<size_t>(std::countr_zero(f[w])));
+  void buildTable() {
+    at_.reset(new int32_t[vertices_ * colors_]);  // uninitialised on purpose, see above
+    for (size_t i = 0; i < done_; ++i) {
+      const auto e = static_cast<int32_t>(i);
+      const auto [u, v] = ends(e);
+      const int32_t c = color_[static_cast<size_t>(e)];
+      at_[slot(u, c)] = at_[slot(v, c)] = e;
     }
-    return -1;
   }
-  int32_t firstCommonFree(int32_t x, int32_t y) const {
+
+  /// The lowest colour free at both x and y (x == y: free at x), or −1; moves the words
+  /// before it past each low_ hint that they are full.
+  int32_t firstCommonFree(int32_t x, int32_t y) {
+    int32_t& lowX = low_[static_cast<size_t>(x)];
+    int32_t& lowY = low_[static_cast<size_t>(y)];
     const uint64_t* fx = &free_[static_cast<size_t>(x) * words_];
     const uint64_t* fy = &free_[static_cast<size_t>(y) * words_];
-    for (size_t w = 0; w < words_; ++w) {
+    while (static_cast<size_t>(lowX) < words_ && fx[lowX] == 0) ++lowX;
+    while (static_cast<size_t>(lowY) < words_ && fy[lowY] == 0) ++lowY;
+    for (auto w = static_cast<size_t>(std::max(lowX, lowY)); w < words_; ++w) {
       if (const uint64_t m = fx[w] & fy[w]) {
         return static_cast<int32_t>(64 * w + static_cast<size_t>(std::countr_zero(m)));
       }
@@ -159,22 +186,23 @@ class Colorer {
     return -1;
   }
 
-  /// One-edge paths: for a colour a free at u, the a-edge f = (v, x) can move to a colour free
-  /// at both v and x, which frees a at v. Tried from both ends of e.
-  bool tryShortSwap(int32_t e, int32_t u, int32_t v) {
-    for (auto [near, far] : {std::pair{u, v}, std::pair{v, u}}) {
-      const uint64_t* fn = &free_[static_cast<size_t>(near) * words_];
-      for (size_t w = 0; w < words_; ++w) {
-        for (uint64_t bits = fn[w]; bits; bits &= bits - 1) {
-          const auto a = static_cast<int32_t>(64 * w + static_cast<size_t>(std::countr_zero(bits)));
-          const int32_t f = edgeAt(far, a);
-          const int32_t c = firstCommonFree(far, other(f, far));
-          if (c < 0) continue;
+  /// One-edge paths from `far`'s side: for a colour a free at `near` (so used at `far`), the
+  /// a-edge f = (far, x) moves to a colour free at both far and x, which frees a at far.
+  bool tryShortSwap(int32_t e, int32_t near, int32_t far) {
+    const uint64_t* fn = &free_[static_cast<size_t>(near) * words_];
+    int32_t tries = 0;
+    for (auto w = static_cast<size_t>(low_[static_cast<size_t>(near)]); w < words_; ++w) {
+      for (uint64_t bits = fn[w]; bits; bits &= bits - 1) {
+        const auto a = static_cast<int32_t>(64 * w + static_cast<size_t>(std::countr_zero(bits)));
+        const int32_t f = edgeAt(far, a);
+        const int32_t c = firstCommonFree(far, other(f, far));
+        if (c >= 0) {
           unplace(f);
           place(f, c);
-          assign(e, a);
+          place(e, a);
           return true;
         }
+        if (++tries == kShortSwapTries) return false;
       }
     }
     return false;
@@ -183,23 +211,50 @@ class Colorer {
   /// Swaps colours a and b along the path that starts at `start` with its a-edge.
   void flipPath(int32_t start, int32_t a, int32_t b) {
     path_.clear();
-    for (int32_t x = start, c = a; !isFree(x, c); c = c == a ? b : a) {
+    for (int32_t x = start, c = a; !isFree(x, c); c = a + b - c) {
       const int32_t f = edgeAt(x, c);
       path_.push_back(f);
       x = other(f, x);
     }
     for (int32_t f : path_) unplace(f);
-    for (int32_t f : path_) place(f, color_[static_cast<size_t>(f)] == a ? b : a);
+    for (int32_t f : path_) place(f, a + b - color_[static_cast<size_t>(f)]);
   }
 
-  int32_t colors_;
+  /// How many colours tryShortSwap tries from each end before walking a long path.
+  static constexpr int32_t kShortSwapTries = 4;
+
+  const std::vector<std::pair<int32_t, int32_t>>& ends_;
+  size_t vertices_;
+  size_t colors_;
   size_t words_;
   std::vector<uint64_t> free_;
-  std::unique_ptr<int32_t[]> at_;  // uninitialised on purpose, see the class comment
-  std::vector<std::pair<int32_t, int32_t>> ends_;
-  std::vector<int32_t> color_;
+  std::vector<int32_t> low_;
+  std::vector<int32_t>& color_;
+  size_t done_ = 0;  // edges [0, done_) are coloured
+  std::unique_ptr<int32_t[]> at_;
   std::vector<int32_t> path_;
 };
+
+/// Renumbers rounds in descending order of their largest transfer, ties by colour (usually
+/// already so: large edges are coloured first, with the lowest free colour).
+void orderRoundsByLargestTransfer(const std::vector<Edge>& edges, EdgeColoring& coloring) {
+  std::vector<int64_t> roundMax(static_cast<size_t>(coloring.numColors), 0);
+  for (size_t i = 0; i < edges.size(); ++i) {
+    int64_t& m = roundMax[static_cast<size_t>(coloring.color[i])];
+    m = std::max(m, edges[i].bytes);
+  }
+  if (std::is_sorted(roundMax.begin(), roundMax.end(), std::greater<>())) return;
+  std::vector<int32_t> rank(roundMax.size());
+  std::iota(rank.begin(), rank.end(), 0);
+  std::stable_sort(rank.begin(), rank.end(), [&](int32_t x, int32_t y) {
+    return roundMax[static_cast<size_t>(x)] > roundMax[static_cast<size_t>(y)];
+  });
+  std::vector<int32_t> renumber(rank.size());
+  for (size_t k = 0; k < rank.size(); ++k) {
+    renumber[static_cast<size_t>(rank[k])] = static_cast<int32_t>(k);
+  }
+  for (int32_t& c : coloring.color) c = renumber[static_cast<size_t>(c)];
+}
 
 }  // namespace
 
@@ -215,35 +270,47 @@ int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
 }
 
 EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
+  checkEdges(numWorkers, edges);
   EdgeColoring result;
-  result.numColors = maxDegree(numWorkers, edges);
   result.color.assign(edges.size(), 0);
   if (edges.empty()) return result;
-  const std::vector<int32_t> order = descendingBySize(edges);
-  Colorer colorer(2 * numWorkers, result.numColors, edges.size());
-  for (size_t i = 0; i < order.size(); ++i) {
-    const Edge& e = edges[static_cast<size_t>(order[i])];
-    colorer.color(static_cast<int32_t>(i), e.sender, numWorkers + e.receiver);
+  const auto n = static_cast<size_t>(numWorkers);
+  // Degrees, Δ, and a counting sort of the edges by descending size class (ties by index).
+  std::vector<int32_t> outDegree(n), inDegree(n);
+  std::vector<int32_t> start(kSizeClasses + 1, 0);
+  for (const Edge& e : edges) {
+    ++outDegree[static_cast<size_t>(e.sender)];
+    ++inDegree[static_cast<size_t>(e.receiver)];
+    ++start[static_cast<size_t>(kSizeClasses - sizeClass(e.bytes))];
   }
-  const std::vector<int32_t> colorBySize = colorer.takeColors();
-  // Rounds in descending order of their largest edge (ties by colour): edges are numbered by
-  // descending size, so a colour's first edge in that numbering is its largest.
-  std::vector<int32_t> firstEdge(static_cast<size_t>(result.numColors), -1);
-  for (size_t i = 0; i < colorBySize.size(); ++i) {
-    int32_t& first = firstEdge[static_cast<size_t>(colorBySize[i])];
-    if (first < 0) first = static_cast<int32_t>(i);
+  const int32_t delta = std::max(*std::max_element(outDegree.begin(), outDegree.end()),
+                                 *std::max_element(inDegree.begin(), inDegree.end()));
+  result.numColors = delta;
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  // Merging workers into groups of degree sum ≤ Δ/2 keeps every colouring of the group graph
+  // proper for the workers, bounds the vertex count (and the path table) by O(E/Δ + N) and,
+  // since two such groups together have < Δ edges, never makes greedy colouring fail between
+  // them: only edges at a worker of degree > Δ/2 can need a path.
+  const int32_t cap = std::max(1, delta / 2);
+  int32_t senderGroups = 0, receiverGroups = 0;
+  const std::vector<int32_t> senderGroup = groupVertices(outDegree, cap, senderGroups);
+  const std::vector<int32_t> receiverGroup = groupVertices(inDegree, cap, receiverGroups);
+  // The edges in colouring order as group pairs, so the colouring loop reads them in sequence.
+  std::vector<std::pair<int32_t, int32_t>> ends(edges.size());
+  std::vector<int32_t> original(edges.size());
+  for (size_t i = 0; i < edges.size(); ++i) {
+    const Edge& e = edges[i];
+    const auto at = static_cast<size_t>(start[static_cast<size_t>(kSizeClasses - 1 - sizeClass(e.bytes))]++);
+    ends[at] = {senderGroup[static_cast<size_t>(e.sender)],
+                senderGroups + receiverGroup[static_cast<size_t>(e.receiver)]};
+    original[at] = static_cast<int32_t>(i);
   }
-  std::vector<int32_t> rank(firstEdge.size());
-  std::iota(rank.begin(), rank.end(), 0);
-  std::sort(rank.begin(), rank.end(), [&](int32_t x, int32_t y) {
-    return std::pair{firstEdge[static_cast<size_t>(x)], x} <
-           std::pair{firstEdge[static_cast<size_t>(y)], y};
-  });
-  std::vector<int32_t> newColor(rank.size());
-  for (size_t k = 0; k < rank.size(); ++k) newColor[static_cast<size_t>(rank[k])] = static_cast<int32_t>(k);
-  for (size_t i = 0; i < order.size(); ++i) {
-    result.color[static_cast<size_t>(order[i])] = newColor[static_cast<size_t>(colorBySize[i])];
+  std::vector<int32_t> colorInOrder(edges.size());
+  Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder).colorAll();
+  for (size_t at = 0; at < ends.size(); ++at) {
+    result.color[static_cast<size_t>(original[at])] = colorInOrder[at];
   }
+  orderRoundsByLargestTransfer(edges, result);
   return result;
 }
 
