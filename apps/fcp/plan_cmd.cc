@@ -36,7 +36,7 @@ struct PlanArgs {
   std::string dtype = "bf16";
   int64_t coalesce = 16;
   int64_t buffers = 3;
-  double localityTolerance = 0.002;
+  bool noLocality = false;
   bool json = false;
   std::string planOut;
   std::string planIn;
@@ -155,7 +155,7 @@ void runPlan(const PlanArgs& a) {
   config.beta = a.beta;
   config.coalesce = a.coalesce;
   config.bufferDepth = a.buffers;
-  config.localityTolerance = a.localityTolerance;
+  config.locality = !a.noLocality;
   config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(config.attention);
 
@@ -187,9 +187,9 @@ void runPlan(const PlanArgs& a) {
   const plan::PlanStats s = plan::computeStats(p);
   // Reshuffle bytes without the locality preference, for comparison (not in plan_ms).
   plan::PlanConfig noLocality = config;
-  noLocality.localityTolerance = 0;
+  noLocality.locality = false;
   const int64_t reshuffleWithout =
-      config.localityTolerance > 0
+      config.locality
           ? plan::computeStats(plan::buildPlan(batch, noLocality, costModel)).reshuffleBytes
           : s.reshuffleBytes;
   if (!a.planOut.empty()) writeFileAtomically(a.planOut, plan::planToJson(p));
@@ -273,9 +273,8 @@ void addPlanCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--buffers", args->buffers, "Stages of remote KV a worker may hold (>= 2)")
       ->capture_default_str();
-  cmd->add_option("--locality-tolerance", args->localityTolerance,
-                  "Prefer a block's user-layout worker when within this fraction of the best")
-      ->capture_default_str();
+  cmd->add_flag("--no-locality", args->noLocality,
+                "Do not relabel workers to keep blocks where the user layout holds them");
   cmd->add_option("--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
   cmd->add_option("--plan-in", args->planIn,
                   "Check and summarise a plan written by --plan-out instead of planning");

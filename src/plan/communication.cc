@@ -27,38 +27,47 @@ int32_t userWorkerOf(const std::vector<int64_t>& starts, int64_t token) {
                               starts.begin() - 1);
 }
 
-/// Pairs of each worker: those whose KV is its own (local), and per transfer the pairs that
-/// use the transferred block.
+/// Pairs grouped, in CSR form (ids[offset[k]] .. ids[offset[k + 1]]), by what they need:
+/// key k < N is worker k's local pairs (KV its own), key N + t those using transfer t.
 struct PairsByNeed {
-  std::vector<std::vector<int32_t>> local;       // [worker]
-  std::vector<std::vector<int32_t>> byTransfer;  // [transfer]
+  std::vector<int64_t> offset;
+  std::vector<int32_t> ids;
+
+  const int32_t* begin(size_t key) const { return ids.data() + offset[key]; }
+  const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
 };
 
 PairsByNeed groupPairs(const Plan& plan) {
-  PairsByNeed g;
-  g.local.resize(static_cast<size_t>(plan.config.numWorkers));
-  g.byTransfer.resize(plan.transfers.size());
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  std::vector<size_t> keyOf(plan.pairs.size());
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const BlockPair& pair = plan.pairs[p];
     const int32_t w = plan.owner[static_cast<size_t>(pair.qBlock)];
     if (plan.owner[static_cast<size_t>(pair.kvBlock)] == w) {
-      g.local[static_cast<size_t>(w)].push_back(static_cast<int32_t>(p));
+      keyOf[p] = static_cast<size_t>(w);
     } else {
       const int32_t t = findTransfer(plan.transfers, pair.kvBlock, w);
       FCP_CHECK(t >= 0, "no transfer of block ", pair.kvBlock, " to worker ", w);
-      g.byTransfer[static_cast<size_t>(t)].push_back(static_cast<int32_t>(p));
+      keyOf[p] = n + static_cast<size_t>(t);
     }
   }
+  PairsByNeed g;
+  g.offset.assign(n + plan.transfers.size() + 1, 0);
+  for (size_t key : keyOf) ++g.offset[key + 1];
+  for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
+  g.ids.resize(plan.pairs.size());
+  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
+  for (size_t p = 0; p < keyOf.size(); ++p) g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
   return g;
 }
 
 /// Local pairs: the first half opens the pipeline, the second closes it.
-void placeLocalPairs(const std::vector<int32_t>& local, std::vector<Stage>& stages) {
-  const size_t firstHalf = (local.size() + 1) / 2;
-  auto& first = stages.front().compute;
-  first.insert(first.begin(), local.begin(), local.begin() + static_cast<std::ptrdiff_t>(firstHalf));
-  auto& last = stages.back().compute;
-  last.insert(last.end(), local.begin() + static_cast<std::ptrdiff_t>(firstHalf), local.end());
+void placeLocalPairs(const int32_t* first, const int32_t* last, std::vector<Stage>& stages) {
+  const auto firstHalf = (last - first + 1) / 2;
+  auto& open = stages.front().compute;
+  open.insert(open.begin(), first, first + firstHalf);
+  auto& close = stages.back().compute;
+  close.insert(close.end(), first + firstHalf, last);
 }
 
 }  // namespace
@@ -80,35 +89,39 @@ std::vector<int64_t> sequenceStarts(const Batch& batch) {
   return starts;
 }
 
-std::vector<int32_t> homeWorkers(const Plan& plan) {
-  const auto seq = sequenceStarts(plan.batch);
-  const auto user = userLayoutStarts(plan.batch.numTokens(), plan.config.numWorkers);
-  std::vector<int32_t> home(plan.blocks.size(), -1);
-  std::vector<std::pair<int32_t, int64_t>> counts;  // (user worker, tokens), few per block
-  for (size_t b = 0; b < plan.blocks.size(); ++b) {
-    counts.clear();
-    for (const Chunk& c : plan.blocks[b].chunks) {
-      int64_t begin = seq[static_cast<size_t>(c.sequence)] + c.begin;
-      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
-      while (begin < end) {
-        const int32_t w = userWorkerOf(user, begin);
-        const int64_t stop = std::min(end, user[static_cast<size_t>(w) + 1]);
-        auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& e) { return e.first == w; });
-        if (it == counts.end()) {
-          counts.push_back({w, stop - begin});
-        } else {
-          it->second += stop - begin;
-        }
-        begin = stop;
-      }
-    }
-    std::pair<int32_t, int64_t> best{-1, -1};
-    for (const auto& e : counts) {
-      if (e.second > best.second || (e.second == best.second && e.first < best.first)) best = e;
-    }
-    home[b] = best.first;
+void relabelForLocality(Plan& plan) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  // Tokens each (FCP worker, user worker) have in common, from the reshuffle as it stands.
+  std::vector<std::tuple<int32_t, int32_t, int64_t>> common;  // (fcp, user, tokens)
+  for (const ReshufflePiece& p : buildReshuffle(plan)) {
+    common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
   }
-  return home;
+  std::sort(common.begin(), common.end());
+  std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;  // (-tokens, fcp, user)
+  for (size_t i = 0; i < common.size();) {
+    const auto [f, u, unused] = common[i];
+    int64_t tokens = 0;
+    for (; i < common.size() && std::get<0>(common[i]) == f && std::get<1>(common[i]) == u; ++i) {
+      tokens += std::get<2>(common[i]);
+    }
+    edges.push_back({-tokens, f, u});
+  }
+  std::sort(edges.begin(), edges.end());
+  std::vector<int32_t> rename(n, -1);
+  std::vector<bool> taken(n, false);
+  for (const auto& [negTokens, f, u] : edges) {
+    if (rename[static_cast<size_t>(f)] >= 0 || taken[static_cast<size_t>(u)]) continue;
+    rename[static_cast<size_t>(f)] = u;
+    taken[static_cast<size_t>(u)] = true;
+  }
+  size_t nextFree = 0;
+  for (size_t f = 0; f < n; ++f) {
+    if (rename[f] >= 0) continue;
+    while (taken[nextFree]) ++nextFree;
+    rename[f] = static_cast<int32_t>(nextFree);
+    taken[nextFree] = true;
+  }
+  for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
 }
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
@@ -162,34 +175,67 @@ void colorTransfers(Plan& plan) {
 void buildStages(Plan& plan) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   const int64_t c = plan.config.coalesce;
-  const int64_t lag = plan.config.bufferDepth - 1;
+  const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
   const int64_t groups = (plan.numRounds + c - 1) / c;
-  const auto fwdStages = static_cast<size_t>(groups > 0 ? groups + lag : 1);
-  const auto bwdStages = static_cast<size_t>(groups > 0 ? groups + lag + 1 : 1);
-  plan.forward.assign(n, std::vector<Stage>(fwdStages));
-  plan.backward.assign(n, std::vector<Stage>(bwdStages));
+  const size_t fwdStages = groups > 0 ? static_cast<size_t>(groups) + lag : 1;
   const PairsByNeed need = groupPairs(plan);
+
+  // Forward: size every list first, so each is allocated once.
+  std::vector<std::vector<Stage>> forward(n, std::vector<Stage>(fwdStages));
+  std::vector<size_t> sends(n * fwdStages, 0), recvs(n * fwdStages, 0), computes(n * fwdStages, 0);
+  const auto at = [&](int32_t w, size_t stage) { return static_cast<size_t>(w) * fwdStages + stage; };
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     const Transfer& tr = plan.transfers[t];
     const auto g = static_cast<size_t>(tr.round / c);
-    const auto computeAt = g + static_cast<size_t>(lag);
-    const auto id = static_cast<int32_t>(t);
-    for (auto* pass : {&plan.forward, &plan.backward}) {
-      auto& sender = (*pass)[static_cast<size_t>(tr.sender)];
-      auto& receiver = (*pass)[static_cast<size_t>(tr.receiver)];
-      sender[g].send.push_back(id);
-      receiver[g].recv.push_back(id);
-      auto& compute = receiver[computeAt].compute;
-      compute.insert(compute.end(), need.byTransfer[t].begin(), need.byTransfer[t].end());
-      receiver[computeAt].release.push_back(id);
-    }
-    plan.backward[static_cast<size_t>(tr.receiver)][computeAt + 1].sendGrad.push_back(id);
-    plan.backward[static_cast<size_t>(tr.sender)][computeAt + 1].recvGrad.push_back(id);
+    ++sends[at(tr.sender, g)];
+    ++recvs[at(tr.receiver, g)];
+    computes[at(tr.receiver, g + lag)] += static_cast<size_t>(need.end(n + t) - need.begin(n + t));
   }
   for (size_t w = 0; w < n; ++w) {
-    placeLocalPairs(need.local[w], plan.forward[w]);
-    placeLocalPairs(need.local[w], plan.backward[w]);
+    const auto local = static_cast<size_t>(need.end(w) - need.begin(w));
+    computes[w * fwdStages] += (local + 1) / 2;
+    computes[w * fwdStages + fwdStages - 1] += local / 2;
+    for (size_t st = 0; st < fwdStages; ++st) {
+      Stage& stage = forward[w][st];
+      stage.send.reserve(sends[w * fwdStages + st]);
+      stage.recv.reserve(recvs[w * fwdStages + st]);
+      stage.release.reserve(recvs[w * fwdStages + st >= lag ? w * fwdStages + st - lag : 0]);
+      stage.compute.reserve(computes[w * fwdStages + st]);
+    }
   }
+  for (size_t t = 0; t < plan.transfers.size(); ++t) {
+    const Transfer& tr = plan.transfers[t];
+    const auto g = static_cast<size_t>(tr.round / c);
+    const auto id = static_cast<int32_t>(t);
+    forward[static_cast<size_t>(tr.sender)][g].send.push_back(id);
+    Stage& arrive = forward[static_cast<size_t>(tr.receiver)][g];
+    arrive.recv.push_back(id);
+    Stage& use = forward[static_cast<size_t>(tr.receiver)][g + lag];
+    use.compute.insert(use.compute.end(), need.begin(n + t), need.end(n + t));
+    use.release.push_back(id);
+  }
+  for (size_t w = 0; w < n; ++w) placeLocalPairs(need.begin(w), need.end(w), forward[w]);
+
+  // Backward: the same stages plus one, in which the last group's dK/dV partials go home;
+  // the local pairs that close the pipeline move to that last stage, to hide those returns.
+  std::vector<std::vector<Stage>> backward = forward;
+  for (size_t w = 0; w < n; ++w) {
+    if (groups == 0) break;
+    auto& stages = backward[w];
+    stages.emplace_back();
+    const auto local = static_cast<size_t>(need.end(w) - need.begin(w));
+    auto& closing = stages[fwdStages - 1].compute;
+    closing.resize(closing.size() - local / 2);
+    stages.back().compute.assign(need.begin(w) + (local + 1) / 2, need.end(w));
+  }
+  for (size_t t = 0; t < plan.transfers.size() && groups > 0; ++t) {
+    const Transfer& tr = plan.transfers[t];
+    const auto back = static_cast<size_t>(tr.round / c) + lag + 1;
+    backward[static_cast<size_t>(tr.receiver)][back].sendGrad.push_back(static_cast<int32_t>(t));
+    backward[static_cast<size_t>(tr.sender)][back].recvGrad.push_back(static_cast<int32_t>(t));
+  }
+  plan.forward = std::move(forward);
+  plan.backward = std::move(backward);
 }
 
 void validateCommunication(const Plan& plan, Violations& v) {

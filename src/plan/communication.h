@@ -16,8 +16,11 @@ std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers);
 /// First token of each sequence in the packed stream, numSequences + 1 entries.
 std::vector<int64_t> sequenceStarts(const Batch& batch);
 
-/// For each block, the user-layout worker holding most of its tokens (ties: lowest id).
-std::vector<int32_t> homeWorkers(const Plan& plan);
+/// Renames the workers of Plan::owner so that as many tokens as possible stay where the user
+/// layout holds them: a greedy maximum-weight matching of FCP workers to user workers, heaviest
+/// (tokens in common) first, ties to lower ids. Loads move with their workers, so balance is
+/// unchanged.
+void relabelForLocality(Plan& plan);
 
 /// The inward reshuffle: every block's tokens cut at user-slice boundaries, sorted by begin.
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan);

@@ -149,9 +149,6 @@ void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts
   if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
     throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
   }
-  if (!(o.localityTolerance >= 0 && std::isfinite(o.localityTolerance))) {
-    throwInvalidArgument("invalid locality tolerance ", o.localityTolerance, ": expected >= 0");
-  }
   if (o.improveStepsPerBlock < 0) {
     throwInvalidArgument("invalid improvement budget ", o.improveStepsPerBlock,
                          " steps per block: expected >= 0");
@@ -226,20 +223,6 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   return best;
 }
 
-/// The block's home worker instead of the greedy's choice `best` when it has room and its
-/// score is within `tolerance` of best's (scores as in Algorithm 1).
-int32_t preferHome(const Loads& loads, int32_t best, int32_t home, int64_t mi, double ci, double a,
-                   double b, int64_t cap, double tolerance) {
-  if (home < 0 || home == best || tolerance <= 0) return best;
-  const auto score = [&](int32_t w) {
-    const auto ws = static_cast<size_t>(w);
-    return std::max(a * (static_cast<double>(loads.mem[ws]) + static_cast<double>(mi)),
-                    b * (loads.cost[ws] + ci));
-  };
-  if (loads.mem[static_cast<size_t>(home)] + mi > cap) return best;
-  return score(home) <= score(best) * (1.0 + tolerance) ? home : best;
-}
-
 }  // namespace
 
 int64_t memoryCapTokens(const DistributorOptions& options) {
@@ -249,13 +232,7 @@ int64_t memoryCapTokens(const DistributorOptions& options) {
 
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options) {
-  return assignBlocks(tokens, costs, {}, options);
-}
-
-Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
-                        const std::vector<int32_t>& home, const DistributorOptions& options) {
   checkOptions(options, tokens.size(), costs.size());
-  FCP_CHECK(home.empty() || home.size() == tokens.size(), "home has ", home.size(), " entries");
   const auto n = static_cast<int32_t>(options.numWorkers);
   const int64_t cap = memoryCapTokens(options);
   const auto numBlocks = static_cast<int32_t>(tokens.size());
@@ -305,8 +282,7 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   for (int32_t i : order) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
-    int32_t w = index.argMin(cap - mi, mi, ci);
-    if (w >= 0 && !home.empty()) w = preferHome(loads, w, home[static_cast<size_t>(i)], mi, ci, a, b, cap, options.localityTolerance);
+    const int32_t w = index.argMin(cap - mi, mi, ci);
     if (w < 0) {
       throwInvalidArgument("no worker has room for block ", i, " (", mi, " tokens) under the "
                            "memory cap of ", cap, " tokens: raise --memory-slack or "

@@ -23,7 +23,7 @@ json configToJson(const PlanConfig& c) {
           {"improve_steps_per_block", c.improveStepsPerBlock},
           {"coalesce", c.coalesce},
           {"buffer_depth", c.bufferDepth},
-          {"locality_tolerance", c.localityTolerance},
+          {"locality", c.locality},
           {"heads_q", c.attention.numHeadsQ},
           {"heads_kv", c.attention.numHeadsKv},
           {"head_dim", c.attention.headDim},
@@ -56,7 +56,7 @@ PlanConfig configFromJson(const json& j) {
   c.improveStepsPerBlock = field<int64_t>(j, "improve_steps_per_block");
   c.coalesce = field<int64_t>(j, "coalesce");
   c.bufferDepth = field<int64_t>(j, "buffer_depth");
-  c.localityTolerance = field<double>(j, "locality_tolerance");
+  c.locality = field<bool>(j, "locality");
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
   c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
   c.attention.headDim = field<int64_t>(j, "head_dim");

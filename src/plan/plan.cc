@@ -29,7 +29,6 @@ DistributorOptions distributorOptions(const PlanConfig& config) {
   o.beta = config.beta;
   o.improveTarget = config.improveTarget;
   o.improveStepsPerBlock = config.improveStepsPerBlock;
-  o.localityTolerance = config.localityTolerance;
   return o;
 }
 
@@ -207,8 +206,9 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   for (const Block& b : plan.blocks) tokens.push_back(b.numTokens());
   const std::vector<double> costs =
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
-  Assignment a = assignBlocks(tokens, costs, detail::homeWorkers(plan), distributorOptions(config));
+  Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
   plan.owner = std::move(a.owner);
+  if (config.locality) detail::relabelForLocality(plan);
   plan.lowerBound = a.lowerBound;
   plan.greedyMaxCost = a.greedyMaxCost;
   plan.improveSteps = a.improveSteps;

@@ -33,9 +33,6 @@ struct DistributorOptions {
   double improveTarget = 0.001;
   /// At most this many improvement steps per block (a deterministic budget).
   int64_t improveStepsPerBlock = 4;
-  /// Locality preference: the greedy gives a block to its home worker (see assignBlocks)
-  /// when that worker has room and scores within this fraction of the best; 0 turns it off.
-  double localityTolerance = 0.0;
 };
 
 struct Assignment {
@@ -53,10 +50,5 @@ int64_t memoryCapTokens(const DistributorOptions& options);
 /// cannot fit under the cap, or the greedy meets a block no worker has room for (naming it).
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
-
-/// The same, with a locality preference: home[i] is the worker already holding most of block
-/// i's tokens (or -1), preferred among near-equally good workers (options.localityTolerance).
-Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
-                        const std::vector<int32_t>& home, const DistributorOptions& options);
 
 }  // namespace fcp::plan

@@ -33,9 +33,10 @@ struct PlanConfig {
   int64_t coalesce = 16;
   /// Groups of remote KV a worker may hold at once; 2 is the least that overlaps.
   int64_t bufferDepth = 3;
-  /// Locality preference: a block goes to the worker already holding most of its tokens in the
-  /// user layout when that worker's score is within this fraction of the best; 0 disables it.
-  double localityTolerance = 0.002;
+  /// Locality preference: the distributor's workers are interchangeable (any relabelling of
+  /// them balances the same), so they are relabelled to keep blocks where the user layout
+  /// already holds most of their tokens, shrinking the reshuffle.
+  bool locality = true;
   AttentionConfig attention;
 
   int64_t memoryLimit() const { return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker; }
