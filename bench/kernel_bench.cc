@@ -6,7 +6,8 @@
 // same tile products alone (same tiles, threads and order), their ratio, the same for the
 // backward, then torch's forward and backward useful GFLOP/s and our speed-up over it.
 //
-// usage: kernel_bench [--tokens N...] [--threads T...] [--min-seconds S] [--no-torch]
+// usage: kernel_bench [--tokens N...] [--threads T...] [--torch-tokens N...] [--min-seconds S]
+//                     [--no-torch]
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -28,6 +29,8 @@ namespace {
 struct Args {
   std::vector<int64_t> tokens{1024, 2048, 4096};
   std::vector<int> threads{1, 2};
+  // torch 1.13 runs ~1-4 GFLOP/s here: 4K tokens would take ~15 minutes for its column alone.
+  std::vector<int64_t> torchTokens{1024, 2048};
   double minSeconds = 0.3;
   bool torch = true;
 };
@@ -42,6 +45,7 @@ Args parse(int argc, char** argv) {
     };
     if (flag == "--tokens") list(a.tokens);
     else if (flag == "--threads") list(a.threads);
+    else if (flag == "--torch-tokens") list(a.torchTokens);
     else if (flag == "--min-seconds" && i + 1 < argc) a.minSeconds = std::atof(argv[++i]);
     else if (flag == "--no-torch") a.torch = false;
     else {
@@ -57,7 +61,7 @@ using Key = std::tuple<std::string, std::string, int64_t, int>;  // dtype, mask,
 // Torch's numbers, from bench/torch_attention_bench.py run with Debian's /usr/bin/python3.
 std::map<Key, std::pair<double, double>> runTorch(const Args& a) {
   std::string cmd = "/usr/bin/python3 " FCP_BENCH_DIR "/torch_attention_bench.py --tokens";
-  for (int64_t t : a.tokens) cmd += " " + std::to_string(t);
+  for (int64_t t : a.torchTokens) cmd += " " + std::to_string(t);
   cmd += " --threads";
   for (int t : a.threads) cmd += " " + std::to_string(t);
   std::map<Key, std::pair<double, double>> out;
