@@ -119,8 +119,14 @@ class Colorer {
     FCP_CHECK(a >= 0 && b >= 0, "a vertex has more than Δ = ", colors_, " edges");
     // Walk v's a/b path and u's b/a path one edge at a time; flip whichever ends first.
     for (int32_t xv = v, xu = u, cv = a, cu = b;; cv = a + b - cv, cu = a + b - cu) {
-      if (isFree(xv, cv)) return flipPath(v, a, b), place(e, a);
-      if (isFree(xu, cu)) return flipPath(u, b, a), place(e, b);
+      if (isFree(xv, cv)) {
+        flipPath(v, a, b);
+        return place(e, a);
+      }
+      if (isFree(xu, cu)) {
+        flipPath(u, b, a);
+        return place(e, b);
+      }
       xv = other(edgeAt(xv, cv), xv);
       xu = other(edgeAt(xu, cu), xu);
     }
