@@ -185,19 +185,12 @@ void runPlan(const PlanArgs& a) {
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
   plan::checkValid(p);
   const plan::PlanStats s = plan::computeStats(p);
-  // Reshuffle bytes without the locality preference, for comparison (not in plan_ms).
-  plan::PlanConfig noLocality = config;
-  noLocality.locality = false;
-  const int64_t reshuffleWithout =
-      config.locality
-          ? plan::computeStats(plan::buildPlan(batch, noLocality, costModel)).reshuffleBytes
-          : s.reshuffleBytes;
   if (!a.planOut.empty()) writeFileAtomically(a.planOut, plan::planToJson(p));
 
   if (!a.json) {
     printSummary(p, s, timings, source);
     std::printf("  reshuffle without the locality preference: %.4g bytes\n",
-                static_cast<double>(reshuffleWithout));
+                static_cast<double>(s.reshuffleBytesWithoutLocality));
     return;
   }
   const nlohmann::json out = {
@@ -220,7 +213,7 @@ void runPlan(const PlanArgs& a) {
       {"transfers", p.transfers.size()},
       {"comm_bytes", s.commBytes},
       {"reshuffle_bytes", s.reshuffleBytes},
-      {"reshuffle_bytes_without_locality", reshuffleWithout},
+      {"reshuffle_bytes_without_locality", s.reshuffleBytesWithoutLocality},
       {"round_max_bytes_sum", s.sumRoundMaxima},
       {"round_max_bytes_lower_bounds",
        {{"busiest_worker", s.maxWorkerCommBytes}, {"sorted_transfers", s.sortedRoundBound}}},

@@ -89,13 +89,18 @@ std::vector<int64_t> sequenceStarts(const Batch& batch) {
   return starts;
 }
 
-void relabelForLocality(Plan& plan) {
+int64_t movedTokens(const std::vector<ReshufflePiece>& pieces) {
+  int64_t moved = 0;
+  for (const ReshufflePiece& p : pieces) moved += p.userWorker != p.fcpWorker ? p.end - p.begin : 0;
+  return moved;
+}
+
+int64_t relabelForLocality(Plan& plan) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   // Tokens each (FCP worker, user worker) have in common, from the reshuffle as it stands.
+  const std::vector<ReshufflePiece> before = buildReshuffle(plan);
   std::vector<std::tuple<int32_t, int32_t, int64_t>> common;  // (fcp, user, tokens)
-  for (const ReshufflePiece& p : buildReshuffle(plan)) {
-    common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
-  }
+  for (const ReshufflePiece& p : before) common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
   std::sort(common.begin(), common.end());
   std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;  // (-tokens, fcp, user)
   for (size_t i = 0; i < common.size();) {
@@ -122,6 +127,7 @@ void relabelForLocality(Plan& plan) {
     taken[nextFree] = true;
   }
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
+  return movedTokens(before);
 }
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {

@@ -20,7 +20,11 @@ std::vector<int64_t> sequenceStarts(const Batch& batch);
 /// layout holds them: a greedy maximum-weight matching of FCP workers to user workers, heaviest
 /// (tokens in common) first, ties to lower ids. Loads move with their workers, so balance is
 /// unchanged.
-void relabelForLocality(Plan& plan);
+/// Returns the tokens that moved off-worker before the relabelling.
+int64_t relabelForLocality(Plan& plan);
+
+/// Tokens of `pieces` whose user and FCP workers differ.
+int64_t movedTokens(const std::vector<ReshufflePiece>& pieces);
 
 /// The inward reshuffle: every block's tokens cut at user-slice boundaries, sorted by begin.
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan);

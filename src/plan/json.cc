@@ -124,6 +124,7 @@ std::string planToJson(const Plan& plan) {
                     {"lower_bound", plan.lowerBound},
                     {"greedy_max_cost", plan.greedyMaxCost},
                     {"improve_steps", plan.improveSteps},
+                    {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
                     {"transfers", std::move(transfers)},
                     {"num_rounds", plan.numRounds},
                     {"forward", stagesToJson(plan.forward)},
@@ -181,6 +182,7 @@ Plan planFromJson(std::string_view text) {
   plan.lowerBound = field<double>(doc, "lower_bound");
   plan.greedyMaxCost = field<double>(doc, "greedy_max_cost");
   plan.improveSteps = field<int64_t>(doc, "improve_steps");
+  plan.movedTokensWithoutLocality = field<int64_t>(doc, "moved_tokens_without_locality");
   plan.numRounds = field<int32_t>(doc, "num_rounds");
   return plan;
 }

@@ -208,7 +208,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
   Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
   plan.owner = std::move(a.owner);
-  if (config.locality) detail::relabelForLocality(plan);
+  if (config.locality) plan.movedTokensWithoutLocality = detail::relabelForLocality(plan);
   plan.lowerBound = a.lowerBound;
   plan.greedyMaxCost = a.greedyMaxCost;
   plan.improveSteps = a.improveSteps;
@@ -224,6 +224,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   const auto scheduleStart = std::chrono::steady_clock::now();
   detail::buildStages(plan);
   plan.reshuffle = detail::buildReshuffle(plan);
+  if (!config.locality) plan.movedTokensWithoutLocality = detail::movedTokens(plan.reshuffle);
   if (timings) {
     timings->shardMs = shardMs;
     timings->assignMs = assignMs;
@@ -280,10 +281,9 @@ PlanStats computeStats(const Plan& plan) {
                                        static_cast<double>(maxMoved)
                                  : 0;
   const auto& a = plan.config.attention;
-  for (const ReshufflePiece& p : plan.reshuffle) {
-    if (p.userWorker == p.fcpWorker) continue;
-    s.reshuffleBytes += (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
-  }
+  const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
+  s.reshuffleBytes = detail::movedTokens(plan.reshuffle) * bytesPerToken;
+  s.reshuffleBytesWithoutLocality = plan.movedTokensWithoutLocality * bytesPerToken;
   const auto numWorkers = static_cast<int32_t>(plan.config.numWorkers);
   const RoundCostBounds bounds = roundCostBounds(numWorkers, edges);
   s.maxWorkerCommBytes = bounds.maxWorkerBytes;

@@ -60,6 +60,8 @@ struct Plan {
   double lowerBound = 0;         ///< LB = max(largest block cost, total cost / workers)
   double greedyMaxCost = 0;      ///< busiest worker's cost before the improvement pass
   int64_t improveSteps = 0;
+  /// Tokens the reshuffle would move off-worker without the locality relabelling.
+  int64_t movedTokensWithoutLocality = 0;
 
   std::vector<Transfer> transfers;  ///< sorted by (block, receiver)
   int32_t numRounds = 0;            ///< Δ of the transfer graph
@@ -101,6 +103,7 @@ struct PlanStats {
   int64_t commBytes = 0;          ///< forward KV bytes sent over the network
   double commImbalance = 0;       ///< (max - mean) / max of bytes sent + received per worker
   int64_t reshuffleBytes = 0;     ///< forward: Q, K, V in and O out, off-worker pieces only
+  int64_t reshuffleBytesWithoutLocality = 0;  ///< the same without the locality relabelling
   int64_t maxWorkerCommBytes = 0; ///< weighted bound: most bytes a worker sends or receives
   int64_t sortedRoundBound = 0;   ///< weighted bound: Σ_k ((k−1)N+1)-th largest transfer
   int64_t sumRoundMaxima = 0;     ///< Σ over rounds of the largest transfer
