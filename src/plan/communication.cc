@@ -255,7 +255,10 @@ void validateCommunication(const Plan& plan, Violations& v) {
   for (size_t t = 0; t < expected.size(); ++t) {
     const Transfer& a = plan.transfers[t];
     const Transfer& e = expected[t];
-    if (a.block != e.block || a.sender != e.sender || a.receiver != e.receiver || a.bytes != e.bytes) {
+    // The sender may be a relay (ring attention passes blocks on); the stage replay below
+    // checks that a relay holds the block when it sends it.
+    if (a.block != e.block || a.receiver != e.receiver || a.bytes != e.bytes ||
+        a.sender < 0 || a.sender >= n || a.sender == a.receiver) {
       v.add("transfer ", t, " (block ", a.block, " ", a.sender, " -> ", a.receiver, ", ", a.bytes,
             " bytes) is not the needed (block ", e.block, " ", e.sender, " -> ", e.receiver, ", ",
             e.bytes, " bytes)");
@@ -336,7 +339,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
         for (int32_t t : st.send) {
           if (mark(sentAt, t, numT, s, "send of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
-            v.add(pass, ": worker ", w, " sends transfer ", t, " that is not its own");
+            v.add(pass, ": worker ", w, " sends transfer ", t, " meant to come from another");
           }
         }
         for (int32_t t : st.recv) {
@@ -382,7 +385,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
         for (int32_t t : st.recvGrad) {
           if (mark(gradRecvAt, t, numT, s, "dK/dV return of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
-            v.add(pass, ": worker ", w, " receives a dK/dV partial of a block it does not own");
+            v.add(pass, ": worker ", w, " receives a dK/dV partial of a transfer it did not send");
           }
         }
       }
@@ -398,6 +401,19 @@ void validateCommunication(const Plan& plan, Violations& v) {
               " and received at stage ", gradRecvAt[t], ": expected once each, in the same stage");
       }
       if (!backward && gradSentAt[t] >= 0) v.add("forward stages send a dK/dV partial");
+      // A relay must hold the block when it passes it on; backward, it returns its own partial
+      // only after the partials of everything it relayed came back (it adds them in).
+      const Transfer& tr = plan.transfers[t];
+      if (tr.sender == plan.owner[static_cast<size_t>(tr.block)] || sentAt[t] < 0) continue;
+      const int32_t in = findTransfer(plan.transfers, tr.block, tr.sender);
+      const auto i = static_cast<size_t>(in);
+      if (in < 0 || recvAt[i] < 0 || recvAt[i] >= sentAt[t] || releasedAt[i] < sentAt[t]) {
+        v.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
+              " without holding it then");
+      } else if (backward && gradSentAt[i] >= 0 && gradRecvAt[t] >= 0 && gradSentAt[i] <= gradRecvAt[t]) {
+        v.add(pass, ": worker ", tr.sender, " returns its dK/dV partial of block ", tr.block,
+              " before the partial it relayed came back");
+      }
     }
     for (size_t p = 0; p < plan.pairs.size(); ++p) {
       if (computedAt[p] < 0) v.add(pass, ": pair ", p, " is never computed");

@@ -22,7 +22,10 @@ namespace fcp::plan {
 /// One KV block sent to one worker that needs it.
 struct Transfer {
   int32_t block = 0;
-  int32_t sender = 0;    ///< the block's owner
+  /// The block's owner, or a relay that received the block earlier and still holds it (ring
+  /// attention passes blocks on). Backward, the receiver's dK/dV partial goes back to the
+  /// sender; a relay adds it to its own partial before returning that along its own transfer.
+  int32_t sender = 0;
   int32_t receiver = 0;  ///< a worker owning a Q block that attends to it
   int64_t bytes = 0;     ///< K and V of the block's tokens
   int32_t round = 0;     ///< in [0, Δ)
