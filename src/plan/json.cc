@@ -115,6 +115,8 @@ std::string planToJson(const Plan& plan) {
   }
   const json doc = {{"format", "fcp-plan"},
                     {"version", kFormatVersion},
+                    {"strategy", plan.strategy},
+                    {"congestion_free", plan.congestionFree},
                     {"config", configToJson(plan.config)},
                     {"batch", plan.batch.sequenceLengths},
                     {"blocks", std::move(blocks)},
@@ -147,6 +149,8 @@ Plan planFromJson(std::string_view text) {
     throwInvalidArgument("plan JSON version ", doc["version"].dump(), ": expected ", kFormatVersion);
   }
   Plan plan;
+  plan.strategy = field<std::string>(doc, "strategy");
+  plan.congestionFree = field<bool>(doc, "congestion_free");
   try {
     plan.config = configFromJson(field<json>(doc, "config"));
     plan.batch.sequenceLengths = field<std::vector<int64_t>>(doc, "batch");

@@ -208,7 +208,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
   Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
   plan.owner = std::move(a.owner);
-  if (config.locality) plan.movedTokensWithoutLocality = detail::relabelForLocality(plan);
+  if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
   plan.lowerBound = a.lowerBound;
   plan.greedyMaxCost = a.greedyMaxCost;
   plan.improveSteps = a.improveSteps;
@@ -216,15 +216,15 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   const double assignMs = msSince(assignStart);
 
   const auto transfersStart = std::chrono::steady_clock::now();
-  plan.transfers = detail::buildTransfers(plan);
+  plan.transfers = buildTransfers(plan);
   const double transfersMs = msSince(transfersStart);
   const auto colorStart = std::chrono::steady_clock::now();
-  detail::colorTransfers(plan);
+  colorTransfers(plan);
   const double colorMs = msSince(colorStart);
   const auto scheduleStart = std::chrono::steady_clock::now();
-  detail::buildStages(plan);
-  plan.reshuffle = detail::buildReshuffle(plan);
-  if (!config.locality) plan.movedTokensWithoutLocality = detail::movedTokens(plan.reshuffle);
+  buildStages(plan);
+  plan.reshuffle = buildReshuffle(plan);
+  if (!config.locality) plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
   if (timings) {
     timings->shardMs = shardMs;
     timings->assignMs = assignMs;
@@ -282,7 +282,7 @@ PlanStats computeStats(const Plan& plan) {
                                  : 0;
   const auto& a = plan.config.attention;
   const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
-  s.reshuffleBytes = detail::movedTokens(plan.reshuffle) * bytesPerToken;
+  s.reshuffleBytes = movedTokens(plan.reshuffle) * bytesPerToken;
   s.reshuffleBytesWithoutLocality = plan.movedTokensWithoutLocality * bytesPerToken;
   const auto numWorkers = static_cast<int32_t>(plan.config.numWorkers);
   const RoundCostBounds bounds = roundCostBounds(numWorkers, edges);

@@ -51,6 +51,12 @@ struct WorkerLoad {
 };
 
 struct Plan {
+  /// Which planner made it: "fcp", or a baseline's name.
+  std::string strategy = "fcp";
+  /// Whether transfers are ordered into congestion-free rounds: each round a matching, and
+  /// exactly Δ of them. Baselines without that ordering (an all-to-all per stage) set false;
+  /// validate then checks everything else.
+  bool congestionFree = true;
   PlanConfig config;
   Batch batch;
   std::vector<Block> blocks;

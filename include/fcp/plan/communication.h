@@ -1,0 +1,47 @@
+#pragma once
+/// The Communication Planner's steps (§4.2, §4.3), public so that other planners (the
+/// baselines) can build the parts of a Plan they share with FCP. buildPlan runs them in order:
+/// relabelForLocality (optional), buildTransfers, colorTransfers, buildStages, buildReshuffle.
+
+#include <cstdint>
+#include <vector>
+
+#include "fcp/plan/plan.h"
+
+namespace fcp::plan {
+
+/// First token of each user-layout worker's slice of the packed stream, N + 1 entries:
+/// worker r holds [start[r], start[r + 1]) = [floor(r T / N), floor((r + 1) T / N)).
+std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers);
+
+/// First token of each sequence in the packed stream, numSequences + 1 entries.
+std::vector<int64_t> sequenceStarts(const Batch& batch);
+
+/// Renames the workers of Plan::owner so that as many tokens as possible stay where the user
+/// layout holds them: a greedy maximum-weight matching of FCP workers to user workers, heaviest
+/// (tokens in common) first, ties to lower ids. Loads move with their workers, so balance is
+/// unchanged. Returns the tokens that moved off-worker before the relabelling.
+int64_t relabelForLocality(Plan& plan);
+
+/// Tokens of `pieces` whose user and FCP workers differ.
+int64_t movedTokens(const std::vector<ReshufflePiece>& pieces);
+
+/// The inward reshuffle: every block's tokens cut at user-slice boundaries, sorted by begin.
+std::vector<ReshufflePiece> buildReshuffle(const Plan& plan);
+
+/// Each (KV block, worker owning a Q block that attends to it) once, sorted by (block,
+/// receiver), sent by the block's owner; rounds not yet set.
+std::vector<Transfer> buildTransfers(const Plan& plan);
+
+/// Index of the transfer of `block` to `receiver` in transfers sorted by (block, receiver),
+/// or -1.
+int32_t findTransfer(const std::vector<Transfer>& transfers, int32_t block, int32_t receiver);
+
+/// Sets Plan::numRounds and each transfer's round with the congestion-free solver.
+void colorTransfers(Plan& plan);
+
+/// Fills Plan::forward and Plan::backward from the transfers' rounds, coalesce and buffer
+/// depth (see schedule.h for the pipeline's shape).
+void buildStages(Plan& plan);
+
+}  // namespace fcp::plan
