@@ -36,18 +36,48 @@ struct PairsByNeed {
   const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
 };
 
+/// Pair ids by KV block in CSR form (counting sort: O(pairs + blocks)).
+struct PairsByKv {
+  std::vector<int64_t> offset;  // numBlocks + 1
+  std::vector<int32_t> ids;
+};
+
+PairsByKv pairsByKvBlock(const Plan& plan) {
+  PairsByKv g;
+  g.offset.assign(plan.blocks.size() + 1, 0);
+  for (const BlockPair& p : plan.pairs) ++g.offset[static_cast<size_t>(p.kvBlock) + 1];
+  for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
+  g.ids.resize(plan.pairs.size());
+  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
+  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+    g.ids[static_cast<size_t>(next[static_cast<size_t>(plan.pairs[p].kvBlock)]++)] = static_cast<int32_t>(p);
+  }
+  return g;
+}
+
 PairsByNeed groupPairs(const Plan& plan) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
+  // Transfers are sorted by (block, receiver): those of one block are contiguous, so a
+  // per-worker slot table maps each pair's receiver to its transfer in O(1).
   std::vector<size_t> keyOf(plan.pairs.size());
-  for (size_t p = 0; p < plan.pairs.size(); ++p) {
-    const BlockPair& pair = plan.pairs[p];
-    const int32_t w = plan.owner[static_cast<size_t>(pair.qBlock)];
-    if (plan.owner[static_cast<size_t>(pair.kvBlock)] == w) {
-      keyOf[p] = static_cast<size_t>(w);
-    } else {
-      const int32_t t = findTransfer(plan.transfers, pair.kvBlock, w);
-      FCP_CHECK(t >= 0, "no transfer of block ", pair.kvBlock, " to worker ", w);
-      keyOf[p] = n + static_cast<size_t>(t);
+  std::vector<int32_t> slot(n, -1);
+  const PairsByKv byKv = pairsByKvBlock(plan);
+  size_t t = 0;
+  for (size_t k = 0; k < plan.blocks.size(); ++k) {
+    const size_t first = t;
+    for (; t < plan.transfers.size() && static_cast<size_t>(plan.transfers[t].block) == k; ++t) {
+      slot[static_cast<size_t>(plan.transfers[t].receiver)] = static_cast<int32_t>(t);
+    }
+    for (int64_t i = byKv.offset[k]; i < byKv.offset[k + 1]; ++i) {
+      const auto p = static_cast<size_t>(byKv.ids[static_cast<size_t>(i)]);
+      const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
+      if (plan.owner[k] == w) {
+        keyOf[p] = static_cast<size_t>(w);
+      } else {
+        const int32_t id = slot[static_cast<size_t>(w)];
+        FCP_CHECK(id >= static_cast<int32_t>(first), "no transfer of block ", k, " to worker ", w);
+        keyOf[p] = n + static_cast<size_t>(id);
+      }
     }
   }
   PairsByNeed g;
@@ -151,19 +181,26 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
 }
 
 std::vector<Transfer> buildTransfers(const Plan& plan) {
-  std::vector<std::pair<int32_t, int32_t>> needed;  // (KV block, receiver)
-  for (const BlockPair& p : plan.pairs) {
-    const int32_t receiver = plan.owner[static_cast<size_t>(p.qBlock)];
-    if (plan.owner[static_cast<size_t>(p.kvBlock)] != receiver) needed.push_back({p.kvBlock, receiver});
-  }
-  std::sort(needed.begin(), needed.end());
-  needed.erase(std::unique(needed.begin(), needed.end()), needed.end());
+  // Per KV block, the distinct owners of the Q blocks that pair with it (a stamp per worker
+  // dedupes), sorted: transfers come out sorted by (block, receiver) without a global sort.
+  const PairsByKv byKv = pairsByKvBlock(plan);
+  std::vector<int32_t> stamp(static_cast<size_t>(plan.config.numWorkers), -1);
+  std::vector<int32_t> receivers;
   std::vector<Transfer> transfers;
-  transfers.reserve(needed.size());
   const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
-  for (const auto& [block, receiver] : needed) {
-    transfers.push_back({block, plan.owner[static_cast<size_t>(block)], receiver,
-                         plan.blocks[static_cast<size_t>(block)].numTokens() * bytesPerToken, 0});
+  for (size_t k = 0; k < plan.blocks.size(); ++k) {
+    receivers.clear();
+    const int32_t owner = plan.owner[k];
+    for (int64_t i = byKv.offset[k]; i < byKv.offset[k + 1]; ++i) {
+      const BlockPair& p = plan.pairs[static_cast<size_t>(byKv.ids[static_cast<size_t>(i)])];
+      const int32_t w = plan.owner[static_cast<size_t>(p.qBlock)];
+      if (w == owner || stamp[static_cast<size_t>(w)] == static_cast<int32_t>(k)) continue;
+      stamp[static_cast<size_t>(w)] = static_cast<int32_t>(k);
+      receivers.push_back(w);
+    }
+    std::sort(receivers.begin(), receivers.end());
+    const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
+    for (int32_t w : receivers) transfers.push_back({static_cast<int32_t>(k), owner, w, bytes, 0});
   }
   return transfers;
 }
