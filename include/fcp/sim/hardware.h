@@ -1,0 +1,48 @@
+#pragma once
+/// Hardware profiles for the cluster simulator: peak compute, the kernel-efficiency curve, and
+/// the links between workers (NVLink-class inside a node, one NIC per worker across nodes).
+
+#include <cstdint>
+#include <string>
+
+#include "fcp/core/config.h"
+#include "fcp/core/cost_model.h"
+
+namespace fcp::sim {
+
+/// One worker type and its network. Bandwidths are bytes per second each way per worker.
+struct HardwareProfile {
+  std::string name = "h100";
+  std::string note;                       ///< where the numbers come from
+  double peakFlops = 989e12;              ///< dense FLOP/s of one worker at the plan's dtype
+  int64_t workersPerNode = 8;             ///< workers sharing the intra-node fabric
+  double intraNodeBytesPerSecond = 450e9; ///< per worker, each way (NVLink through NVSwitch)
+  double interNodeBytesPerSecond = 50e9;  ///< per worker NIC, each way
+  double intraNodeLatencySeconds = 3e-6;  ///< added once per transfer
+  double interNodeLatencySeconds = 10e-6;
+  /// Kernel efficiency f(block tokens) of the forward and backward kernels.
+  EfficiencyCurve forward = EfficiencyCurve::paperDefault();
+  EfficiencyCurve backward = EfficiencyCurve::paperDefault();
+
+  /// The cost model planners must use for plans this profile simulates (pair costs are then
+  /// FLOPs at this device's peak).
+  CostModel costModel(const AttentionConfig& attention) const;
+  /// Compute-to-communication ratio: peak FLOP/s over NIC bytes/s (the paper's Table).
+  double flopsPerByte() const { return peakFlops / interNodeBytesPerSecond; }
+};
+
+/// Parses a profile from JSON text:
+///   {"kind": "fcp-hardware", "name": ..., "note": ..., "peak_tflops": 989,
+///    "workers_per_node": 8, "intra_node_gbps": 450, "inter_node_gbps": 50,
+///    "intra_node_latency_us": 3, "inter_node_latency_us": 10,
+///    "forward": [[tokens, fraction], ...], "backward": [[tokens, fraction], ...]}
+/// (GB/s = 1e9 bytes/s). Throws Error(kInvalidArgument) naming the bad or missing field.
+HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source);
+
+/// Reads a profile: a path to a JSON file, or a built-in name ("h100", "gpu-x", "gpu-y"),
+/// which is looked up as data/hardware/<name>.json under the directory FCP_DATA_DIR names,
+/// else the source tree's data/ directory. Throws Error(kInvalidArgument) for an unknown
+/// name or an unreadable file.
+HardwareProfile loadHardwareProfile(const std::string& nameOrPath);
+
+}  // namespace fcp::sim

@@ -1,0 +1,77 @@
+#pragma once
+/// Event-driven cluster simulator: times any `Plan` on a hardware model, never computing
+/// attention and never knowing which planner made the plan.
+///
+/// Model. Each worker runs its stages in order. Entering a stage it starts the stage's compute
+/// (its pairs one after another: a pair takes its cost / peak forward, and backward
+/// 2.5 × flops / (peak × backward efficiency)) and posts the stage's sends and receives
+/// (backward also the dK/dV returns). A transfer starts once both its sender and receiver
+/// have posted it, and moves its bytes over the link it uses: NVLink inside a node, the NICs
+/// across nodes. Every worker has an out and an in port of each kind; concurrent transfers
+/// through one port share it equally, a transfer running at the smallest share of its two
+/// ports (so two transfers into one NIC take twice as long), plus a fixed latency. A stage
+/// ends when its compute and all its transfers are done. Compute thus overlaps communication
+/// exactly as far as the plan's stages (and their buffer depth) allow. The reshuffle moves
+/// its off-worker bytes (forward: Q, K, V in and O out; backward: dO in and dQ, dK, dV out)
+/// during the first and the last stage, or, with overlapReshuffle off, in a stage of its own
+/// before and after.
+
+#include <cstdint>
+#include <vector>
+
+#include "fcp/plan/plan.h"
+#include "fcp/sim/hardware.h"
+
+namespace fcp::sim {
+
+struct SimOptions {
+  bool backward = true;          ///< simulate the backward pass too
+  bool reshuffle = true;         ///< charge the reshuffle's bytes
+  bool overlapReshuffle = true;  ///< reshuffle during the first / last stage (else apart)
+  bool timelines = false;        ///< keep per-worker stage timelines
+};
+
+/// One stage of one worker on the timeline, in milliseconds from the pass's start.
+struct StageSpan {
+  int32_t stage = 0;       ///< plan stage index; -1 / -2 for a separate reshuffle in / out
+  double startMs = 0;
+  double computeEndMs = 0; ///< when its compute finished
+  double endMs = 0;        ///< when its compute and transfers were all done
+};
+
+/// One pass (forward or backward).
+struct PassResult {
+  double timeMs = 0;
+  double usefulFlops = 0;
+  double mfu = 0;  ///< usefulFlops / (workers × peak × time)
+  std::vector<double> computeMs;      ///< per worker, busy computing
+  std::vector<double> finishMs;       ///< per worker, when its last stage ended
+  std::vector<std::vector<StageSpan>> timelines;  ///< per worker, if asked for
+};
+
+struct SimResult {
+  PassResult forward;
+  PassResult backward;  ///< empty unless SimOptions::backward
+  double timeMs = 0;    ///< forward + backward
+  double mfu = 0;       ///< useful FLOPs of both passes / (workers × peak × time)
+  /// (max − mean) / max over workers of compute time (both passes) and of KV bytes sent plus
+  /// received (forward transfers, the paper's "network traffic").
+  double computeImbalance = 0;
+  double commImbalance = 0;
+  /// Breakdown, in ms of the whole step: mean compute per worker, the mean time a worker is
+  /// not computing (waiting on transfers or on slower workers), and the reshuffle's share of
+  /// the network bytes.
+  double meanComputeMs = 0;
+  double meanIdleMs = 0;
+  int64_t transferBytes = 0;   ///< forward KV bytes over the network
+  int64_t reshuffleBytes = 0;  ///< forward, off-worker
+  int64_t numTransfers = 0;
+};
+
+/// Simulates `plan` on `hardware`. Pair costs must come from hardware.costModel() (the plan's
+/// own numbers are used). Throws Error(kInvalidPlan) if the plan's stages cannot all finish
+/// (a transfer posted by only one side) and Error(kInvalidArgument) for a bad profile.
+SimResult simulate(const plan::Plan& plan, const HardwareProfile& hardware,
+                   const SimOptions& options = {});
+
+}  // namespace fcp::sim

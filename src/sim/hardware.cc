@@ -1,0 +1,108 @@
+#include "fcp/sim/hardware.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <nlohmann/json.hpp>
+
+#include "fcp/core/error.h"
+
+#ifndef FCP_SOURCE_DATA_DIR
+#define FCP_SOURCE_DATA_DIR "data"
+#endif
+
+namespace fcp::sim {
+namespace {
+
+using nlohmann::json;
+
+double positiveNumber(const json& j, const char* field, const std::string& source) {
+  if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() > 0)) {
+    throwInvalidArgument("hardware profile ", source, ": field '", field,
+                         "' must be a positive number");
+  }
+  return j[field].get<double>();
+}
+
+EfficiencyCurve curve(const json& j, const char* field, const std::string& source) {
+  if (!j.contains(field) || !j[field].is_array() || j[field].empty()) {
+    throwInvalidArgument("hardware profile ", source, ": field '", field,
+                         "' must be a non-empty list of [tokens, fraction]");
+  }
+  std::vector<std::pair<int64_t, double>> points;
+  for (const json& p : j[field]) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number()) {
+      throwInvalidArgument("hardware profile ", source, ": '", field, "' entry ", p.dump(),
+                           " is not [tokens, fraction]");
+    }
+    points.push_back({p[0].get<int64_t>(), p[1].get<double>()});
+  }
+  return EfficiencyCurve(std::move(points));
+}
+
+}  // namespace
+
+CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
+  return CostModel{attention, forward, backward};
+}
+
+HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(jsonText);
+  } catch (const json::parse_error& e) {
+    throwInvalidArgument("hardware profile ", source, " is not valid JSON: ", e.what());
+  }
+  if (!j.is_object() || j.value("kind", "") != "fcp-hardware") {
+    throwInvalidArgument("hardware profile ", source, ": expected an object with \"kind\": \"fcp-hardware\"");
+  }
+  HardwareProfile h;
+  h.name = j.value("name", source);
+  h.note = j.value("note", "");
+  h.peakFlops = positiveNumber(j, "peak_tflops", source) * 1e12;
+  const double perNode = positiveNumber(j, "workers_per_node", source);
+  if (perNode != static_cast<double>(static_cast<int64_t>(perNode))) {
+    throwInvalidArgument("hardware profile ", source, ": workers_per_node ", perNode,
+                         " must be a whole number");
+  }
+  h.workersPerNode = static_cast<int64_t>(perNode);
+  h.intraNodeBytesPerSecond = positiveNumber(j, "intra_node_gbps", source) * 1e9;
+  h.interNodeBytesPerSecond = positiveNumber(j, "inter_node_gbps", source) * 1e9;
+  h.intraNodeLatencySeconds = j.value("intra_node_latency_us", 0.0) * 1e-6;
+  h.interNodeLatencySeconds = j.value("inter_node_latency_us", 0.0) * 1e-6;
+  if (h.intraNodeLatencySeconds < 0 || h.interNodeLatencySeconds < 0) {
+    throwInvalidArgument("hardware profile ", source, ": latencies must be >= 0");
+  }
+  try {
+    h.forward = curve(j, "forward", source);
+    h.backward = j.contains("backward") ? curve(j, "backward", source) : h.forward;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kInvalidArgument) throw;
+    throwInvalidArgument("hardware profile ", source, ": ", e.what());
+  }
+  return h;
+}
+
+HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
+  if (nameOrPath.empty()) throwInvalidArgument("empty hardware profile: expected a name or a file");
+  std::string path = nameOrPath;
+  const bool isName = nameOrPath.find('/') == std::string::npos &&
+                      nameOrPath.find(".json") == std::string::npos;
+  if (isName) {
+    const char* env = std::getenv("FCP_DATA_DIR");
+    const std::string dir = env && *env ? env : FCP_SOURCE_DATA_DIR;
+    path = dir + "/hardware/" + nameOrPath + ".json";
+    if (!std::filesystem::exists(path)) {
+      throwInvalidArgument("unknown hardware profile '", nameOrPath,
+                           "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path, ")");
+    }
+  }
+  std::ifstream in(path);
+  if (!in) throwInvalidArgument("cannot read hardware profile '", path, "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parseHardwareProfile(text.str(), path);
+}
+
+}  // namespace fcp::sim

@@ -1,0 +1,350 @@
+#include "fcp/sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <queue>
+#include <tuple>
+
+#include "fcp/core/error.h"
+
+namespace fcp::sim {
+namespace {
+
+using plan::Plan;
+using plan::Stage;
+
+/// A unit of data movement between two workers: a KV transfer, a dK/dV return or a
+/// reshuffle message.
+struct Flow {
+  int32_t src = 0;
+  int32_t dst = 0;
+  double bytes = 0;
+};
+
+/// A worker's stage as the engine sees it.
+struct SimStage {
+  int32_t planStage = 0;
+  double computeSeconds = 0;
+  std::vector<int32_t> flows;
+};
+
+/// The event-driven engine for one pass.
+///
+/// Terms: a *port* is one direction of one link kind at one worker (NVLink out, NVLink in,
+/// NIC out, NIC in); a flow uses the sender's out port and the receiver's in port of one kind.
+/// A flow is *posted* by each endpoint when it enters the stage holding it and *active* once
+/// both have; an active flow drains at rate min over its two ports of capacity / active flows
+/// on the port, recomputed whenever a flow starts or ends on either port. `version` discards
+/// stale drain events after a rate change. A worker's `outstanding` counts the flows and the
+/// compute of its current stage not yet done.
+class Engine {
+ public:
+  Engine(const HardwareProfile& hw, int64_t numWorkers, std::vector<Flow> flows,
+         std::vector<std::vector<SimStage>> stages, bool keepTimelines)
+      : hw_(hw), n_(static_cast<size_t>(numWorkers)), flows_(std::move(flows)),
+        stages_(std::move(stages)), keep_(keepTimelines) {
+    const size_t f = flows_.size();
+    remaining_.resize(f);
+    rate_.assign(f, 0);
+    last_.assign(f, 0);
+    version_.assign(f, 0);
+    posted_.assign(f, 0);
+    for (size_t i = 0; i < f; ++i) remaining_[i] = flows_[i].bytes;
+    active_.resize(4 * n_);
+    stageIdx_.assign(n_, 0);
+    outstanding_.assign(n_, 0);
+    stageStart_.assign(n_, 0);
+    computeEnd_.assign(n_, 0);
+    result_.computeMs.assign(n_, 0);
+    result_.finishMs.assign(n_, 0);
+    if (keep_) result_.timelines.resize(n_);
+  }
+
+  PassResult run() {
+    for (size_t w = 0; w < n_; ++w) enter(static_cast<int32_t>(w), 0);
+    while (!queue_.empty()) {
+      const Event e = queue_.top();
+      queue_.pop();
+      switch (e.kind) {
+        case kComputeDone:
+          computeEnd_[static_cast<size_t>(e.id)] = e.time;
+          done(e.id, e.time);
+          break;
+        case kDrained:
+          if (e.version == version_[static_cast<size_t>(e.id)]) drained(e.id, e.time);
+          break;
+        case kArrived:
+          done(flows_[static_cast<size_t>(e.id)].src, e.time);
+          done(flows_[static_cast<size_t>(e.id)].dst, e.time);
+          break;
+      }
+    }
+    for (size_t w = 0; w < n_; ++w) {
+      if (stageIdx_[w] < stages_[w].size()) {
+        throw Error(ErrorCode::kInvalidPlan, "simulation stalls: worker " + std::to_string(w) +
+                                                 " waits forever in stage " +
+                                                 std::to_string(stages_[w][stageIdx_[w]].planStage));
+      }
+      result_.timeMs = std::max(result_.timeMs, result_.finishMs[w]);
+    }
+    return std::move(result_);
+  }
+
+ private:
+  enum Kind { kComputeDone, kDrained, kArrived };
+  struct Event {
+    double time;
+    uint64_t seq;
+    Kind kind;
+    int32_t id;
+    uint32_t version;
+    bool operator>(const Event& o) const { return std::tie(time, seq) > std::tie(o.time, o.seq); }
+  };
+
+  void push(double time, Kind kind, int32_t id, uint32_t version = 0) {
+    queue_.push({time, seq_++, kind, id, version});
+  }
+
+  bool sameNode(int32_t a, int32_t b) const {
+    return a / hw_.workersPerNode == b / hw_.workersPerNode;
+  }
+  size_t outPort(const Flow& f) const { return 4 * static_cast<size_t>(f.src) + (sameNode(f.src, f.dst) ? 0 : 2); }
+  size_t inPort(const Flow& f) const { return 4 * static_cast<size_t>(f.dst) + (sameNode(f.src, f.dst) ? 1 : 3); }
+  double capacity(size_t port) const {
+    return port % 4 < 2 ? hw_.intraNodeBytesPerSecond : hw_.interNodeBytesPerSecond;
+  }
+
+  void enter(int32_t w, double t) {
+    const auto wi = static_cast<size_t>(w);
+    if (stageIdx_[wi] == stages_[wi].size()) {
+      result_.finishMs[wi] = t * 1e3;
+      return;
+    }
+    const SimStage& s = stages_[wi][stageIdx_[wi]];
+    stageStart_[wi] = t;
+    outstanding_[wi] = static_cast<int64_t>(s.flows.size()) + 1;
+    result_.computeMs[wi] += s.computeSeconds * 1e3;
+    push(t + s.computeSeconds, kComputeDone, w);
+    for (int32_t f : s.flows) {
+      if (++posted_[static_cast<size_t>(f)] == 2) start(f, t);
+    }
+  }
+
+  void done(int32_t w, double t) {
+    const auto wi = static_cast<size_t>(w);
+    if (--outstanding_[wi] > 0) return;
+    if (keep_) {
+      result_.timelines[wi].push_back({stages_[wi][stageIdx_[wi]].planStage, stageStart_[wi] * 1e3,
+                                       computeEnd_[wi] * 1e3, t * 1e3});
+    }
+    ++stageIdx_[wi];
+    enter(w, t);
+  }
+
+  void settle(int32_t f, double t) {
+    const auto i = static_cast<size_t>(f);
+    remaining_[i] = std::max(0.0, remaining_[i] - rate_[i] * (t - last_[i]));
+    last_[i] = t;
+  }
+
+  /// Re-rates every active flow on `port` at time t (they were settled by the caller).
+  void rerate(size_t port, double t) {
+    for (int32_t g : active_[port]) {
+      const auto i = static_cast<size_t>(g);
+      const Flow& f = flows_[i];
+      const size_t a = outPort(f), b = inPort(f);
+      rate_[i] = std::min(capacity(a) / static_cast<double>(active_[a].size()),
+                          capacity(b) / static_cast<double>(active_[b].size()));
+      push(t + remaining_[i] / rate_[i], kDrained, g, ++version_[i]);
+    }
+  }
+
+  void settlePort(size_t port, double t) {
+    for (int32_t g : active_[port]) settle(g, t);
+  }
+
+  void start(int32_t f, double t) {
+    const Flow& flow = flows_[static_cast<size_t>(f)];
+    const size_t a = outPort(flow), b = inPort(flow);
+    settlePort(a, t);
+    settlePort(b, t);
+    active_[a].push_back(f);
+    active_[b].push_back(f);
+    last_[static_cast<size_t>(f)] = t;
+    rerate(a, t);
+    rerate(b, t);
+  }
+
+  void drained(int32_t f, double t) {
+    const Flow& flow = flows_[static_cast<size_t>(f)];
+    const size_t a = outPort(flow), b = inPort(flow);
+    settlePort(a, t);
+    settlePort(b, t);
+    for (const size_t port : {a, b}) {
+      auto& list = active_[port];
+      list.erase(std::find(list.begin(), list.end(), f));
+    }
+    ++version_[static_cast<size_t>(f)];
+    rerate(a, t);
+    rerate(b, t);
+    const double latency =
+        sameNode(flow.src, flow.dst) ? hw_.intraNodeLatencySeconds : hw_.interNodeLatencySeconds;
+    push(t + latency, kArrived, f);
+  }
+
+  const HardwareProfile& hw_;
+  size_t n_;
+  std::vector<Flow> flows_;
+  std::vector<std::vector<SimStage>> stages_;
+  bool keep_;
+  std::vector<double> remaining_, rate_, last_;
+  std::vector<uint32_t> version_;
+  std::vector<uint8_t> posted_;
+  std::vector<std::vector<int32_t>> active_;
+  std::vector<size_t> stageIdx_;
+  std::vector<int64_t> outstanding_;
+  std::vector<double> stageStart_, computeEnd_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
+  uint64_t seq_ = 0;
+  PassResult result_;
+};
+
+/// Off-worker reshuffle bytes per (source, destination), for one direction.
+std::map<std::pair<int32_t, int32_t>, double> reshuffleMessages(const Plan& plan, bool inward,
+                                                                int64_t bytesPerToken) {
+  std::map<std::pair<int32_t, int32_t>, double> bytes;
+  for (const plan::ReshufflePiece& p : plan.reshuffle) {
+    if (p.userWorker == p.fcpWorker) continue;
+    const auto key = inward ? std::make_pair(p.userWorker, p.fcpWorker)
+                            : std::make_pair(p.fcpWorker, p.userWorker);
+    bytes[key] += static_cast<double>((p.end - p.begin) * bytesPerToken);
+  }
+  return bytes;
+}
+
+/// Geometric mean over the forward curve's points of backward / forward efficiency.
+double backwardEfficiencyRatio(const HardwareProfile& hw) {
+  double logSum = 0;
+  const auto& points = hw.forward.points();
+  for (const auto& [tokens, fraction] : points) logSum += std::log(hw.backward.at(tokens) / fraction);
+  return std::exp(logSum / static_cast<double>(points.size()));
+}
+
+PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions& options,
+                   bool backward) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  const auto& passStages = backward ? plan.backward : plan.forward;
+  FCP_CHECK(passStages.size() == n, "plan has stages for ", passStages.size(), " workers, not ", n);
+  const size_t numT = plan.transfers.size();
+  std::vector<Flow> flows;
+  flows.reserve(numT * (backward ? 2 : 1));
+  for (const plan::Transfer& t : plan.transfers) {
+    flows.push_back({t.sender, t.receiver, static_cast<double>(t.bytes)});
+  }
+  if (backward) {
+    for (const plan::Transfer& t : plan.transfers) {
+      flows.push_back({t.receiver, t.sender, static_cast<double>(t.bytes)});
+    }
+  }
+  const double bwdScale = 2.5 / backwardEfficiencyRatio(hw);
+  std::vector<std::vector<SimStage>> stages(n);
+  for (size_t w = 0; w < n; ++w) {
+    const auto& ws = passStages[w];
+    stages[w].resize(ws.size());
+    for (size_t s = 0; s < ws.size(); ++s) {
+      const Stage& st = ws[s];
+      SimStage& out = stages[w][s];
+      out.planStage = static_cast<int32_t>(s);
+      double cost = 0;
+      for (int32_t p : st.compute) cost += plan.pairs[static_cast<size_t>(p)].cost;
+      out.computeSeconds = cost * (backward ? bwdScale : 1.0) / hw.peakFlops;
+      out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
+      out.flows.insert(out.flows.end(), st.recv.begin(), st.recv.end());
+      for (int32_t t : st.sendGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
+      for (int32_t t : st.recvGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
+    }
+    if (stages[w].empty()) stages[w].push_back({0, 0, {}});
+  }
+  if (options.reshuffle) {
+    const auto& a = plan.config.attention;
+    const int64_t inBytes = backward ? a.qBytesPerToken() : a.qBytesPerToken() + a.kvBytesPerToken();
+    const int64_t outBytes = backward ? a.qBytesPerToken() + a.kvBytesPerToken() : a.oBytesPerToken();
+    if (!options.overlapReshuffle) {
+      for (auto& s : stages) {
+        s.insert(s.begin(), SimStage{-1, 0, {}});
+        s.push_back(SimStage{-2, 0, {}});
+      }
+    }
+    for (const bool inward : {true, false}) {
+      for (const auto& [key, bytes] : reshuffleMessages(plan, inward, inward ? inBytes : outBytes)) {
+        const auto id = static_cast<int32_t>(flows.size());
+        flows.push_back({key.first, key.second, bytes});
+        for (const int32_t w : {key.first, key.second}) {
+          auto& s = stages[static_cast<size_t>(w)];
+          (inward ? s.front() : s.back()).flows.push_back(id);
+        }
+      }
+    }
+  }
+  Engine engine(hw, plan.config.numWorkers, std::move(flows), std::move(stages), options.timelines);
+  PassResult r = engine.run();
+  for (const plan::BlockPair& p : plan.pairs) {
+    r.usefulFlops += backward ? backwardFlops(plan.config.attention, p.visible)
+                              : forwardFlops(plan.config.attention, p.visible);
+  }
+  const double denominator = static_cast<double>(n) * hw.peakFlops * r.timeMs * 1e-3;
+  r.mfu = denominator > 0 ? r.usefulFlops / denominator : 0;
+  return r;
+}
+
+double imbalance(const std::vector<double>& load) {
+  double max = 0, sum = 0;
+  for (double x : load) {
+    max = std::max(max, x);
+    sum += x;
+  }
+  return max > 0 ? (max - sum / static_cast<double>(load.size())) / max : 0;
+}
+
+}  // namespace
+
+SimResult simulate(const Plan& plan, const HardwareProfile& hardware, const SimOptions& options) {
+  if (!(hardware.peakFlops > 0) || !(hardware.intraNodeBytesPerSecond > 0) ||
+      !(hardware.interNodeBytesPerSecond > 0) || hardware.workersPerNode <= 0) {
+    throwInvalidArgument("hardware profile '", hardware.name,
+                         "': expected positive peak, bandwidths and workers per node");
+  }
+  SimResult r;
+  r.forward = runPass(plan, hardware, options, false);
+  if (options.backward) r.backward = runPass(plan, hardware, options, true);
+  r.timeMs = r.forward.timeMs + r.backward.timeMs;
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  const double useful = r.forward.usefulFlops + r.backward.usefulFlops;
+  const double denominator = static_cast<double>(n) * hardware.peakFlops * r.timeMs * 1e-3;
+  r.mfu = denominator > 0 ? useful / denominator : 0;
+
+  std::vector<double> compute(n, 0), bytes(n, 0);
+  for (size_t w = 0; w < n; ++w) {
+    compute[w] = r.forward.computeMs[w] + (options.backward ? r.backward.computeMs[w] : 0);
+    r.meanComputeMs += compute[w] / static_cast<double>(n);
+  }
+  for (const plan::Transfer& t : plan.transfers) {
+    bytes[static_cast<size_t>(t.sender)] += static_cast<double>(t.bytes);
+    bytes[static_cast<size_t>(t.receiver)] += static_cast<double>(t.bytes);
+    r.transferBytes += t.bytes;
+  }
+  r.numTransfers = static_cast<int64_t>(plan.transfers.size());
+  r.computeImbalance = imbalance(compute);
+  r.commImbalance = imbalance(bytes);
+  r.meanIdleMs = r.timeMs - r.meanComputeMs;
+  const auto& a = plan.config.attention;
+  for (const plan::ReshufflePiece& p : plan.reshuffle) {
+    if (p.userWorker != p.fcpWorker) {
+      r.reshuffleBytes += (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
+    }
+  }
+  return r;
+}
+
+}  // namespace fcp::sim

@@ -1,0 +1,188 @@
+// The simulator on cases small enough to time by hand: one transfer, two transfers into one
+// NIC, a pipeline whose compute hides its communication, a ring of N steps.
+#include <gtest/gtest.h>
+
+#include "fcp/baselines/ring.h"
+#include "fcp/core/error.h"
+#include "fcp/sim/hardware.h"
+#include "fcp/sim/simulator.h"
+
+namespace fcp::sim {
+namespace {
+
+/// 1 TFLOP/s, 1 GB/s everywhere, no latency, every worker its own node unless told.
+HardwareProfile unitHardware(int64_t perNode = 1) {
+  HardwareProfile h;
+  h.name = "unit";
+  h.peakFlops = 1e12;
+  h.workersPerNode = perNode;
+  h.intraNodeBytesPerSecond = 4e9;
+  h.interNodeBytesPerSecond = 1e9;
+  h.intraNodeLatencySeconds = 0;
+  h.interNodeLatencySeconds = 0;
+  return h;
+}
+
+/// A bare plan: `workers` workers with `stages` empty forward stages each.
+plan::Plan barePlan(int64_t workers, size_t stages) {
+  plan::Plan p;
+  p.config.numWorkers = workers;
+  p.forward.assign(static_cast<size_t>(workers), std::vector<plan::Stage>(stages));
+  p.backward = p.forward;
+  return p;
+}
+
+/// Adds a transfer of `bytes` from `from` to `to` in forward stage `stage`.
+void addTransfer(plan::Plan& p, int32_t from, int32_t to, int64_t bytes, size_t stage) {
+  const auto id = static_cast<int32_t>(p.transfers.size());
+  p.transfers.push_back({0, from, to, bytes, 0});
+  p.forward[static_cast<size_t>(from)][stage].send.push_back(id);
+  p.forward[static_cast<size_t>(to)][stage].recv.push_back(id);
+}
+
+/// Adds a pair costing `seconds` at 1 TFLOP/s to `worker`'s forward stage `stage`.
+void addCompute(plan::Plan& p, int32_t worker, double seconds, size_t stage) {
+  const auto id = static_cast<int32_t>(p.pairs.size());
+  p.pairs.push_back({0, 0, 0, seconds * 1e12});
+  p.forward[static_cast<size_t>(worker)][stage].compute.push_back(id);
+}
+
+SimOptions forwardOnly() {
+  SimOptions o;
+  o.backward = false;
+  o.reshuffle = false;
+  o.timelines = true;
+  return o;
+}
+
+TEST(SimulatorTest, OneTransferTakesBytesOverBandwidth) {
+  plan::Plan p = barePlan(2, 1);
+  addTransfer(p, 0, 1, 1'000'000'000, 0);
+  const SimResult r = simulate(p, unitHardware(), forwardOnly());
+  EXPECT_NEAR(r.forward.timeMs, 1000.0, 1e-6);
+  // Inside one node the NVLink-class link is four times faster.
+  EXPECT_NEAR(simulate(p, unitHardware(2), forwardOnly()).forward.timeMs, 250.0, 1e-6);
+}
+
+TEST(SimulatorTest, LatencyIsAddedOncePerTransfer) {
+  plan::Plan p = barePlan(2, 1);
+  addTransfer(p, 0, 1, 1'000'000, 0);
+  HardwareProfile h = unitHardware();
+  h.interNodeLatencySeconds = 0.5e-3;
+  EXPECT_NEAR(simulate(p, h, forwardOnly()).forward.timeMs, 1.5, 1e-9);
+}
+
+TEST(SimulatorTest, TwoSendersIntoOneNicTakeTwiceAsLong) {
+  plan::Plan into = barePlan(3, 1);
+  addTransfer(into, 0, 2, 1'000'000'000, 0);
+  addTransfer(into, 1, 2, 1'000'000'000, 0);
+  EXPECT_NEAR(simulate(into, unitHardware(), forwardOnly()).forward.timeMs, 2000.0, 1e-6);
+  // Without congestion (different receivers) the same bytes take half the time.
+  plan::Plan apart = barePlan(4, 1);
+  addTransfer(apart, 0, 2, 1'000'000'000, 0);
+  addTransfer(apart, 1, 3, 1'000'000'000, 0);
+  EXPECT_NEAR(simulate(apart, unitHardware(), forwardOnly()).forward.timeMs, 1000.0, 1e-6);
+}
+
+TEST(SimulatorTest, ShareIsRecomputedWhenAFlowEnds) {
+  // 1 GB and 3 GB into one NIC: both at 0.5 GB/s for 2 s, then the rest alone: 4 s total.
+  plan::Plan p = barePlan(3, 1);
+  addTransfer(p, 0, 2, 1'000'000'000, 0);
+  addTransfer(p, 1, 2, 3'000'000'000, 0);
+  const SimResult r = simulate(p, unitHardware(), forwardOnly());
+  EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
+  EXPECT_NEAR(r.forward.finishMs[0], 2000.0, 1e-6);  // each sender is done with its own flow
+  EXPECT_NEAR(r.forward.finishMs[1], 4000.0, 1e-6);
+}
+
+TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
+  // Worker 1 receives a block per stage (0.5 s each) while computing 1 s per stage on what
+  // arrived before: four stages of 1 s, the transfers entirely hidden.
+  plan::Plan p = barePlan(2, 4);
+  for (size_t s = 0; s < 3; ++s) addTransfer(p, 0, 1, 500'000'000, s);
+  for (size_t s = 0; s < 4; ++s) addCompute(p, 1, 1.0, s);
+  const SimResult r = simulate(p, unitHardware(), forwardOnly());
+  EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
+  EXPECT_NEAR(r.forward.computeMs[1], 4000.0, 1e-6);
+  ASSERT_EQ(r.forward.timelines[1].size(), 4u);
+  EXPECT_NEAR(r.forward.timelines[1][2].startMs, 2000.0, 1e-6);
+  // When communication dominates, the stage waits for it: 2 s per transfer stage, 1 s last.
+  plan::Plan slow = barePlan(2, 4);
+  for (size_t s = 0; s < 3; ++s) addTransfer(slow, 0, 1, 2'000'000'000, s);
+  for (size_t s = 0; s < 4; ++s) addCompute(slow, 1, 1.0, s);
+  EXPECT_NEAR(simulate(slow, unitHardware(), forwardOnly()).forward.timeMs, 7000.0, 1e-6);
+}
+
+TEST(SimulatorTest, ATransferWaitsForBothSidesToPostIt) {
+  // Worker 0 computes 1 s in stage 0 and sends in stage 1; worker 1 receives in stage 1,
+  // which it enters at once, so the 1 s transfer runs from 1 s to 2 s.
+  plan::Plan p = barePlan(2, 2);
+  addCompute(p, 0, 1.0, 0);
+  addTransfer(p, 0, 1, 1'000'000'000, 1);
+  EXPECT_NEAR(simulate(p, unitHardware(), forwardOnly()).forward.timeMs, 2000.0, 1e-6);
+}
+
+TEST(SimulatorTest, RingOfNStepsTakesNMinusOneHops) {
+  // Communication-bound ring: compute is free, each of the P − 1 rounds moves one block per
+  // rank over its own NIC, so the forward takes (P − 1) · block bytes / bandwidth.
+  for (int64_t ranks : {2, 3, 5, 8}) {
+    plan::PlanConfig c;
+    c.numWorkers = ranks;
+    c.tokensPerWorker = 1024;
+    const int64_t len = 2 * ranks * 512;
+    const plan::Plan p = baselines::ringPlan(Batch{{len}}, c, CostModel{c.attention});
+    HardwareProfile h = unitHardware();
+    h.peakFlops = 1e30;
+    const double blockBytes = static_cast<double>(len / ranks * c.attention.kvBytesPerToken());
+    const SimResult r = simulate(p, h, forwardOnly());
+    EXPECT_NEAR(r.forward.timeMs, static_cast<double>(ranks - 1) * blockBytes / 1e9 * 1e3, 1e-6)
+        << ranks << " ranks";
+    EXPECT_NEAR(r.commImbalance, 0.0, 1e-12);
+  }
+}
+
+TEST(SimulatorTest, MfuCountsUsefulFlopsOverWorkersPeakAndTime) {
+  plan::PlanConfig c;
+  c.numWorkers = 4;
+  c.tokensPerWorker = 4096;
+  HardwareProfile h = unitHardware(8);
+  const plan::Plan p = baselines::ringPlan(Batch{{16384}}, c, h.costModel(c.attention));
+  SimOptions o = forwardOnly();
+  const SimResult r = simulate(p, h, o);
+  EXPECT_GT(r.forward.mfu, 0);
+  EXPECT_LE(r.forward.mfu, 1.0);
+  EXPECT_NEAR(r.forward.mfu, r.forward.usefulFlops / (4 * 1e12 * r.forward.timeMs * 1e-3), 1e-12);
+  o.backward = true;
+  const SimResult both = simulate(p, h, o);
+  EXPECT_NEAR(both.backward.usefulFlops, 2.5 * both.forward.usefulFlops, 1e-6 * both.forward.usefulFlops);
+  EXPECT_GT(both.backward.timeMs, both.forward.timeMs);
+}
+
+TEST(SimulatorTest, ReshuffleCostsItsBytes) {
+  plan::PlanConfig c;
+  c.numWorkers = 2;
+  c.tokensPerWorker = 1024;
+  HardwareProfile h = unitHardware();
+  h.peakFlops = 1e30;
+  const plan::Plan p = baselines::ringPlan(Batch{{2048}}, c, CostModel{c.attention});
+  SimOptions o = forwardOnly();
+  const double without = simulate(p, h, o).forward.timeMs;
+  o.reshuffle = true;
+  o.overlapReshuffle = false;
+  const SimResult r = simulate(p, h, o);
+  // Zig-Zag on 2 ranks: chunks 1 and 2 (512 tokens each) change hands, each way.
+  const auto& a = c.attention;
+  const double in = 512.0 * static_cast<double>(a.qBytesPerToken() + a.kvBytesPerToken());
+  const double out = 512.0 * static_cast<double>(a.oBytesPerToken());
+  EXPECT_NEAR(r.forward.timeMs - without, (in + out) / 1e9 * 1e3, 1e-6);
+}
+
+TEST(SimulatorTest, StalledPlanIsReported) {
+  plan::Plan p = barePlan(2, 1);
+  addTransfer(p, 0, 1, 1000, 0);
+  p.forward[1][0].recv.clear();  // the receiver never posts it
+  EXPECT_THROW(simulate(p, unitHardware(), forwardOnly()), Error);
+}
+
+}  // namespace
+}  // namespace fcp::sim
