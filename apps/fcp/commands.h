@@ -11,4 +11,7 @@ void addPlanCommand(CLI::App& app);
 /// `fcp bench kernel`: calibrate the block-attention kernels, write the efficiency curve.
 void addBenchCommand(CLI::App& app);
 
+/// `fcp run`: execute FCP and ring plans on MPI ranks, forward and backward, and compare them.
+void addRunCommand(CLI::App& app);
+
 }  // namespace fcp::app

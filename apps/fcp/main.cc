@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
   fcp::app::addPlanCommand(app);
   fcp::app::addBenchCommand(app);
+  fcp::app::addRunCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

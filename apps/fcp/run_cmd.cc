@@ -1,0 +1,475 @@
+// `fcp run`: execute plans on real ranks (under mpirun), forward and backward, and compare
+// strategies side by side on the same batch and the same tensors.
+//
+// Terms. Each rank makes its own user-layout slice of Q, K, V and dO from (seed, rank). A
+// *repeat* is one forward and one backward pass; the time of a pass is the slowest rank's.
+// *Kernel time* is time inside attention kernels; η = wall time / the busiest rank's kernel
+// time. *Ideal* = the batch's useful FLOPs / ranks / the kernel's FLOP/s measured in the same
+// run (all ranks' FLOPs over all ranks' kernel time).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "fcp/baselines/ring.h"
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+#include "fcp/core/units.h"
+#include "fcp/core/workload.h"
+#include "fcp/kernels/attention.h"
+#include "fcp/plan/communication.h"
+#include "fcp/plan/plan.h"
+#include "fcp/runtime/executor.h"
+#include "fcp/runtime/mpi_transport.h"
+#include "fcp/runtime/reference.h"
+#include "fcp/runtime/throttle.h"
+
+namespace fcp::app {
+namespace {
+
+constexpr int kGatherTag = 5;
+
+struct RunArgs {
+  std::string workload = "lognormal";
+  std::string trace;
+  std::string tokensPerWorker = "8K";
+  std::string blockSize = "2K";
+  std::string memoryLimit;
+  double memorySlack = 0.1;
+  uint64_t seed = 0;
+  std::string mask = "causal";
+  int64_t headsQ = 8;
+  int64_t headsKv = 1;
+  int64_t headDim = 128;
+  std::string dtype = "fp32";
+  int64_t coalesce = 16;
+  int64_t buffers = 3;
+  std::string strategies = "fcp,ring";
+  int64_t warmup = 1;
+  int64_t repeats = 3;
+  int64_t threads = 1;
+  double commRatio = 0;
+  bool check = false;
+  double tolerance = 1e-5;
+  bool json = false;
+  std::string timeline;
+  double timeoutSeconds = 60;
+};
+
+std::vector<std::string> splitStrategies(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item != "fcp" && item != "ring") {
+      throwInvalidArgument("unknown --strategy '", item, "': expected fcp, ring or a list like fcp,ring");
+    }
+    out.push_back(item);
+  }
+  if (out.empty()) throwInvalidArgument("empty --strategy: expected fcp, ring or fcp,ring");
+  return out;
+}
+
+/// Everything checked before MPI starts, so bad input fails like `fcp plan`: one line.
+struct Setup {
+  Batch batch;
+  plan::PlanConfig config;  // numWorkers and tokensPerWorker set once the rank count is known
+  std::vector<std::string> strategies;
+  std::string source;
+};
+
+Setup validate(const RunArgs& a) {
+  Setup s;
+  s.strategies = splitStrategies(a.strategies);
+  if (a.dtype != "fp32") {
+    throwInvalidArgument("unsupported --dtype '", a.dtype, "': the runtime executes fp32 (use fp32)");
+  }
+  for (auto [value, flag] : {std::pair{a.headsQ, "--heads-q"}, {a.headsKv, "--heads-kv"},
+                             {a.headDim, "--head-dim"}, {a.repeats, "--repeats"}, {a.threads, "--threads"},
+                             {a.coalesce, "--coalesce"}}) {
+    if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
+  }
+  if (a.warmup < 0) throwInvalidArgument("invalid --warmup ", a.warmup, ": expected 0 or more");
+  if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
+  if (!(a.commRatio >= 0)) throwInvalidArgument("invalid --comm-ratio ", a.commRatio, ": expected FLOP per byte >= 0");
+  if (!(a.timeoutSeconds > 0)) throwInvalidArgument("invalid --timeout ", a.timeoutSeconds, ": expected seconds > 0");
+  if (!(a.tolerance > 0)) throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
+  auto& c = s.config;
+  c.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  c.memorySlack = a.memorySlack;
+  c.coalesce = a.coalesce;
+  c.bufferDepth = a.buffers;
+  c.attention = {a.headsQ, a.headsKv, a.headDim, 4, parseMask(a.mask)};
+  checkAttentionConfig(c.attention);
+  c.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
+  if (!a.trace.empty()) {
+    s.batch = readTrace(a.trace);
+    s.source = "trace " + a.trace;
+  } else {
+    findWorkload(a.workload);
+    parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+    s.source = "workload " + a.workload + " (seed " + std::to_string(a.seed) + ")";
+  }
+  if (!a.timeline.empty()) {
+    std::ofstream probe(a.timeline + ".tmp");
+    if (!probe) throwInvalidArgument("cannot write --timeline file '", a.timeline, "'");
+    probe.close();
+    std::remove((a.timeline + ".tmp").c_str());
+  }
+  return s;
+}
+
+/// This rank's user-layout tensors, seeded by (seed, rank).
+struct Tensors {
+  std::vector<float> q, k, v, dO;
+};
+
+Tensors makeInputs(uint64_t seed, int rank, int64_t tokens, const AttentionConfig& a) {
+  Rng rng(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(rank) + 1);
+  Tensors t;
+  auto fill = [&rng](std::vector<float>& x, int64_t n) {
+    x.resize(static_cast<size_t>(n));
+    for (float& value : x) value = static_cast<float>(rng.normal());
+  };
+  fill(t.q, tokens * a.numHeadsQ * a.headDim);
+  fill(t.k, tokens * a.numHeadsKv * a.headDim);
+  fill(t.v, tokens * a.numHeadsKv * a.headDim);
+  fill(t.dO, tokens * a.numHeadsQ * a.headDim);
+  return t;
+}
+
+/// Forward FLOP/s of this rank's kernel on one full-mask block pair, the best of three.
+double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threads) {
+  const int64_t b = std::min<int64_t>(blockSize, 2048);
+  Tensors t = makeInputs(12345, 0, b, a);
+  std::vector<float> o(t.q.size()), lse(static_cast<size_t>(b * a.numHeadsQ));
+  const kernels::Segment seg{b, 0, 0};
+  const kernels::BlockMask mask{kernels::MaskKind::kFull, {&seg, 1}, {&seg, 1}};
+  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv), d = static_cast<int>(a.headDim);
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const double start = runtime::Timeline::nowUs();
+    kernels::forward({t.q.data(), b, h, d}, {t.k.data(), b, hk, d}, {t.v.data(), b, hk, d}, mask, o.data(),
+                     lse.data(), {threads});
+    const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
+    best = std::max(best, 4.0 * static_cast<double>(b * b) * static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
+  }
+  return best;
+}
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x.empty() ? 0 : x[x.size() / 2];
+}
+
+/// Largest value over ranks, for doubles stored as integer nanoseconds / units.
+double maxOverRanks(runtime::Transport& t, double value, double unit) {
+  int64_t v = std::llround(value / unit);
+  t.allreduce({&v, 1}, runtime::ReduceOp::kMax);
+  return static_cast<double>(v) * unit;
+}
+double sumOverRanks(runtime::Transport& t, double value, double unit) {
+  int64_t v = std::llround(value / unit);
+  t.allreduce({&v, 1}, runtime::ReduceOp::kSum);
+  return static_cast<double>(v) * unit;
+}
+
+struct StrategyResult {
+  std::string strategy;
+  double fwdMs = 0, bwdMs = 0, eta = 0, gflopsPerRank = 0, idealMs = 0, kernelGflops = 0;
+  int64_t commBytes = 0, kvBytes = 0;
+  bool checked = false;
+  double errOut = 0, errDq = 0, errDk = 0, errDv = 0;
+};
+
+/// Rank 0 gathers every rank's outputs and compares them with the float64 reference; the
+/// other ranks send theirs. Errors are returned on rank 0 only.
+void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs& a,
+                           const std::vector<int64_t>& userStart, const std::vector<float>* outs[4],
+                           StrategyResult& r) {
+  const auto& att = s.config.attention;
+  const int64_t qRow = att.numHeadsQ * att.headDim, kRow = att.numHeadsKv * att.headDim;
+  std::vector<float> mine;
+  for (int i = 0; i < 4; ++i) mine.insert(mine.end(), outs[i]->begin(), outs[i]->end());
+  if (t.rank() != 0) {
+    if (!mine.empty()) t.wait(t.isend(0, kGatherTag, runtime::asBytes(mine)));
+    return;
+  }
+  const int64_t total = s.batch.numTokens();
+  Tensors all;
+  std::vector<float> o, dq, dk, dv;
+  for (int rank = 0; rank < t.size(); ++rank) {
+    const int64_t n = userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)];
+    const Tensors in = makeInputs(a.seed, rank, n, att);
+    for (auto [dst, src] : {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
+      dst->insert(dst->end(), src->begin(), src->end());
+    }
+    std::vector<float> got = mine;
+    if (rank != 0) {
+      got.assign(static_cast<size_t>(n * (2 * qRow + 2 * kRow)), 0.f);
+      if (!got.empty()) t.wait(t.irecv(rank, kGatherTag, runtime::asWritableBytes(got)));
+    }
+    const float* p = got.data();
+    for (auto [dst, width] : {std::pair{&o, qRow}, {&dq, qRow}, {&dk, kRow}, {&dv, kRow}}) {
+      dst->insert(dst->end(), p, p + n * width);
+      p += n * width;
+    }
+  }
+  FCP_CHECK_EQ(static_cast<int64_t>(o.size()), total * qRow);
+  const runtime::ReferenceResult ref = runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
+  r.checked = true;
+  r.errOut = runtime::relativeL2(o, ref.o);
+  r.errDq = runtime::relativeL2(dq, ref.dq);
+  r.errDk = runtime::relativeL2(dk, ref.dk);
+  r.errDv = runtime::relativeL2(dv, ref.dv);
+}
+
+StrategyResult runStrategy(runtime::Transport& net, runtime::Transport& data, const Setup& s,
+                           const RunArgs& a, const std::string& strategy, const Tensors& in,
+                           runtime::Timeline* timeline) {
+  const CostModel costModel{s.config.attention};
+  const plan::Plan p = strategy == "ring" ? baselines::ringPlan(s.batch, s.config, costModel)
+                                          : plan::buildPlan(s.batch, s.config, costModel);
+  plan::checkValid(p);
+  runtime::checkPlanAgreement(p, net);
+  if (const char* faultRank = std::getenv("FCP_FAULT_EXIT_RANK")) {
+    // Fault injection for the tests: this rank dies as a crashed peer would.
+    if (std::atoi(faultRank) == net.rank()) std::_Exit(3);
+  }
+  runtime::Executor ex(p, data, {static_cast<int>(a.threads), nullptr});
+  const int64_t n = ex.userTokens();
+  const auto& att = s.config.attention;
+  std::vector<float> o(in.q.size()), lse(static_cast<size_t>(n * att.numHeadsQ)), dq(in.q.size()),
+      dk(in.k.size()), dv(in.v.size());
+  std::vector<double> fwd, bwd;
+  double fwdKernel = 0, bwdKernel = 0, flops = 0;
+  int64_t sent = 0, kv = 0;
+  for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
+    const bool last = i + 1 == a.warmup + a.repeats;
+    runtime::Executor& run = ex;
+    std::unique_ptr<runtime::Executor> traced;
+    if (last && timeline) {
+      traced = std::make_unique<runtime::Executor>(p, data, runtime::ExecutorOptions{static_cast<int>(a.threads), timeline});
+    }
+    runtime::Executor& e = traced ? *traced : run;
+    const double start = runtime::Timeline::nowUs();
+    e.forward(in.q, in.k, in.v, o, lse);
+    e.backward(in.dO, dq, dk, dv);
+    if (timeline && last) timeline->add(strategy, 2, start, runtime::Timeline::nowUs());
+    const double f = maxOverRanks(net, e.forwardStats().wallMs, 1e-6);
+    const double b = maxOverRanks(net, e.backwardStats().wallMs, 1e-6);
+    if (i < a.warmup) continue;
+    fwd.push_back(f);
+    bwd.push_back(b);
+    fwdKernel += e.forwardStats().kernelMs;
+    bwdKernel += e.backwardStats().kernelMs;
+    flops = e.forwardStats().flops + e.backwardStats().flops;
+    sent = e.forwardStats().sentBytes + e.backwardStats().sentBytes;
+    kv = e.forwardStats().kvBytes + e.backwardStats().kvBytes;
+  }
+  StrategyResult r;
+  r.strategy = strategy;
+  r.fwdMs = median(fwd);
+  r.bwdMs = median(bwd);
+  const double reps = static_cast<double>(a.repeats);
+  const double kernelMs = (fwdKernel + bwdKernel) / reps;
+  const double busiestKernelMs = maxOverRanks(net, kernelMs, 1e-6);
+  const double totalFlops = sumOverRanks(net, flops, 1.0);
+  const double totalKernelMs = sumOverRanks(net, kernelMs, 1e-6);
+  const double ranks = net.size();
+  r.eta = busiestKernelMs > 0 ? (r.fwdMs + r.bwdMs) / busiestKernelMs : 0;
+  r.gflopsPerRank = totalFlops / ranks / ((r.fwdMs + r.bwdMs) * 1e6);
+  r.kernelGflops = totalKernelMs > 0 ? totalFlops / (totalKernelMs * 1e6) : 0;
+  r.idealMs = r.kernelGflops > 0 ? totalFlops / ranks / (r.kernelGflops * 1e6) : 0;
+  r.commBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(sent), 1.0));
+  r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(kv), 1.0));
+  if (a.check) {
+    const std::vector<float>* outs[4] = {&o, &dq, &dk, &dv};
+    checkAgainstReference(net, s, a, plan::userLayoutStarts(s.batch.numTokens(), net.size()), outs, r);
+  }
+  return r;
+}
+
+void writeFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out || !(out << text << '\n') || !out.flush()) {
+      std::remove(tmp.c_str());
+      throwInvalidArgument("cannot write --timeline file '", path, "'");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throwInvalidArgument("cannot write --timeline file '", path, "': ", ec.message());
+}
+
+void printTable(const std::vector<StrategyResult>& results, const Setup& s, const RunArgs& a, int ranks,
+                double capBytesPerSecond) {
+  const auto& att = s.config.attention;
+  std::printf("fcp run: %s, %lld sequences, %lld tokens on %d ranks x %lld thread(s)\n", s.source.c_str(),
+              static_cast<long long>(s.batch.numSequences()), static_cast<long long>(s.batch.numTokens()),
+              ranks, static_cast<long long>(a.threads));
+  std::printf("  model: %lld/%lld heads x %lld, fp32, %s mask, %s blocks; bandwidth %s\n",
+              static_cast<long long>(att.numHeadsQ), static_cast<long long>(att.numHeadsKv),
+              static_cast<long long>(att.headDim), std::string(maskName(att.mask)).c_str(),
+              formatTokenCount(s.config.blockSize).c_str(),
+              capBytesPerSecond > 0
+                  ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) + " GB/s per rank (--comm-ratio " +
+                     std::to_string(static_cast<int64_t>(a.commRatio)) + ")")
+                        .c_str()
+                  : "uncapped (shared memory)");
+  std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
+              static_cast<long long>(a.warmup));
+  std::printf("  %-8s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms", "GFLOP/s/rank",
+              "eta", "ideal ms", "x ideal", "comm MB");
+  if (a.check) std::printf(" %9s %9s %9s %9s", "err out", "err dq", "err dk", "err dv");
+  std::printf("\n");
+  for (const StrategyResult& r : results) {
+    std::printf("  %-8s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(), r.fwdMs, r.bwdMs,
+                r.gflopsPerRank, r.eta, r.idealMs, (r.fwdMs + r.bwdMs) / r.idealMs,
+                static_cast<double>(r.commBytes) / 1e6);
+    if (r.checked) std::printf(" %9.2e %9.2e %9.2e %9.2e", r.errOut, r.errDq, r.errDk, r.errDv);
+    std::printf("\n");
+  }
+  if (results.size() == 2) {
+    const double t0 = results[0].fwdMs + results[0].bwdMs, t1 = results[1].fwdMs + results[1].bwdMs;
+    std::printf("  %s / %s time: fwd %.3f, bwd %.3f, total %.3f\n", results[1].strategy.c_str(),
+                results[0].strategy.c_str(), results[1].fwdMs / results[0].fwdMs,
+                results[1].bwdMs / results[0].bwdMs, t1 / t0);
+  }
+}
+
+nlohmann::json toJson(const StrategyResult& r) {
+  nlohmann::json j = {{"strategy", r.strategy},   {"fwd_ms", r.fwdMs},
+                      {"bwd_ms", r.bwdMs},         {"gflops_per_rank", r.gflopsPerRank},
+                      {"eta", r.eta},              {"ideal_ms", r.idealMs},
+                      {"kernel_gflops", r.kernelGflops}, {"comm_bytes", r.commBytes},
+                      {"kv_bytes", r.kvBytes}};
+  if (r.checked) j["rel_error"] = {{"out", r.errOut}, {"dq", r.errDq}, {"dk", r.errDk}, {"dv", r.errDv}};
+  return j;
+}
+
+void runRun(const RunArgs& a) {
+  Setup s = validate(a);
+  std::unique_ptr<runtime::Transport> net =
+      runtime::makeMpiTransport({.timeoutSeconds = a.timeoutSeconds});
+  const int ranks = net->size();
+  try {
+    auto& c = s.config;
+    c.numWorkers = ranks;
+    if (a.trace.empty()) {
+      c.tokensPerWorker = parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+      s.batch = sampleBatch(findWorkload(a.workload), ranks * c.tokensPerWorker, a.seed);
+    } else {
+      c.tokensPerWorker = (s.batch.numTokens() + ranks - 1) / ranks;
+    }
+    double cap = 0;
+    std::unique_ptr<runtime::Transport> throttled;
+    if (a.commRatio > 0) {
+      int64_t flops = std::llround(measureKernelFlops(c.attention, c.blockSize, static_cast<int>(a.threads)));
+      net->allreduce({&flops, 1}, runtime::ReduceOp::kMin);
+      cap = static_cast<double>(flops) / a.commRatio;
+      throttled = runtime::makeThrottledTransport(*net, cap, a.timeoutSeconds);
+    }
+    runtime::Transport& data = throttled ? *throttled : *net;
+    const auto starts = plan::userLayoutStarts(s.batch.numTokens(), ranks);
+    const int rank = net->rank();
+    const Tensors in = makeInputs(a.seed, rank, starts[static_cast<size_t>(rank) + 1] - starts[static_cast<size_t>(rank)],
+                                  c.attention);
+    runtime::Timeline timeline;
+    std::vector<StrategyResult> results;
+    for (const std::string& strategy : s.strategies) {
+      results.push_back(runStrategy(*net, data, s, a, strategy, in, a.timeline.empty() ? nullptr : &timeline));
+    }
+    std::string trace;
+    if (!a.timeline.empty()) trace = runtime::gatherChromeTrace(*net, timeline);
+    // Rank 0 judges the check; every rank returns the same verdict.
+    int64_t failed = 0;
+    if (rank == 0 && a.check) {
+      for (const auto& r : results) {
+        for (double e : {r.errOut, r.errDq, r.errDk, r.errDv}) failed |= !(e <= a.tolerance);
+      }
+    }
+    net->allreduce({&failed, 1}, runtime::ReduceOp::kMax);
+    if (rank == 0) {
+      if (!a.timeline.empty()) writeFileAtomically(a.timeline, trace);
+      if (a.json) {
+        for (const auto& r : results) std::cout << toJson(r).dump() << '\n';
+      } else {
+        printTable(results, s, a, ranks, cap);
+      }
+      std::cout.flush();
+      std::fflush(stdout);
+    }
+    if (failed) {
+      throw Error(ErrorCode::kInternal, "--check: relative L2 error above --tolerance " + std::to_string(a.tolerance));
+    }
+  } catch (const Error& e) {
+    // Errors every rank meets together (bad batch, plan disagreement, check verdict) end
+    // normally; anything else may leave peers waiting, so it ends the whole job.
+    const bool shared = e.code() == ErrorCode::kInvalidPlan || e.code() == ErrorCode::kInvalidArgument ||
+                        std::string(e.what()).rfind("--check", 0) == 0;
+    if (shared) throw;
+    std::cerr << "fcp: error: " << e.what() << std::endl;
+    net->abort(1);
+  } catch (const std::exception& e) {
+    std::cerr << "fcp: internal error: " << e.what() << std::endl;
+    net->abort(1);
+  }
+}
+
+}  // namespace
+
+void addRunCommand(CLI::App& app) {
+  auto args = std::make_shared<RunArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Execute plans on MPI ranks (run under mpirun -n P), forward and backward");
+  auto* workload = cmd->add_option("--workload", args->workload,
+                                   "Length distribution: lognormal, lognormal-narrow, bimodal")
+                       ->capture_default_str();
+  auto* trace = cmd->add_option("--trace", args->trace, "File of sequence lengths, one per line");
+  workload->excludes(trace);
+  cmd->add_option("--tokens-per-worker", args->tokensPerWorker, "Tokens per rank for a workload")
+      ->capture_default_str();
+  cmd->add_option("--block-size", args->blockSize, "Tokens per block")->capture_default_str();
+  cmd->add_option("--memory-limit", args->memoryLimit, "Per-rank memory budget in tokens");
+  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the batch and of the tensors")->capture_default_str();
+  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
+  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
+  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
+  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "Element type (the runtime runs fp32)")->capture_default_str();
+  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one stage (FCP)")->capture_default_str();
+  cmd->add_option("--buffers", args->buffers, "Stages of remote KV a rank may hold (FCP, >= 2)")
+      ->capture_default_str();
+  cmd->add_option("--strategy", args->strategies, "Strategies to run: fcp, ring or fcp,ring")
+      ->capture_default_str();
+  cmd->add_option("--warmup", args->warmup, "Untimed repeats first")->capture_default_str();
+  cmd->add_option("--repeats", args->repeats, "Timed forward+backward repeats")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "Kernel threads per rank")->capture_default_str();
+  cmd->add_option("--comm-ratio", args->commRatio,
+                  "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y 2500; "
+                  "0 = uncapped)")
+      ->capture_default_str();
+  cmd->add_flag("--check", args->check,
+                "Compare outputs and dQ/dK/dV with a float64 single-process reference (small batches)");
+  cmd->add_option("--tolerance", args->tolerance, "Largest relative L2 error --check accepts")
+      ->capture_default_str();
+  cmd->add_flag("--json", args->json, "Print one JSON object per strategy");
+  cmd->add_option("--timeline", args->timeline, "Write a Chrome-trace JSON of the last repeat");
+  cmd->add_option("--timeout", args->timeoutSeconds, "Seconds a rank waits for a message before failing")
+      ->capture_default_str();
+  cmd->callback([args] { runRun(*args); });
+}
+
+}  // namespace fcp::app

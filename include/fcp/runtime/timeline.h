@@ -1,0 +1,44 @@
+#pragma once
+/// Spans of compute and communication on one rank, written as a Chrome-trace JSON (opens in
+/// Perfetto and chrome://tracing) with one process per rank.
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "fcp/runtime/transport.h"
+
+namespace fcp::runtime {
+
+/// One interval of work on a rank. `lane` 0 is compute, 1 communication, 2 the pass itself.
+struct Span {
+  std::string name;
+  int lane = 0;
+  double startUs = 0;  ///< since the steady clock's epoch (the same on every process of a machine)
+  double durationUs = 0;
+};
+
+/// Collects spans on one rank.
+class Timeline {
+ public:
+  /// Microseconds on the steady clock.
+  static double nowUs() {
+    return std::chrono::duration<double, std::micro>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  void add(std::string name, int lane, double startUs, double endUs) {
+    spans_.push_back({std::move(name), lane, startUs, endUs - startUs});
+  }
+  void clear() { spans_.clear(); }
+  const std::vector<Span>& spans() const { return spans_; }
+
+ private:
+  std::vector<Span> spans_;
+};
+
+/// Gathers every rank's spans on rank 0 (collective) and returns the Chrome-trace JSON there,
+/// an empty string on the other ranks. Times start at the earliest span of any rank.
+std::string gatherChromeTrace(Transport& transport, const Timeline& timeline);
+
+}  // namespace fcp::runtime

@@ -1,0 +1,65 @@
+#pragma once
+/// The transport seam of the runtime (DESIGN.md): non-blocking point-to-point messages of byte
+/// spans between ranks, plus the two collectives the runtime needs (an allreduce for plan
+/// agreement and verdicts). No MPI type appears here; an NCCL or ibverbs transport would sit
+/// behind the same interface.
+///
+/// Terms. A *request* is one posted send or receive, named by a RequestId until it completes.
+/// A send's bytes must stay valid and unchanged, and a receive's buffer untouched, until the
+/// request completes (test returned true or wait returned). Messages between one pair of ranks
+/// with one tag arrive in the order they were posted. Every failure (a peer that died, an MPI
+/// error, a wait past the timeout) throws Error(kTransport) naming the peer.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace fcp::runtime {
+
+/// Names one posted send or receive; 0 is never a valid id.
+using RequestId = uint64_t;
+
+/// Reduction of an allreduce.
+enum class ReduceOp { kSum, kMin, kMax };
+
+/// Non-blocking messages between the ranks of one job. Implementations are thread-safe.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  /// This process's rank in [0, size()).
+  virtual int rank() const = 0;
+  /// Number of ranks in the job.
+  virtual int size() const = 0;
+  /// Largest tag accepted by isend/irecv.
+  virtual int maxTag() const = 0;
+
+  /// Posts a send of `data` to `peer` with `tag`; `data` must outlive the request.
+  virtual RequestId isend(int peer, int tag, std::span<const std::byte> data) = 0;
+  /// Posts a receive of exactly data.size() bytes from `peer` with `tag` into `data`.
+  virtual RequestId irecv(int peer, int tag, std::span<std::byte> data) = 0;
+  /// True once the request completed (the id is then retired); never blocks.
+  virtual bool test(RequestId request) = 0;
+  /// Blocks until the request completes (the id is then retired). Throws Error(kTransport)
+  /// when the request fails or does not complete within the transport's timeout.
+  virtual void wait(RequestId request) = 0;
+
+  /// Element-wise reduction of `values` over every rank, result on every rank (blocking).
+  virtual void allreduce(std::span<int64_t> values, ReduceOp op) = 0;
+  /// Ends every process of the job with `exitCode` (used after an error that the other
+  /// ranks cannot know about, so that none of them waits forever).
+  [[noreturn]] virtual void abort(int exitCode) noexcept = 0;
+};
+
+/// Waits for every request in `requests`, in order.
+void waitAll(Transport& transport, std::span<const RequestId> requests);
+
+/// Bytes of a float span, for isend/irecv.
+inline std::span<const std::byte> asBytes(std::span<const float> values) {
+  return std::as_bytes(values);
+}
+inline std::span<std::byte> asWritableBytes(std::span<float> values) {
+  return std::as_writable_bytes(values);
+}
+
+}  // namespace fcp::runtime

@@ -1,0 +1,248 @@
+// The MPI transport: the only file that includes <mpi.h>.
+//
+// Terms. A *slot* is the state of one posted request: its MPI_Request, whether it completed
+// and, if MPI reported a failure, the message. The *communication thread* polls every pending
+// slot with MPI_Test while the compute thread runs kernels, because OpenMPI advances a large
+// (rendezvous) message only inside MPI calls: without it a send posted before a kernel would
+// move only when the kernel ends. Every MPI call, from either thread, holds one mutex, so the
+// transport needs MPI_THREAD_SERIALIZED at least.
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "fcp/core/error.h"
+#include "fcp/runtime/mpi_transport.h"
+
+namespace fcp::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string mpiErrorText(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+class MpiTransport final : public Transport {
+ public:
+  explicit MpiTransport(const MpiOptions& options) : options_(options) {
+    int initialised = 0;
+    MPI_Initialized(&initialised);
+    if (!initialised) {
+      int provided = 0;
+      if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+        throw Error(ErrorCode::kTransport, "MPI_Init_thread failed");
+      }
+      ownsMpi_ = true;
+      if (provided < MPI_THREAD_SERIALIZED) options_.progressThread = false;
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup", -1);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    int* tagUb = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tagUb, &found);
+    maxTag_ = found && tagUb ? *tagUb : 32767;
+    if (options_.progressThread) progress_ = std::thread([this] { progressLoop(); });
+  }
+
+  ~MpiTransport() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (progress_.joinable()) progress_.join();
+    if (ownsMpi_) {
+      MPI_Comm_free(&comm_);
+      MPI_Finalize();
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int maxTag() const override { return maxTag_; }
+
+  RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    return post(true, peer, tag, const_cast<std::byte*>(data.data()), data.size());
+  }
+  RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    return post(false, peer, tag, data.data(), data.size());
+  }
+
+  bool test(RequestId request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(request);
+    if (it == slots_.end()) {
+      throw Error(ErrorCode::kInternal, "test of unknown request " + std::to_string(request));
+    }
+    Slot& slot = it->second;
+    if (!slot.done) pollSlot(slot);
+    if (!slot.error.empty()) {
+      const std::string message = slot.error;
+      slots_.erase(it);
+      throw Error(ErrorCode::kTransport, message);
+    }
+    if (!slot.done) return false;
+    slots_.erase(it);
+    return true;
+  }
+
+  void wait(RequestId request) override {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeoutSeconds);
+    // Sleep between tests while a kernel thread may want the core; spin briefly first.
+    for (int spins = 0;; ++spins) {
+      if (test(request)) return;
+      if (Clock::now() > deadline) {
+        std::string what;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          what = describe(slots_.at(request));
+        }
+        throw Error(ErrorCode::kTransport,
+                    "rank " + std::to_string(rank_) + ": timed out after " +
+                        std::to_string(static_cast<int>(options_.timeoutSeconds)) + " s waiting for " +
+                        what + " (did that rank die or stop?)");
+      }
+      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  void allreduce(std::span<int64_t> values, ReduceOp op) override {
+    const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
+    std::lock_guard<std::mutex> lock(mu_);
+    check(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T,
+                        mpiOp, comm_),
+          "MPI_Allreduce", -1);
+  }
+
+  [[noreturn]] void abort(int exitCode) noexcept override {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, exitCode);
+    std::_Exit(exitCode);
+  }
+
+ private:
+  struct Slot {
+    MPI_Request request = MPI_REQUEST_NULL;
+    bool isSend = false;
+    bool done = false;
+    int peer = 0;
+    int tag = 0;
+    size_t bytes = 0;
+    std::string error;
+  };
+
+  void check(int code, const char* call, int peer) const {
+    if (code == MPI_SUCCESS) return;
+    std::ostringstream os;
+    os << "rank " << rank_ << ": " << call;
+    if (peer >= 0) os << " with rank " << peer;
+    os << " failed: " << mpiErrorText(code);
+    throw Error(ErrorCode::kTransport, os.str());
+  }
+
+  std::string describe(const Slot& slot) const {
+    std::ostringstream os;
+    os << (slot.isSend ? "a send of " : "a receive of ") << slot.bytes << " bytes "
+       << (slot.isSend ? "to" : "from") << " rank " << slot.peer << " (tag " << slot.tag << ")";
+    return os.str();
+  }
+
+  RequestId post(bool isSend, int peer, int tag, std::byte* data, size_t bytes) {
+    if (peer < 0 || peer >= size_ || tag < 0 || tag > maxTag_) {
+      throwInvalidArgument("rank ", rank_, ": message to rank ", peer, " with tag ", tag,
+                           ": expected a rank in [0, ", size_, ") and a tag in [0, ", maxTag_, "]");
+    }
+    if (bytes > static_cast<size_t>(INT32_MAX)) {
+      throwInvalidArgument("message of ", bytes, " bytes: at most 2^31 - 1 per message");
+    }
+    Slot slot;
+    slot.isSend = isSend;
+    slot.peer = peer;
+    slot.tag = tag;
+    slot.bytes = bytes;
+    RequestId id = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const int count = static_cast<int>(bytes);
+      const int code = isSend ? MPI_Isend(data, count, MPI_BYTE, peer, tag, comm_, &slot.request)
+                              : MPI_Irecv(data, count, MPI_BYTE, peer, tag, comm_, &slot.request);
+      check(code, isSend ? "MPI_Isend" : "MPI_Irecv", peer);
+      id = nextId_++;
+      slots_.emplace(id, std::move(slot));
+    }
+    cv_.notify_one();
+    return id;
+  }
+
+  /// Tests one slot; the caller holds mu_.
+  void pollSlot(Slot& slot) {
+    int flag = 0;
+    MPI_Status status;
+    const int code = MPI_Test(&slot.request, &flag, &status);
+    if (code != MPI_SUCCESS) {
+      slot.error = "rank " + std::to_string(rank_) + ": " + describe(slot) +
+                   " failed: " + mpiErrorText(code);
+      slot.done = true;
+      return;
+    }
+    if (flag) slot.done = true;
+  }
+
+  bool anyPending() const {
+    for (const auto& [id, slot] : slots_) {
+      if (!slot.done) return true;
+    }
+    return false;
+  }
+
+  void progressLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto pause = std::chrono::duration<double, std::micro>(options_.pollMicroseconds);
+    while (!stop_) {
+      cv_.wait(lock, [this] { return stop_ || anyPending(); });
+      if (stop_) break;
+      for (auto& [id, slot] : slots_) {
+        if (!slot.done) pollSlot(slot);
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(pause);
+      lock.lock();
+    }
+  }
+
+  MpiOptions options_;
+  bool ownsMpi_ = false;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  int maxTag_ = 32767;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  RequestId nextId_ = 1;
+  std::unordered_map<RequestId, Slot> slots_;
+  std::thread progress_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeMpiTransport(const MpiOptions& options) {
+  return std::make_unique<MpiTransport>(options);
+}
+
+}  // namespace fcp::runtime

@@ -1,0 +1,197 @@
+// Bandwidth cap over any transport.
+//
+// Terms. The *send link* and the *receive link* of this rank are each busy until a time
+// (sendFree_, recvFree_). A send of n bytes occupies the send link for n / rate from
+// max(now, sendFree_); its *release time* is when that ends, and only then does the
+// *pacer thread* post it on the inner transport, so the peer sees the data when a real link
+// would have delivered it. A receive completes at max(arrival, recvFree_ + n / rate).
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <condition_variable>
+#include <map>
+#include <optional>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "fcp/core/error.h"
+#include "fcp/runtime/throttle.h"
+
+namespace fcp::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class ThrottledTransport final : public Transport {
+ public:
+  ThrottledTransport(Transport& inner, double bytesPerSecond, double timeoutSeconds)
+      : inner_(inner), rate_(bytesPerSecond), timeoutSeconds_(timeoutSeconds) {
+    if (!(bytesPerSecond > 0)) {
+      throwInvalidArgument("bandwidth cap ", bytesPerSecond, " bytes/s: expected a positive rate");
+    }
+    sendFree_ = recvFree_ = Clock::now();
+    pacer_ = std::thread([this] { paceLoop(); });
+  }
+
+  ~ThrottledTransport() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    pacer_.join();
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int maxTag() const override { return inner_.maxTag(); }
+
+  RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto start = std::max(Clock::now(), sendFree_);
+    sendFree_ = start + linkTime(data.size());
+    const RequestId id = nextId_++;
+    Request& r = requests_[id];
+    r.isSend = true;
+    r.peer = peer;
+    r.tag = tag;
+    r.send = data;
+    queue_.emplace(sendFree_, id);
+    cv_.notify_all();
+    return id;
+  }
+
+  RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    const RequestId innerId = inner_.irecv(peer, tag, data);
+    std::lock_guard<std::mutex> lock(mu_);
+    const RequestId id = nextId_++;
+    Request& r = requests_[id];
+    r.inner = innerId;
+    r.bytes = data.size();
+    return id;
+  }
+
+  bool test(RequestId request) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = requests_.find(request);
+    FCP_CHECK(it != requests_.end(), "test of unknown request ", request);
+    Request& r = it->second;
+    if (r.isSend) {
+      if (!r.posted) return false;
+      if (r.failed) {
+        const Error error = *r.failed;
+        requests_.erase(it);
+        throw error;
+      }
+      const RequestId innerId = r.inner;
+      lock.unlock();
+      const bool done = inner_.test(innerId);  // throws on failure
+      lock.lock();
+      if (done) requests_.erase(request);
+      return done;
+    }
+    if (!r.arrived) {
+      const RequestId innerId = r.inner;
+      lock.unlock();
+      const bool arrived = inner_.test(innerId);
+      lock.lock();
+      if (!arrived) return false;
+      r.arrived = true;
+      r.completeAt = std::max(Clock::now(), recvFree_ + linkTime(r.bytes));
+      recvFree_ = r.completeAt;
+    }
+    if (Clock::now() < r.completeAt) return false;
+    requests_.erase(request);
+    return true;
+  }
+
+  void wait(RequestId request) override {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeoutSeconds_);
+    while (!test(request)) {
+      if (Clock::now() > deadline) {
+        throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank()) +
+                                               ": timed out waiting for a throttled message");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  void allreduce(std::span<int64_t> values, ReduceOp op) override { inner_.allreduce(values, op); }
+  [[noreturn]] void abort(int exitCode) noexcept override {
+    inner_.abort(exitCode);
+    std::_Exit(exitCode);
+  }
+
+ private:
+  struct Request {
+    bool isSend = false;
+    bool posted = false;
+    bool arrived = false;
+    int peer = 0;
+    int tag = 0;
+    size_t bytes = 0;
+    std::span<const std::byte> send;
+    RequestId inner = 0;
+    Clock::time_point completeAt;
+    std::optional<Error> failed;
+  };
+
+  Clock::duration linkTime(size_t bytes) const {
+    return std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(static_cast<double>(bytes) / rate_));
+  }
+
+  void paceLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (queue_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const auto [at, id] = *queue_.begin();
+      if (Clock::now() < at) {
+        cv_.wait_until(lock, at);
+        continue;
+      }
+      queue_.erase(queue_.begin());
+      Request& r = requests_.at(id);
+      const auto data = r.send;
+      const int peer = r.peer, tag = r.tag;
+      lock.unlock();
+      RequestId innerId = 0;
+      std::optional<Error> failed;
+      try {
+        innerId = inner_.isend(peer, tag, data);
+      } catch (const Error& e) {
+        failed = e;
+      }
+      lock.lock();
+      Request& again = requests_.at(id);
+      again.inner = innerId;
+      again.failed = failed;
+      again.posted = true;
+    }
+  }
+
+  Transport& inner_;
+  double rate_;
+  double timeoutSeconds_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  Clock::time_point sendFree_, recvFree_;
+  RequestId nextId_ = 1;
+  std::unordered_map<RequestId, Request> requests_;
+  std::multimap<Clock::time_point, RequestId> queue_;
+  std::thread pacer_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeThrottledTransport(Transport& inner, double bytesPerSecond,
+                                                  double timeoutSeconds) {
+  return std::make_unique<ThrottledTransport>(inner, bytesPerSecond, timeoutSeconds);
+}
+
+}  // namespace fcp::runtime
