@@ -40,3 +40,15 @@ void finishLayout(plan::Plan& plan);
 void fitLimits(plan::Plan& plan);
 
 }  // namespace fcp::baselines::detail
+
+namespace fcp::baselines::detail {
+
+/// A plan in which each group of workers runs ring attention with Zig-Zag over its own
+/// sequences: group members [m_0..m_{g−1}] cut each of their sequences into 2g chunks and m_i
+/// holds chunks i and 2g−1−i of each (one block per worker). Every sequence must be in exactly
+/// one group; groups must be disjoint.
+plan::Plan groupRingPlan(const char* strategy, const Batch& batch, const plan::PlanConfig& config,
+                         const CostModel& costModel, const std::vector<std::vector<int32_t>>& groups,
+                         const std::vector<std::vector<int32_t>>& sequencesOfGroup);
+
+}  // namespace fcp::baselines::detail

@@ -1,0 +1,76 @@
+#pragma once
+/// The baselines FCP is compared with (paper §6, Appendix "Detailed Configurations of
+/// Baselines"), each a planner emitting a `Plan` that `validate` accepts, so one executor and
+/// one simulator run every strategy. Each ignores the FCP-only parts of PlanConfig (block
+/// distributor weights, locality) and sets its own coalesce and buffer depth; where its layout
+/// holds more tokens on a worker than the memory limit, the limit is raised to that (the
+/// baselines have no cap of their own).
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fcp/baselines/ring.h"
+#include "fcp/core/cost_model.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/plan.h"
+
+namespace fcp::baselines {
+
+/// ByteScale, HDP-balanced (its Algorithm 2 without pipeline parallelism): with C the
+/// average tokens per worker, a sequence longer than C gets its own group of ceil(L / C)
+/// consecutive workers (k× longer, k× more workers) and runs ring attention (Zig-Zag) inside
+/// it; every worker left over is a group of one, and the shorter sequences go, longest first,
+/// to the group with the least compute per worker among those with room for them (else the
+/// least tokens per worker). Strategy "bytescale".
+plan::Plan bytescalePlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel);
+
+/// Megatron-style dynamic CP: each sequence's CP size is the power of two
+/// ≥ ceil(L / tokensPerWorker) (at most the largest power of two ≤ N); sequences, longest
+/// first, join the least-loaded (fewest tokens) group of their size that has room, else open a
+/// new aligned group of that size, else join the least-loaded group of at least that size.
+/// Ring attention (Zig-Zag) runs inside each group. Strategy "megatron".
+plan::Plan megatronPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel);
+
+/// MagiAttention-like: the packed stream cut into contiguous 512-token chunks (a chunk may hold
+/// the end of one sequence and the start of the next), each a block; a min-heap greedy gives
+/// each block, largest compute area (visible entries) first, to the worker with the least area
+/// so far, ignoring communication. Remote KV moves in `kMagiStages` all-to-all-v stages (each
+/// receiver's needed blocks split evenly over them, in block order), overlapped with the
+/// previous stage's compute, with no congestion-free ordering (congestionFree = false).
+/// Strategy "magi".
+inline constexpr int64_t kMagiChunkTokens = 512;
+inline constexpr int32_t kMagiStages = 4;
+plan::Plan magiPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel);
+
+/// Estimates a plan's step time (lower is better); WLB-LLM's oracle.
+using PlanOracle = std::function<double(const plan::Plan&)>;
+
+/// WLB-LLM as the paper runs it: per batch, the better by `oracle` of per-document sharding
+/// (ring attention) and per-sequence sharding (ByteScale). Strategy "wlb"; the chosen plan is
+/// otherwise unchanged.
+plan::Plan wlbPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel,
+                   const PlanOracle& oracle);
+
+/// The paper's ablation (§6.5, Table ablation): FCP with its components added one at a time.
+/// step 0 "base": FCP's blocks and assignment, all transfers fetched before any compute, in
+///   each sender's own order (no pipelining, no congestion-free rounds, no coalescing);
+/// step 1 "+pipelining": one transfer per sender per round in sender order, coalesce 1;
+/// step 2 "+congestion-free": rounds from the congestion-free solver, coalesce 1;
+/// step 3 "+coalescer": config.coalesce rounds per stage;
+/// step 4 "+reshuffler": the locality relabelling (steps 0-3 use the plain layout); the caller
+///   also overlaps the reshuffle with the first and last stage only at step 4.
+/// Steps 0 and 1 may break validate's per-stage receive limit (that is what they model).
+plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
+                           const CostModel& costModel, int step);
+
+/// Names accepted by makePlan: fcp, ring, bytescale, wlb, magi, megatron.
+const std::vector<std::string>& strategyNames();
+
+/// Builds the plan of strategy `name` (one of strategyNames(), or fcp-base, fcp-pipeline,
+/// fcp-cfree, fcp-coalesce for the ablation steps 0-3). `oracle` is needed for "wlb" only.
+/// Throws Error(kInvalidArgument) for an unknown name.
+plan::Plan makePlan(const std::string& name, const Batch& batch, const plan::PlanConfig& config,
+                    const CostModel& costModel, const PlanOracle& oracle = {});
+
+}  // namespace fcp::baselines

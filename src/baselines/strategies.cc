@@ -1,0 +1,79 @@
+#include <algorithm>
+#include <map>
+
+#include "fcp/baselines/baselines.h"
+#include "fcp/core/error.h"
+#include "fcp/plan/communication.h"
+#include "ring_schedule.h"
+
+namespace fcp::baselines {
+
+plan::Plan wlbPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel,
+                   const PlanOracle& oracle) {
+  if (!oracle) throwInvalidArgument("wlb needs an oracle to choose its sharding: none given");
+  plan::Plan perDocument = ringPlan(batch, config, costModel);
+  plan::Plan perSequence = bytescalePlan(batch, config, costModel);
+  plan::Plan& best = oracle(perSequence) < oracle(perDocument) ? perSequence : perDocument;
+  best.strategy = "wlb";
+  return std::move(best);
+}
+
+plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
+                           const CostModel& costModel, int step) {
+  if (step < 0 || step > 4) throwInvalidArgument("invalid ablation step ", step, ": expected 0..4");
+  plan::PlanConfig c = config;
+  c.locality = step >= 4;
+  plan::Plan p = plan::buildPlan(batch, c, costModel);
+  static const char* const kNames[] = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce", "fcp"};
+  p.strategy = kNames[step];
+  if (step >= 3) return p;
+  if (step <= 1) {
+    // Each sender's transfers in its own order (by receiver, then block), one per round.
+    std::vector<std::tuple<int32_t, int32_t, int32_t, size_t>> order;  // (sender, receiver, block, id)
+    for (size_t t = 0; t < p.transfers.size(); ++t) {
+      const plan::Transfer& tr = p.transfers[t];
+      order.push_back({tr.sender, tr.receiver, tr.block, t});
+    }
+    std::sort(order.begin(), order.end());
+    int32_t round = 0, numRounds = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      round = i > 0 && std::get<0>(order[i - 1]) == std::get<0>(order[i]) ? round + 1 : 0;
+      p.transfers[std::get<3>(order[i])].round = round;
+      numRounds = std::max(numRounds, round + 1);
+    }
+    p.numRounds = numRounds;
+    p.congestionFree = false;
+  }
+  // Base: every transfer in one group, computed after all arrived; otherwise one round a stage.
+  p.config.coalesce = step == 0 ? std::max(1, p.numRounds) : 1;
+  if (step == 0) p.config.bufferDepth = 2;
+  plan::buildStages(p);
+  if (step <= 1) detail::fitLimits(p);
+  if (step <= 1) p.congestionFree = false;
+  return p;
+}
+
+const std::vector<std::string>& strategyNames() {
+  static const std::vector<std::string> kNames = {"fcp", "ring", "bytescale", "wlb", "magi", "megatron"};
+  return kNames;
+}
+
+plan::Plan makePlan(const std::string& name, const Batch& batch, const plan::PlanConfig& config,
+                    const CostModel& costModel, const PlanOracle& oracle) {
+  static const std::map<std::string, int> kAblation = {
+      {"fcp-base", 0}, {"fcp-pipeline", 1}, {"fcp-cfree", 2}, {"fcp-coalesce", 3}};
+  if (name == "fcp") return plan::buildPlan(batch, config, costModel);
+  if (name == "ring") return ringPlan(batch, config, costModel);
+  if (name == "bytescale") return bytescalePlan(batch, config, costModel);
+  if (name == "megatron") return megatronPlan(batch, config, costModel);
+  if (name == "magi") return magiPlan(batch, config, costModel);
+  if (name == "wlb") return wlbPlan(batch, config, costModel, oracle);
+  if (const auto it = kAblation.find(name); it != kAblation.end()) {
+    return fcpAblationPlan(batch, config, costModel, it->second);
+  }
+  throwInvalidArgument("unknown strategy '", name,
+                       "': expected fcp, ring, bytescale, wlb, magi, megatron (or fcp-base, "
+                       "fcp-pipeline, fcp-cfree, fcp-coalesce)");
+}
+
+}  // namespace fcp::baselines
