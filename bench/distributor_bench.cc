@@ -5,42 +5,22 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "fcp/core/units.h"
+#include "planner_bench_args.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/plan.h"
 
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
-  int64_t tokensPerWorker = 32 * 1024;
-  int64_t blockSize = 4 * 1024;
-  int seeds = 5;
-  std::vector<int64_t> workerCounts = {16, 64, 256, 1024};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens-per-worker")) {
-      tokensPerWorker = fcp::parseTokenCount(argv[i + 1], "--tokens-per-worker");
-    } else if (!std::strcmp(argv[i], "--block-size")) {
-      blockSize = fcp::parseTokenCount(argv[i + 1], "--block-size");
-    } else if (!std::strcmp(argv[i], "--seeds")) {
-      seeds = std::max(1, std::atoi(argv[i + 1]));
-    } else if (!std::strcmp(argv[i], "--workers")) {
-      workerCounts.clear();
-      std::stringstream ss(argv[i + 1]);
-      for (std::string item; std::getline(ss, item, ',');) workerCounts.push_back(std::stoll(item));
-    }
-  }
+  const fcp::bench::PlannerBenchArgs args =
+      fcp::bench::parsePlannerBenchArgs(argc, argv, {32 * 1024, 4 * 1024, 5, {16, 64, 256, 1024}});
+  const int64_t tokensPerWorker = args.tokensPerWorker;
+  const int64_t blockSize = args.blockSize;
+  const int seeds = args.seeds;
+  const std::vector<int64_t>& workerCounts = args.workerCounts;
   std::printf("tokens/worker %lld, block %lld, causal, 64/8 heads x 128, %d seeds per cell "
               "(worst case over seeds for quality, median for time)\n",
               static_cast<long long>(tokensPerWorker), static_cast<long long>(blockSize), seeds);
@@ -74,7 +54,7 @@ int main(int argc, char** argv) {
       std::printf("%-17s %7lld %7zu %8.3f%% %8.3f%% %8.3f%% %9.3f%% %10.3f %9.2f %9.2f\n",
                   workload.name.c_str(), static_cast<long long>(n), blocks, 100 * worstImb,
                   100 * worstMem, 100 * worstGap, 100 * worstGreedy, worstMemRatio,
-                  median(assignMs), median(totalMs));
+                  fcp::bench::median(assignMs), fcp::bench::median(totalMs));
     }
   }
   return 0;

@@ -5,42 +5,22 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "fcp/core/units.h"
+#include "planner_bench_args.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/plan.h"
 
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
-  int64_t tokensPerWorker = 32 * 1024;
-  int64_t blockSize = 4 * 1024;
-  int seeds = 3;
-  std::vector<int64_t> workerCounts = {16, 64, 256, 1024, 4096};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens-per-worker")) {
-      tokensPerWorker = fcp::parseTokenCount(argv[i + 1], "--tokens-per-worker");
-    } else if (!std::strcmp(argv[i], "--block-size")) {
-      blockSize = fcp::parseTokenCount(argv[i + 1], "--block-size");
-    } else if (!std::strcmp(argv[i], "--seeds")) {
-      seeds = std::max(1, std::atoi(argv[i + 1]));
-    } else if (!std::strcmp(argv[i], "--workers")) {
-      workerCounts.clear();
-      std::stringstream ss(argv[i + 1]);
-      for (std::string item; std::getline(ss, item, ',');) workerCounts.push_back(std::stoll(item));
-    }
-  }
+  const fcp::bench::PlannerBenchArgs args =
+      fcp::bench::parsePlannerBenchArgs(argc, argv, {32 * 1024, 4 * 1024, 3, {16, 64, 256, 1024, 4096}});
+  const int64_t tokensPerWorker = args.tokensPerWorker;
+  const int64_t blockSize = args.blockSize;
+  const int seeds = args.seeds;
+  const std::vector<int64_t>& workerCounts = args.workerCounts;
   std::printf("tokens/worker %lld, block %lld, causal, 64/8 heads x 128, coalesce 16, 3 buffers; "
               "%d seeds: worst case for quality, median for times (ms)\n",
               static_cast<long long>(tokensPerWorker), static_cast<long long>(blockSize), seeds);
@@ -83,8 +63,8 @@ int main(int argc, char** argv) {
       std::printf("%-16s %5lld %8lld %5lld %6.2f%% %8.3f %7.3gG %7.3gG %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
                   workload.name.c_str(), static_cast<long long>(n), static_cast<long long>(transfers),
                   static_cast<long long>(rounds), 100 * worstComm, worstRoundRatio, reshuffle / 1e9,
-                  reshuffleNoLocality / 1e9, median(shard), median(assign), median(xfers),
-                  median(colour), median(sched), median(total));
+                  reshuffleNoLocality / 1e9, fcp::bench::median(shard), fcp::bench::median(assign), fcp::bench::median(xfers),
+                  fcp::bench::median(colour), fcp::bench::median(sched), fcp::bench::median(total));
       std::fflush(stdout);
     }
   }

@@ -1,0 +1,46 @@
+#pragma once
+// Shared by the planner benchmarks: their common flags and the median they report.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fcp/core/units.h"
+
+namespace fcp::bench {
+
+/// --tokens-per-worker T, --block-size B, --seeds K, --workers 16,64,...
+struct PlannerBenchArgs {
+  int64_t tokensPerWorker = 32 * 1024;
+  int64_t blockSize = 4 * 1024;
+  int seeds = 3;
+  std::vector<int64_t> workerCounts;
+};
+
+inline PlannerBenchArgs parsePlannerBenchArgs(int argc, char** argv, PlannerBenchArgs args) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--tokens-per-worker")) {
+      args.tokensPerWorker = parseTokenCount(argv[i + 1], "--tokens-per-worker");
+    } else if (!std::strcmp(argv[i], "--block-size")) {
+      args.blockSize = parseTokenCount(argv[i + 1], "--block-size");
+    } else if (!std::strcmp(argv[i], "--seeds")) {
+      args.seeds = std::max(1, std::atoi(argv[i + 1]));
+    } else if (!std::strcmp(argv[i], "--workers")) {
+      args.workerCounts.clear();
+      std::stringstream ss(argv[i + 1]);
+      for (std::string item; std::getline(ss, item, ',');) args.workerCounts.push_back(std::stoll(item));
+    }
+  }
+  return args;
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace fcp::bench
