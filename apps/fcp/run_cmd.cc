@@ -7,9 +7,14 @@
 // time. *Ideal* = the batch's useful FLOPs / ranks / the kernel's FLOP/s measured in the same
 // run (all ranks' FLOPs over all ranks' kernel time).
 #include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <thread>
+#include <unistd.h>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -239,9 +244,13 @@ StrategyResult runStrategy(runtime::Transport& net, runtime::Transport& data, co
                                           : plan::buildPlan(s.batch, s.config, costModel);
   plan::checkValid(p);
   runtime::checkPlanAgreement(p, net);
+  // Fault injection for the tests: this rank dies as a crashed peer would, or stops
+  // answering as a hung one would.
   if (const char* faultRank = std::getenv("FCP_FAULT_EXIT_RANK")) {
-    // Fault injection for the tests: this rank dies as a crashed peer would.
     if (std::atoi(faultRank) == net.rank()) std::_Exit(3);
+  }
+  if (const char* stallRank = std::getenv("FCP_FAULT_STALL_RANK")) {
+    if (std::atoi(stallRank) == net.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
   }
   runtime::Executor ex(p, data, {static_cast<int>(a.threads), nullptr});
   const int64_t n = ex.userTokens();
@@ -357,11 +366,24 @@ nlohmann::json toJson(const StrategyResult& r) {
   return j;
 }
 
+/// The launcher ends the surviving ranks with SIGTERM when a peer dies; say so in one line
+/// (only async-signal-safe calls here).
+char terminatedMessage[128];
+void onTerminate(int) {
+  const ssize_t ignored = write(STDERR_FILENO, terminatedMessage, std::strlen(terminatedMessage));
+  (void)ignored;
+  _exit(1);
+}
+
 void runRun(const RunArgs& a) {
   Setup s = validate(a);
   std::unique_ptr<runtime::Transport> net =
       runtime::makeMpiTransport({.timeoutSeconds = a.timeoutSeconds});
   const int ranks = net->size();
+  std::snprintf(terminatedMessage, sizeof(terminatedMessage),
+                "fcp: error: rank %d: ended by the MPI launcher (another rank exited or failed)\n",
+                net->rank());
+  std::signal(SIGTERM, onTerminate);
   try {
     auto& c = s.config;
     c.numWorkers = ranks;
