@@ -24,6 +24,7 @@ json configToJson(const PlanConfig& c) {
           {"coalesce", c.coalesce},
           {"buffer_depth", c.bufferDepth},
           {"locality", c.locality},
+          {"comm_balance_slack", c.commBalanceSlack},
           {"heads_q", c.attention.numHeadsQ},
           {"heads_kv", c.attention.numHeadsKv},
           {"head_dim", c.attention.headDim},
@@ -57,6 +58,7 @@ PlanConfig configFromJson(const json& j) {
   c.coalesce = field<int64_t>(j, "coalesce");
   c.bufferDepth = field<int64_t>(j, "buffer_depth");
   c.locality = field<bool>(j, "locality");
+  c.commBalanceSlack = field<double>(j, "comm_balance_slack");
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
   c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
   c.attention.headDim = field<int64_t>(j, "head_dim");
@@ -126,6 +128,7 @@ std::string planToJson(const Plan& plan) {
                     {"lower_bound", plan.lowerBound},
                     {"greedy_max_cost", plan.greedyMaxCost},
                     {"improve_steps", plan.improveSteps},
+                    {"comm_balance_steps", plan.commBalanceSteps},
                     {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
                     {"transfers", std::move(transfers)},
                     {"num_rounds", plan.numRounds},
@@ -186,6 +189,7 @@ Plan planFromJson(std::string_view text) {
   plan.lowerBound = field<double>(doc, "lower_bound");
   plan.greedyMaxCost = field<double>(doc, "greedy_max_cost");
   plan.improveSteps = field<int64_t>(doc, "improve_steps");
+  plan.commBalanceSteps = field<int64_t>(doc, "comm_balance_steps");
   plan.movedTokensWithoutLocality = field<int64_t>(doc, "moved_tokens_without_locality");
   plan.numRounds = field<int32_t>(doc, "num_rounds");
   return plan;

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "comm_balance.h"
 #include "communication.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/coloring.h"
@@ -208,6 +209,13 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
   Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
   plan.owner = std::move(a.owner);
+  if (config.commBalanceSlack >= 0) {
+    double busiest = 0;
+    for (const WorkerLoad& l : computeLoads(plan)) busiest = std::max(busiest, l.cost);
+    const double cap = std::max(busiest, plan.lowerBound * (1.0 + config.commBalanceSlack));
+    plan.commBalanceSteps = detail::balanceCommunication(
+        plan, costs, cap, memoryCapTokens(distributorOptions(config)), 2 * config.numWorkers);
+  }
   if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
   plan.lowerBound = a.lowerBound;
   plan.greedyMaxCost = a.greedyMaxCost;

@@ -167,6 +167,25 @@ TEST(CommunicationTest, LocalityRelabellingShrinksTheReshuffleAndKeepsBalance) {
   }
 }
 
+TEST(CommunicationTest, CommBalancingLowersCommImbalanceWithinTheComputeSlack) {
+  for (const auto& w : builtinWorkloads()) {
+    const Batch batch = sampleBatch(w, 128 * 32768, 7);
+    PlanConfig c;
+    c.numWorkers = 128;
+    c.commBalanceSlack = -1;
+    const Plan off = buildPlan(batch, c, CostModel{c.attention});
+    c.commBalanceSlack = 0.002;
+    const Plan on = buildPlan(batch, c, CostModel{c.attention});
+    expectValid(on, w.name);
+    const PlanStats a = computeStats(off), b = computeStats(on);
+    EXPECT_LE(b.commImbalance, a.commImbalance) << w.name;
+    EXPECT_LE(b.commImbalance, 0.05) << w.name;
+    // Compute may rise only to the slack above LB (or stay at the distributor's busiest).
+    EXPECT_LE(b.lowerBoundGap, std::max(a.lowerBoundGap, 0.002) + 1e-9) << w.name;
+    EXPECT_LE(b.maxWorkerTokens, b.memoryCapTokens);
+  }
+}
+
 TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   const Plan good = planFor(sampleBatch(findWorkload("lognormal"), 16 * 16384, 4), 16, 1024, 2, 2);
   ASSERT_TRUE(validate(good).empty());

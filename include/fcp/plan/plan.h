@@ -37,6 +37,11 @@ struct PlanConfig {
   /// them balances the same), so they are relabelled to keep blocks where the user layout
   /// already holds most of their tokens, shrinking the reshuffle.
   bool locality = true;
+  /// Communication balancing: after the distributor, blocks of near-equal cost are swapped
+  /// to lower the busiest worker's transfer bytes, letting compute rise to at most this
+  /// fraction above the lower bound (never above the distributor's own busiest worker if
+  /// that is higher). Negative turns it off.
+  double commBalanceSlack = 0.002;
   AttentionConfig attention;
 
   int64_t memoryLimit() const { return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker; }
@@ -66,6 +71,7 @@ struct Plan {
   double lowerBound = 0;         ///< LB = max(largest block cost, total cost / workers)
   double greedyMaxCost = 0;      ///< busiest worker's cost before the improvement pass
   int64_t improveSteps = 0;
+  int64_t commBalanceSteps = 0;  ///< swaps applied by communication balancing
   /// Tokens the reshuffle would move off-worker without the locality relabelling.
   int64_t movedTokensWithoutLocality = 0;
 

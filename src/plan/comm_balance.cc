@@ -1,0 +1,245 @@
+#include "comm_balance.h"
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+
+namespace fcp::plan::detail {
+namespace {
+
+/// Max over workers with its argmax (lowest id on ties), O(log N) per update.
+class MaxTree {
+ public:
+  explicit MaxTree(const std::vector<int64_t>& values) : n_(values.size()) {
+    while (leaves_ < n_) leaves_ *= 2;
+    value_.assign(2 * leaves_, std::numeric_limits<int64_t>::min());
+    arg_.assign(2 * leaves_, 0);
+    for (size_t w = 0; w < n_; ++w) {
+      value_[leaves_ + w] = values[w];
+      arg_[leaves_ + w] = static_cast<int32_t>(w);
+    }
+    for (size_t v = leaves_ - 1; v >= 1; --v) pull(v);
+  }
+  void set(size_t w, int64_t value) {
+    size_t v = leaves_ + w;
+    value_[v] = value;
+    for (v /= 2; v >= 1; v /= 2) pull(v);
+  }
+  int64_t max() const { return value_[1]; }
+  int32_t argMax() const { return arg_[1]; }
+
+ private:
+  void pull(size_t v) {
+    const bool right = value_[2 * v + 1] > value_[2 * v];
+    value_[v] = value_[2 * v + right];
+    arg_[v] = arg_[2 * v + right];
+  }
+  size_t n_;
+  size_t leaves_ = 1;
+  std::vector<int64_t> value_;
+  std::vector<int32_t> arg_;
+};
+
+class CommState {
+ public:
+  CommState(Plan& plan, const std::vector<double>& blockCost)
+      : plan_(plan), cost_(blockCost), n_(static_cast<size_t>(plan.config.numWorkers)) {
+    const size_t numBlocks = plan.blocks.size();
+    kvBytes_.resize(numBlocks);
+    tokens_.resize(numBlocks);
+    for (size_t b = 0; b < numBlocks; ++b) {
+      tokens_[b] = plan.blocks[b].numTokens();
+      kvBytes_[b] = tokens_[b] * plan.config.attention.kvBytesPerToken();
+    }
+    // KV blocks each Q block reads (CSR), and the need counts.
+    qOffset_.assign(numBlocks + 1, 0);
+    for (const BlockPair& p : plan.pairs) ++qOffset_[static_cast<size_t>(p.qBlock) + 1];
+    for (size_t b = 1; b <= numBlocks; ++b) qOffset_[b] += qOffset_[b - 1];
+    kvOf_.resize(plan.pairs.size());
+    std::vector<int64_t> next(qOffset_.begin(), qOffset_.end() - 1);
+    for (const BlockPair& p : plan.pairs) {
+      kvOf_[static_cast<size_t>(next[static_cast<size_t>(p.qBlock)]++)] = p.kvBlock;
+    }
+    need_.resize(numBlocks);
+    mem_.assign(n_, 0);
+    load_.assign(n_, 0.0);
+    comm_.assign(n_, 0);
+    for (size_t b = 0; b < numBlocks; ++b) {
+      const int32_t w = plan.owner[b];
+      mem_[static_cast<size_t>(w)] += tokens_[b];
+      load_[static_cast<size_t>(w)] += cost_[b];
+      for (int64_t i = qOffset_[b]; i < qOffset_[b + 1]; ++i) addNeed(kvOf_[static_cast<size_t>(i)], w, +1);
+    }
+    tree_ = std::make_unique<MaxTree>(comm_);
+  }
+
+  int64_t maxComm() const { return tree_->max(); }
+  int32_t busiest() const { return tree_->argMax(); }
+  int64_t mem(int32_t w) const { return mem_[static_cast<size_t>(w)]; }
+  double load(int32_t w) const { return load_[static_cast<size_t>(w)]; }
+  int64_t tokens(int32_t b) const { return tokens_[static_cast<size_t>(b)]; }
+  /// Bytes of the transfers block b takes part in where it is: sent as a KV block, plus read
+  /// from other workers as a Q block (shared reads counted per block, so an upper bound).
+  int64_t traffic(int32_t b) const {
+    const auto bs = static_cast<size_t>(b);
+    const int32_t owner = plan_.owner[bs];
+    int64_t bytes = 0;
+    for (const auto& [w, count] : need_[bs]) bytes += (count > 0 && w != owner) ? kvBytes_[bs] : 0;
+    for (int64_t i = qOffset_[bs]; i < qOffset_[bs + 1]; ++i) {
+      const auto k = static_cast<size_t>(kvOf_[static_cast<size_t>(i)]);
+      bytes += plan_.owner[k] != owner ? kvBytes_[k] : 0;
+    }
+    return bytes;
+  }
+  /// (max − mean) / max of the per-worker bytes.
+  double imbalance() const {
+    double total = 0;
+    for (int64_t c : comm_) total += static_cast<double>(c);
+    const auto top = static_cast<double>(maxComm());
+    return top > 0 ? (top - total / static_cast<double>(n_)) / top : 0;
+  }
+
+  void move(int32_t b, int32_t to) {
+    const auto bs = static_cast<size_t>(b);
+    const int32_t from = plan_.owner[bs];
+    // As a Q block: its reads now come to `to`.
+    for (int64_t i = qOffset_[bs]; i < qOffset_[bs + 1]; ++i) {
+      addNeed(kvOf_[static_cast<size_t>(i)], from, -1);
+      addNeed(kvOf_[static_cast<size_t>(i)], to, +1);
+    }
+    // As a KV block: its transfers now leave from `to`.
+    for (const auto& [w, count] : need_[bs]) {
+      if (count <= 0) continue;
+      if (w != from) addComm(from, w, -kvBytes_[bs]);
+      if (w != to) addComm(to, w, +kvBytes_[bs]);
+    }
+    plan_.owner[bs] = to;
+    for (int32_t w : dirty_) {
+      tree_->set(static_cast<size_t>(w), comm_[static_cast<size_t>(w)]);
+      isDirty_[static_cast<size_t>(w)] = false;
+    }
+    dirty_.clear();
+    mem_[static_cast<size_t>(from)] -= tokens_[bs];
+    mem_[static_cast<size_t>(to)] += tokens_[bs];
+    load_[static_cast<size_t>(from)] -= cost_[bs];
+    load_[static_cast<size_t>(to)] += cost_[bs];
+  }
+
+ private:
+  // Changes need[k][w] by delta, adding or removing the transfer of k to w as it appears or
+  // disappears.
+  void addNeed(int32_t k, int32_t w, int delta) {
+    auto& list = need_[static_cast<size_t>(k)];
+    auto it = std::find_if(list.begin(), list.end(), [&](const auto& e) { return e.first == w; });
+    if (it == list.end()) it = list.insert(list.end(), {w, 0});
+    const int before = it->second;
+    it->second += delta;
+    const int32_t owner = plan_.owner[static_cast<size_t>(k)];
+    if (w == owner) return;
+    if (before == 0 && it->second > 0) addComm(owner, w, +kvBytes_[static_cast<size_t>(k)]);
+    if (before > 0 && it->second == 0) addComm(owner, w, -kvBytes_[static_cast<size_t>(k)]);
+  }
+
+  void addComm(int32_t sender, int32_t receiver, int64_t bytes) {
+    for (int32_t w : {sender, receiver}) {
+      comm_[static_cast<size_t>(w)] += bytes;
+      // The tree is refreshed once per move, for each worker touched.
+      if (tree_ && !isDirty_[static_cast<size_t>(w)]) {
+        isDirty_[static_cast<size_t>(w)] = true;
+        dirty_.push_back(w);
+      }
+    }
+  }
+
+  Plan& plan_;
+  const std::vector<double>& cost_;
+  size_t n_;
+  std::vector<int64_t> kvBytes_, tokens_;
+  std::vector<int64_t> qOffset_;
+  std::vector<int32_t> kvOf_;
+  std::vector<std::vector<std::pair<int32_t, int>>> need_;
+  std::vector<int64_t> mem_;
+  std::vector<double> load_;
+  std::vector<int64_t> comm_;
+  std::unique_ptr<MaxTree> tree_;
+  std::vector<int32_t> dirty_;
+  std::vector<bool> isDirty_ = std::vector<bool>(n_, false);
+};
+
+/// How many blocks nearest in cost are tried as swap partners.
+constexpr size_t kPartnerWindow = 48;
+/// Balancing stops once (max − mean) / max of communication is this low.
+constexpr double kTargetImbalance = 0.03;
+
+}  // namespace
+
+int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
+                             int64_t memoryCap, int64_t maxSteps) {
+  if (plan.config.numWorkers < 2 || plan.blocks.empty()) return 0;
+  CommState state(plan, blockCost);
+  std::vector<int32_t> byCost(plan.blocks.size());
+  for (size_t b = 0; b < byCost.size(); ++b) byCost[b] = static_cast<int32_t>(b);
+  std::sort(byCost.begin(), byCost.end(), [&](int32_t x, int32_t y) {
+    const double cx = blockCost[static_cast<size_t>(x)], cy = blockCost[static_cast<size_t>(y)];
+    return cx != cy ? cx < cy : x < y;
+  });
+  std::vector<size_t> rank(byCost.size());
+  for (size_t i = 0; i < byCost.size(); ++i) rank[static_cast<size_t>(byCost[i])] = i;
+
+  std::vector<std::vector<int32_t>> blocksOf(static_cast<size_t>(plan.config.numWorkers));
+  for (size_t b = 0; b < plan.owner.size(); ++b) {
+    blocksOf[static_cast<size_t>(plan.owner[b])].push_back(static_cast<int32_t>(b));
+  }
+  int64_t steps = 0;
+  for (; steps < maxSteps && state.imbalance() > kTargetImbalance; ++steps) {
+    const int32_t w = state.busiest();
+    const int64_t before = state.maxComm();
+    int64_t bestMax = before;
+    std::pair<int32_t, int32_t> best{-1, -1};
+    for (int32_t b : blocksOf[static_cast<size_t>(w)]) {
+      const int64_t traffic = state.traffic(b);
+      if (traffic == 0) continue;
+      const double cb = blockCost[static_cast<size_t>(b)];
+      // Partners nearest b in cost, alternating below and above.
+      const size_t r = rank[static_cast<size_t>(b)];
+      for (size_t step = 1, tried = 0; tried < kPartnerWindow && step <= byCost.size(); ++step) {
+        const size_t half = (step + 1) / 2;
+        const bool below = step % 2 == 1;
+        if (below ? half > r : r + half >= byCost.size()) continue;
+        const int32_t b2 = byCost[below ? r - half : r + half];
+        ++tried;
+        const int32_t u = plan.owner[static_cast<size_t>(b2)];
+        if (u == w) continue;
+        const double c2 = blockCost[static_cast<size_t>(b2)];
+        if (state.load(w) - cb + c2 > computeCap || state.load(u) - c2 + cb > computeCap) continue;
+        if (state.mem(w) - state.tokens(b) + state.tokens(b2) > memoryCap ||
+            state.mem(u) - state.tokens(b2) + state.tokens(b) > memoryCap ||
+            state.traffic(b2) >= traffic) {  // only a quieter block can help w
+          continue;
+        }
+        state.move(b, u);
+        state.move(b2, w);
+        const int64_t after = state.maxComm();
+        state.move(b2, u);
+        state.move(b, w);
+        if (after < bestMax) {  // first improvement: keeps each step cheap
+          bestMax = after;
+          best = {b, b2};
+          break;
+        }
+      }
+      if (best.first >= 0) break;
+    }
+    if (best.first < 0) break;
+    const int32_t u = plan.owner[static_cast<size_t>(best.second)];
+    state.move(best.first, u);
+    state.move(best.second, w);
+    auto& mine = blocksOf[static_cast<size_t>(w)];
+    auto& theirs = blocksOf[static_cast<size_t>(u)];
+    *std::find(mine.begin(), mine.end(), best.first) = best.second;
+    *std::find(theirs.begin(), theirs.end(), best.second) = best.first;
+  }
+  return steps;
+}
+
+}  // namespace fcp::plan::detail

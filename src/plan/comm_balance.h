@@ -1,0 +1,24 @@
+#pragma once
+// Private to the plan module: evening out communication after the distributor.
+
+#include <cstdint>
+
+#include "fcp/plan/plan.h"
+
+namespace fcp::plan::detail {
+
+/// Lowers the largest per-worker communication (bytes sent plus received by KV transfers) by
+/// swapping blocks of near-equal cost between the busiest-communicating worker and others.
+///
+/// Terms. need[k][w] counts worker w's Q blocks that pair with KV block k; block k is sent to
+/// every w != owner(k) with need > 0 (one transfer). A swap exchanges block b of the worker
+/// with the most communication for block b' elsewhere; it is kept when compute stays at most
+/// `computeCap` and memory at most `memoryCap` on both workers, and the largest communication
+/// over all workers drops (third parties can change too: the owners of the blocks b's pairs
+/// read). Typically a sequence block goes out and a packed block of short sequences, which
+/// needs no transfers, comes in. Partners are searched among the blocks nearest b in cost.
+/// Deterministic; at most `maxSteps` swaps. Plan::loads is not updated: recompute it.
+int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
+                             int64_t memoryCap, int64_t maxSteps);
+
+}  // namespace fcp::plan::detail
