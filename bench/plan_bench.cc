@@ -24,15 +24,15 @@ int main(int argc, char** argv) {
   std::printf("tokens/worker %lld, block %lld, causal, 64/8 heads x 128, coalesce 16, 3 buffers; "
               "%d seeds: worst case for quality, median for times (ms)\n",
               static_cast<long long>(tokensPerWorker), static_cast<long long>(blockSize), seeds);
-  std::printf("%-16s %5s %8s %5s %7s %8s %8s %8s %7s %7s %7s %7s %7s %7s\n", "workload", "N",
-              "transfers", "rounds", "imb.comm", "rmax/lb", "reshuf", "no-loc", "shard", "assign",
-              "xfers", "colour", "sched", "total");
+  std::printf("%-16s %5s %8s %5s %7s %8s %8s %8s %7s %7s %7s %7s %7s %7s %7s\n", "workload",
+              "N", "transfers", "rounds", "imb.comm", "rmax/lb", "reshuf", "no-loc", "shard",
+              "assign", "balance", "xfers", "colour", "sched", "total");
   for (const auto& workload : fcp::builtinWorkloads()) {
     for (int64_t n : workerCounts) {
       double worstComm = 0, worstRoundRatio = 0;
       int64_t transfers = 0, rounds = 0;
       double reshuffle = 0, reshuffleNoLocality = 0;
-      std::vector<double> shard, assign, xfers, colour, sched, total;
+      std::vector<double> shard, assign, balance, xfers, colour, sched, total;
       for (int seed = 0; seed < seeds; ++seed) {
         fcp::plan::PlanConfig config;
         config.numWorkers = n;
@@ -44,26 +44,26 @@ int main(int argc, char** argv) {
         const fcp::CostModel model{config.attention};
         const auto p = fcp::plan::buildPlan(batch, config, model, &t);
         const auto s = fcp::plan::computeStats(p);
-        config.locality = false;
-        const auto q = fcp::plan::buildPlan(batch, config, model);
         worstComm = std::max(worstComm, s.commImbalance);
         const double bound = static_cast<double>(std::max(s.maxWorkerCommBytes, s.sortedRoundBound));
         worstRoundRatio = std::max(worstRoundRatio, bound > 0 ? static_cast<double>(s.sumRoundMaxima) / bound : 1.0);
         transfers = static_cast<int64_t>(p.transfers.size());
         rounds = p.numRounds;
         reshuffle += static_cast<double>(s.reshuffleBytes) / seeds;
-        reshuffleNoLocality += static_cast<double>(fcp::plan::computeStats(q).reshuffleBytes) / seeds;
+        reshuffleNoLocality += static_cast<double>(s.reshuffleBytesWithoutLocality) / seeds;
         shard.push_back(t.shardMs);
         assign.push_back(t.assignMs);
+        balance.push_back(t.balanceMs);
         xfers.push_back(t.transfersMs);
         colour.push_back(t.colorMs);
         sched.push_back(t.scheduleMs);
         total.push_back(t.totalMs);
       }
-      std::printf("%-16s %5lld %8lld %5lld %6.2f%% %8.3f %7.3gG %7.3gG %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
+      std::printf("%-16s %5lld %8lld %5lld %6.2f%% %8.3f %7.3gG %7.3gG %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
                   workload.name.c_str(), static_cast<long long>(n), static_cast<long long>(transfers),
                   static_cast<long long>(rounds), 100 * worstComm, worstRoundRatio, reshuffle / 1e9,
-                  reshuffleNoLocality / 1e9, fcp::bench::median(shard), fcp::bench::median(assign), fcp::bench::median(xfers),
+                  reshuffleNoLocality / 1e9, fcp::bench::median(shard), fcp::bench::median(assign),
+                  fcp::bench::median(balance), fcp::bench::median(xfers),
                   fcp::bench::median(colour), fcp::bench::median(sched), fcp::bench::median(total));
       std::fflush(stdout);
     }

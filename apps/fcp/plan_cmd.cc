@@ -37,6 +37,7 @@ struct PlanArgs {
   int64_t coalesce = 16;
   int64_t buffers = 3;
   bool noLocality = false;
+  double commBalanceSlack = 0.002;
   bool json = false;
   std::string planOut;
   std::string planIn;
@@ -103,9 +104,9 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
               static_cast<double>(s.sortedRoundBound));
   std::printf("  reshuffle: %.4g bytes\n", static_cast<double>(s.reshuffleBytes));
-  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f, transfers %.2f, colour %.2f, "
-              "schedule %.2f)\n",
-              t.totalMs, t.shardMs, t.assignMs, t.transfersMs, t.colorMs, t.scheduleMs);
+  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f, balance %.2f, transfers %.2f, "
+              "colour %.2f, schedule %.2f)\n",
+              t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
 }
 
 std::string readFile(const std::string& path) {
@@ -156,6 +157,7 @@ void runPlan(const PlanArgs& a) {
   config.coalesce = a.coalesce;
   config.bufferDepth = a.buffers;
   config.locality = !a.noLocality;
+  config.commBalanceSlack = a.commBalanceSlack;
   config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(config.attention);
 
@@ -226,6 +228,7 @@ void runPlan(const PlanArgs& a) {
       {"plan_ms_by_phase",
        {{"shard", timings.shardMs},
         {"assign", timings.assignMs},
+        {"balance", timings.balanceMs},
         {"transfers", timings.transfersMs},
         {"colour", timings.colorMs},
         {"schedule", timings.scheduleMs}}}};
@@ -265,6 +268,9 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one pipeline stage")
       ->capture_default_str();
   cmd->add_option("--buffers", args->buffers, "Stages of remote KV a worker may hold (>= 2)")
+      ->capture_default_str();
+  cmd->add_option("--comm-balance-slack", args->commBalanceSlack,
+                  "Compute above LB allowed to even out communication (negative: off)")
       ->capture_default_str();
   cmd->add_flag("--no-locality", args->noLocality,
                 "Do not relabel workers to keep blocks where the user layout holds them");

@@ -209,6 +209,12 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
   Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
   plan.owner = std::move(a.owner);
+  plan.lowerBound = a.lowerBound;
+  plan.greedyMaxCost = a.greedyMaxCost;
+  plan.improveSteps = a.improveSteps;
+  const double assignMs = msSince(assignStart);
+
+  const auto balanceStart = std::chrono::steady_clock::now();
   if (config.commBalanceSlack >= 0) {
     double busiest = 0;
     for (const WorkerLoad& l : computeLoads(plan)) busiest = std::max(busiest, l.cost);
@@ -217,11 +223,8 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
         plan, costs, cap, memoryCapTokens(distributorOptions(config)), 2 * config.numWorkers);
   }
   if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
-  plan.lowerBound = a.lowerBound;
-  plan.greedyMaxCost = a.greedyMaxCost;
-  plan.improveSteps = a.improveSteps;
   plan.loads = computeLoads(plan);
-  const double assignMs = msSince(assignStart);
+  const double balanceMs = msSince(balanceStart);
 
   const auto transfersStart = std::chrono::steady_clock::now();
   plan.transfers = buildTransfers(plan);
@@ -236,6 +239,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   if (timings) {
     timings->shardMs = shardMs;
     timings->assignMs = assignMs;
+    timings->balanceMs = balanceMs;
     timings->transfersMs = transfersMs;
     timings->colorMs = colorMs;
     timings->scheduleMs = msSince(scheduleStart);

@@ -36,7 +36,7 @@ assert 0 <= s["imbalance"]["comm"] < 0.5
 b = s["round_max_bytes_lower_bounds"]
 assert s["round_max_bytes_sum"] >= max(b["busiest_worker"], b["sorted_transfers"]) > 0
 assert s["reshuffle_bytes"] <= s["reshuffle_bytes_without_locality"]
-assert set(s["plan_ms_by_phase"]) == {"shard", "assign", "transfers", "colour", "schedule"}
+assert set(s["plan_ms_by_phase"]) == {"shard", "assign", "balance", "transfers", "colour", "schedule"}
 assert s["workers"] == 32 and s["tokens"] == 32 * 32768
 assert 0 <= s["imbalance"]["compute"] < 0.05 and 0 <= s["imbalance"]["memory"] < 1
 assert s["lower_bound_gap"] >= 0 and s["plan_ms"] > 0

@@ -89,7 +89,8 @@ struct Plan {
 /// identical on every rank.
 struct PlanTimings {
   double shardMs = 0;
-  double assignMs = 0;
+  double assignMs = 0;   ///< the Block Distributor (greedy and improvement)
+  double balanceMs = 0;  ///< communication balancing and the locality relabelling
   double transfersMs = 0;
   double colorMs = 0;
   double scheduleMs = 0;
