@@ -9,6 +9,11 @@
 // receivers return) until the plan's sendGrad sends it back to the transfer's sender.
 // A stage is: post its receives and sends, compute its pairs (their KV is local or arrived in
 // an earlier stage), wait for its messages, add returned dK/dV partials in, free its releases.
+// The reshuffles hide behind compute as the plan intends: a block is *ready* when none of its
+// tokens come from another rank; the first stage's pairs between ready blocks run while the
+// inward reshuffle is in flight, and a block's outputs leave (one message per block and user
+// rank) as soon as its *remaining* count (pairs still to compute, and backward the dK/dV
+// returns still to add) reaches zero, while later blocks compute.
 #include "fcp/runtime/executor.h"
 
 #include <algorithm>
@@ -18,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 #include <unordered_map>
 
@@ -41,7 +47,8 @@ constexpr int kFirstTransferTag = 8;
 /// A run of consecutive tokens moving between the user layout and the FCP layout.
 struct Piece {
   int64_t userOffset = 0;  ///< token index inside the user worker's slice
-  int32_t localBlock = 0;  ///< index among the FCP worker's local blocks
+  int32_t block = 0;       ///< the block the tokens belong to
+  int32_t localBlock = 0;  ///< index among the FCP worker's local blocks (on the FCP worker)
   int64_t blockOffset = 0; ///< token index inside that block
   int64_t numTokens = 0;
 };
@@ -84,6 +91,25 @@ struct Executor::State {
   float* kvOf(int32_t local) { return kv.data() + 2 * tokenStart[static_cast<size_t>(local)] * kRow; }
   float* dkvOf(int32_t local) { return dkv.data() + 2 * tokenStart[static_cast<size_t>(local)] * kRow; }
   int tagKv(int32_t t) const { return kFirstTransferTag + 2 * t; }
+  // Outward streams after the transfers' tags: stream i uses one tag per block.
+  int outwardTag(int stream) const {
+    return kFirstTransferTag + 2 * static_cast<int>(plan.transfers.size()) +
+           stream * static_cast<int>(plan.blocks.size());
+  }
+  // Row of token `tok` of local block `local` in an FCP-layout tensor of `width` floats per token.
+  std::function<float*(int32_t, int64_t)> rowOf(std::vector<float>& t, int64_t width) {
+    return [this, &t, width](int32_t local, int64_t tok) {
+      return t.data() + (tokenStart[static_cast<size_t>(local)] + tok) * width;
+    };
+  }
+  // Row of K (or V) of a block in a per-block [K | V] tensor.
+  std::function<float*(int32_t, int64_t)> kRowOf(std::vector<float>& t, bool valueHalf) {
+    return [this, &t, valueHalf](int32_t local, int64_t tok) {
+      const auto l = static_cast<size_t>(local);
+      const int64_t n = tokenStart[l + 1] - tokenStart[l];
+      return t.data() + (2 * tokenStart[l] + (valueHalf ? n : 0) + tok) * kRow;
+    };
+  }
   int tagGrad(int32_t t) const { return kFirstTransferTag + 2 * t + 1; }
   int32_t transferTo(int32_t block, int32_t receiver) const {
     const int32_t t = plan::findTransfer(plan.transfers, block, receiver);
@@ -92,16 +118,62 @@ struct Executor::State {
   }
 
   void setup();
-  void reshuffle(bool inward, const std::vector<std::pair<const float*, int64_t>>& userIn,
-                 const std::vector<std::function<float*(int32_t, int64_t)>>& fcp,
-                 const std::vector<std::pair<float*, int64_t>>& userOut, PassStats& stats);
+  // A tensor that moves between layouts: its user-layout rows (`user` inward, `userOut`
+  // outward), floats per row, and its row in the FCP layout (local block, token).
+  struct Field {
+    const float* user = nullptr;
+    float* userOut = nullptr;
+    int64_t width = 0;
+    std::function<float*(int32_t, int64_t)> fcp;
+  };
+  // The inward reshuffle in flight.
+  struct Inward {
+    std::vector<Field> fields;
+    std::vector<std::vector<float>> sendBufs, recvBufs;
+    std::vector<RequestId> requests;
+    double startUs = 0;
+  };
+  // One outward stream: blocks leave as their remaining count reaches zero.
+  struct Outward {
+    std::vector<Field> fields;
+    int tagBase = 0;
+    std::vector<int64_t> remaining;  // per local block
+    std::vector<std::vector<float>> sendBufs;
+    std::vector<RequestId> requests;
+    struct Incoming {
+      int peer;
+      int32_t block;
+      std::vector<float> buffer;
+      RequestId request;
+    };
+    std::vector<Incoming> incoming;
+  };
+  std::vector<char> ready;  // per local block: no token comes from another rank
+  Outward* qStream = nullptr;   // outputs of Q blocks in the current pass
+  Outward* kvStream = nullptr;  // backward: dK/dV of KV blocks
+  int64_t rowWidth(const std::vector<Field>& fields) const {
+    int64_t total = 0;
+    for (const Field& f : fields) total += f.width;
+    return total;
+  }
+  void postInward(Inward& in, PassStats& stats);
+  void finishInward(Inward& in);
+  void startOutward(Outward& out, bool backward, bool kvSide, PassStats& stats);
+  void blockDone(Outward& out, int32_t local, PassStats& stats);
+  void finishOutward(Outward& out);
+  void runEarlyPairs(bool backward, std::vector<char>& done);
   const float* kvSource(int32_t block);
   kernels::BlockMask maskOf(const plan::BlockPair& pair) const {
     return {mask, segments[static_cast<size_t>(pair.qBlock)], segments[static_cast<size_t>(pair.kvBlock)]};
   }
   void forwardPair(int32_t p);
   void backwardPair(int32_t p);
-  void runStages(bool backward);
+  void runStages(bool backward, const std::vector<char>& done);
+  // One contribution to a block of `out` is in; the block leaves when none remain.
+  void countDown(Outward* out, int32_t local, PassStats& stats) {
+    if (out == nullptr || local < 0) return;
+    if (--out->remaining[static_cast<size_t>(local)] == 0) blockDone(*out, local, stats);
+  }
 };
 
 void Executor::State::setup() {
@@ -114,7 +186,8 @@ void Executor::State::setup() {
     throwInvalidArgument("plan for ", plan.config.numWorkers, " workers run on ", transport.size(),
                          " ranks: expected the same number");
   }
-  const int64_t lastTag = kFirstTransferTag + 2 * static_cast<int64_t>(plan.transfers.size()) + 1;
+  const int64_t lastTag = kFirstTransferTag + 2 * static_cast<int64_t>(plan.transfers.size()) +
+                          3 * static_cast<int64_t>(plan.blocks.size());
   if (lastTag > transport.maxTag()) {
     throwInvalidArgument("plan has ", plan.transfers.size(), " transfers, more than the transport's ",
                          transport.maxTag(), " tags can name");
@@ -171,6 +244,7 @@ void Executor::State::setup() {
     --it;
     Piece out;
     out.userOffset = piece.begin - userStart[static_cast<size_t>(piece.userWorker)];
+    out.block = it->block;
     out.localBlock = -1;
     out.blockOffset = it->offset + (piece.begin - it->begin);
     out.numTokens = piece.end - piece.begin;
@@ -183,6 +257,11 @@ void Executor::State::setup() {
       outbound[static_cast<size_t>(piece.fcpWorker)].push_back(out);
     }
   }
+  ready.assign(localBlocks.size(), 1);
+  for (size_t peer = 0; peer < n; ++peer) {
+    if (static_cast<int>(peer) == rank) continue;
+    for (const Piece& p : inbound[peer]) ready[static_cast<size_t>(p.localBlock)] = 0;
+  }
   const auto tokens = static_cast<size_t>(localTokens());
   q.assign(tokens * static_cast<size_t>(qRow), 0.f);
   kv.assign(2 * tokens * static_cast<size_t>(kRow), 0.f);
@@ -194,84 +273,157 @@ void Executor::State::setup() {
   partLse.assign(static_cast<size_t>(maxBlock * hq), 0.f);
 }
 
-// Moves tensors between the user layout and the FCP layout. Inward: `userIn` (pointer, row
-// floats) per field are packed per destination rank, rows of one field after another, and
-// unpacked through `fcp` (local block, token) -> row pointer. Outward: the reverse into
-// `userOut`. Pieces that stay on this rank are copied directly.
-void Executor::State::reshuffle(bool inward,
-                                const std::vector<std::pair<const float*, int64_t>>& userIn,
-                                const std::vector<std::function<float*(int32_t, int64_t)>>& fcp,
-                                const std::vector<std::pair<float*, int64_t>>& userOut,
-                                PassStats& stats) {
+// Inward: every field's rows for one destination rank are packed into one message, fields one
+// after another, pieces in stream order; pieces that stay on this rank are copied at once.
+void Executor::State::postInward(Inward& in, PassStats& stats) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
-  int64_t rowFloats = 0;
-  std::vector<int64_t> widths;
-  for (size_t f = 0; f < fcp.size(); ++f) {
-    widths.push_back(inward ? userIn[f].second : userOut[f].second);
-    rowFloats += widths.back();
-  }
-  // Which pieces this rank sends (as the user worker inward, the FCP worker outward).
-  const auto& sendLists = inward ? outbound : inbound;
-  const auto& recvLists = inward ? inbound : outbound;
-  std::vector<std::vector<float>> sendBufs(n), recvBufs(n);
-  std::vector<RequestId> requests;
-  const int tag = inward ? kReshuffleInTag : kReshuffleOutTag;
-  auto count = [](const std::vector<Piece>& pieces) {
-    int64_t total = 0;
-    for (const Piece& p : pieces) total += p.numTokens;
-    return total;
-  };
-  auto fcpRow = [&](size_t f, const Piece& p, int64_t i) { return fcp[f](p.localBlock, p.blockOffset + i); };
+  const int64_t row = rowWidth(in.fields);
+  in.startUs = Timeline::nowUs();
+  in.sendBufs.assign(n, {});
+  in.recvBufs.assign(n, {});
   for (size_t peer = 0; peer < n; ++peer) {
-    if (static_cast<int>(peer) == rank || recvLists[peer].empty()) continue;
-    recvBufs[peer].resize(static_cast<size_t>(count(recvLists[peer]) * rowFloats));
-    requests.push_back(transport.irecv(static_cast<int>(peer), tag, asWritableBytes(recvBufs[peer])));
+    if (static_cast<int>(peer) == rank || inbound[peer].empty()) continue;
+    int64_t tokens = 0;
+    for (const Piece& p : inbound[peer]) tokens += p.numTokens;
+    in.recvBufs[peer].resize(static_cast<size_t>(tokens * row));
+    in.requests.push_back(transport.irecv(static_cast<int>(peer), kReshuffleInTag, asWritableBytes(in.recvBufs[peer])));
   }
   for (size_t peer = 0; peer < n; ++peer) {
-    if (sendLists[peer].empty()) continue;
-    if (static_cast<int>(peer) == rank) {
-      for (const Piece& p : sendLists[peer]) {
-        for (size_t f = 0; f < fcp.size(); ++f) {
-          const auto w = static_cast<size_t>(widths[f]);
-          for (int64_t i = 0; i < p.numTokens; ++i) {
-            if (inward) {
-              std::memcpy(fcpRow(f, p, i), userIn[f].first + (p.userOffset + i) * widths[f], w * sizeof(float));
-            } else {
-              std::memcpy(userOut[f].first + (p.userOffset + i) * widths[f], fcpRow(f, p, i), w * sizeof(float));
-            }
+    const bool local = static_cast<int>(peer) == rank;
+    std::vector<float>& buf = in.sendBufs[peer];
+    for (const Field& f : in.fields) {
+      const auto w = static_cast<size_t>(f.width);
+      for (const Piece& p : outbound[peer]) {
+        for (int64_t i = 0; i < p.numTokens; ++i) {
+          const float* src = f.user + (p.userOffset + i) * f.width;
+          if (local) {
+            std::memcpy(f.fcp(p.localBlock, p.blockOffset + i), src, w * sizeof(float));
+          } else {
+            buf.insert(buf.end(), src, src + w);
           }
         }
       }
-      continue;
     }
-    auto& buf = sendBufs[peer];
-    buf.resize(static_cast<size_t>(count(sendLists[peer]) * rowFloats));
-    float* out = buf.data();
-    for (size_t f = 0; f < fcp.size(); ++f) {
-      const auto w = static_cast<size_t>(widths[f]);
-      for (const Piece& p : sendLists[peer]) {
-        for (int64_t i = 0; i < p.numTokens; ++i, out += w) {
-          const float* src = inward ? userIn[f].first + (p.userOffset + i) * widths[f] : fcpRow(f, p, i);
-          std::memcpy(out, src, w * sizeof(float));
-        }
-      }
-    }
+    if (local || buf.empty()) continue;
     stats.sentBytes += static_cast<int64_t>(buf.size() * sizeof(float));
-    requests.push_back(transport.isend(static_cast<int>(peer), tag, asBytes(buf)));
+    in.requests.push_back(transport.isend(static_cast<int>(peer), kReshuffleInTag, asBytes(buf)));
   }
-  waitAll(transport, requests);
-  for (size_t peer = 0; peer < n; ++peer) {
-    if (recvBufs[peer].empty()) continue;
-    const float* in = recvBufs[peer].data();
-    for (size_t f = 0; f < fcp.size(); ++f) {
-      const auto w = static_cast<size_t>(widths[f]);
-      for (const Piece& p : recvLists[peer]) {
-        for (int64_t i = 0; i < p.numTokens; ++i, in += w) {
-          float* dst = inward ? fcpRow(f, p, i) : userOut[f].first + (p.userOffset + i) * widths[f];
-          std::memcpy(dst, in, w * sizeof(float));
+}
+
+void Executor::State::finishInward(Inward& in) {
+  waitAll(transport, in.requests);
+  for (size_t peer = 0; peer < in.recvBufs.size(); ++peer) {
+    const float* src = in.recvBufs[peer].data();
+    if (in.recvBufs[peer].empty()) continue;
+    for (const Field& f : in.fields) {
+      const auto w = static_cast<size_t>(f.width);
+      for (const Piece& p : inbound[peer]) {
+        for (int64_t i = 0; i < p.numTokens; ++i, src += w) {
+          std::memcpy(f.fcp(p.localBlock, p.blockOffset + i), src, w * sizeof(float));
         }
       }
     }
+  }
+  if (options.timeline) options.timeline->add("reshuffle in", 1, in.startUs, Timeline::nowUs());
+}
+
+// Outward: one message per (block, user rank), tagged by the block, posted when the block is
+// done; the user side posts every receive first. `kvSide` counts, per local block, the pairs
+// that use it as KV and the dK/dV returns still to add; otherwise the pairs of its Q block.
+void Executor::State::startOutward(Outward& out, bool backward, bool kvSide, PassStats& stats) {
+  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
+  out.remaining.assign(localBlocks.size(), 0);
+  for (const plan::Stage& st : stages) {
+    for (const int32_t p : st.compute) {
+      const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+      const int32_t local = localIndex[static_cast<size_t>(kvSide ? pair.kvBlock : pair.qBlock)];
+      if (local >= 0) ++out.remaining[static_cast<size_t>(local)];
+    }
+    if (!kvSide) continue;
+    for (const int32_t t : st.recvGrad) {
+      const int32_t local = localIndex[static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block)];
+      if (local >= 0) ++out.remaining[static_cast<size_t>(local)];
+    }
+  }
+  const int64_t row = rowWidth(out.fields);
+  for (size_t peer = 0; peer < outbound.size(); ++peer) {
+    if (static_cast<int>(peer) == rank) continue;
+    // A block's pieces need not be adjacent (a Zig-Zag block has two chunks): one message
+    // per block, sized by all of them.
+    std::map<int32_t, int64_t> tokensOf;
+    for (const Piece& p : outbound[peer]) tokensOf[p.block] += p.numTokens;
+    for (const auto& [block, tokens] : tokensOf) {
+      Outward::Incoming in{static_cast<int>(peer), block, std::vector<float>(static_cast<size_t>(tokens * row)), 0};
+      in.request = transport.irecv(in.peer, out.tagBase + in.block, asWritableBytes(in.buffer));
+      out.incoming.push_back(std::move(in));
+    }
+  }
+  for (size_t local = 0; local < localBlocks.size(); ++local) {
+    if (out.remaining[local] == 0) blockDone(out, static_cast<int32_t>(local), stats);
+  }
+}
+
+void Executor::State::blockDone(Outward& out, int32_t local, PassStats& stats) {
+  const int32_t block = localBlocks[static_cast<size_t>(local)];
+  for (size_t peer = 0; peer < inbound.size(); ++peer) {
+    const bool here = static_cast<int>(peer) == rank;
+    std::vector<float> buf;
+    for (const Field& f : out.fields) {
+      const auto w = static_cast<size_t>(f.width);
+      for (const Piece& p : inbound[peer]) {
+        if (p.localBlock != local) continue;
+        for (int64_t i = 0; i < p.numTokens; ++i) {
+          const float* src = f.fcp(local, p.blockOffset + i);
+          if (here) {
+            std::memcpy(f.userOut + (p.userOffset + i) * f.width, src, w * sizeof(float));
+          } else {
+            buf.insert(buf.end(), src, src + w);
+          }
+        }
+      }
+    }
+    if (here || buf.empty()) continue;
+    stats.sentBytes += static_cast<int64_t>(buf.size() * sizeof(float));
+    out.sendBufs.push_back(std::move(buf));
+    out.requests.push_back(transport.isend(static_cast<int>(peer), out.tagBase + block, asBytes(out.sendBufs.back())));
+  }
+}
+
+void Executor::State::finishOutward(Outward& out) {
+  const double start = Timeline::nowUs();
+  for (size_t local = 0; local < out.remaining.size(); ++local) {
+    FCP_CHECK(out.remaining[local] == 0, "rank ", rank, " ends a pass with block ", localBlocks[local],
+              " unfinished");
+  }
+  waitAll(transport, out.requests);
+  for (auto& in : out.incoming) {
+    transport.wait(in.request);
+    const float* src = in.buffer.data();
+    for (const Field& f : out.fields) {
+      const auto w = static_cast<size_t>(f.width);
+      for (const Piece& p : outbound[static_cast<size_t>(in.peer)]) {
+        if (p.block != in.block) continue;
+        for (int64_t i = 0; i < p.numTokens; ++i, src += w) {
+          std::memcpy(f.userOut + (p.userOffset + i) * f.width, src, w * sizeof(float));
+        }
+      }
+    }
+  }
+  if (options.timeline) options.timeline->add("reshuffle out (rest)", 1, start, Timeline::nowUs());
+}
+
+// The first stage's pairs whose Q and KV blocks are both ready run before the inward
+// reshuffle completes; `done` marks them so that the stage skips them.
+void Executor::State::runEarlyPairs(bool backward, std::vector<char>& done) {
+  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
+  done.assign(plan.pairs.size(), 0);
+  if (stages.empty()) return;
+  for (const int32_t p : stages.front().compute) {
+    const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+    const int32_t ql = localIndex[static_cast<size_t>(pair.qBlock)], kl = localIndex[static_cast<size_t>(pair.kvBlock)];
+    if (ql < 0 || kl < 0 || !ready[static_cast<size_t>(ql)] || !ready[static_cast<size_t>(kl)]) continue;
+    backward ? backwardPair(p) : forwardPair(p);
+    done[static_cast<size_t>(p)] = 1;
   }
 }
 
@@ -300,6 +452,7 @@ void Executor::State::forwardPair(int32_t p) {
   const double end = Timeline::nowUs();
   fwd.kernelMs += (end - start) / 1e3;
   fwd.flops += forwardFlops(plan.config.attention, pair.visible);
+  countDown(qStream, local, fwd);
   if (options.timeline) {
     options.timeline->add("fwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock), 0, start, end);
   }
@@ -331,12 +484,14 @@ void Executor::State::backwardPair(int32_t p) {
   const double end = Timeline::nowUs();
   bwd.kernelMs += (end - start) / 1e3;
   bwd.flops += backwardFlops(plan.config.attention, pair.visible);
+  countDown(qStream, local, bwd);
+  countDown(kvStream, kvLocal, bwd);
   if (options.timeline) {
     options.timeline->add("bwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock), 0, start, end);
   }
 }
 
-void Executor::State::runStages(bool backward) {
+void Executor::State::runStages(bool backward, const std::vector<char>& done) {
   const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
   PassStats& stats = backward ? bwd : fwd;
   std::vector<RequestId> requests;
@@ -374,7 +529,10 @@ void Executor::State::runStages(bool backward) {
       stats.kvBytes += tr.bytes;
     }
     const double commPosted = Timeline::nowUs();
-    for (const int32_t p : st.compute) backward ? backwardPair(p) : forwardPair(p);
+    for (const int32_t p : st.compute) {
+      if (done[static_cast<size_t>(p)]) continue;
+      backward ? backwardPair(p) : forwardPair(p);
+    }
     const double computeEnd = Timeline::nowUs();
     waitAll(transport, requests);
     const double stageEnd = Timeline::nowUs();
@@ -401,6 +559,7 @@ void Executor::State::runStages(bool backward) {
       const auto& in = gradIn[t];
       for (size_t i = 0; i < in.size(); ++i) into[i] += in[i];
       gradIn.erase(t);
+      countDown(kvStream, local, stats);
     }
     for (const int32_t t : st.sendGrad) gradPartial.erase(t);
     for (const int32_t t : st.release) remote.erase(t);
@@ -432,28 +591,24 @@ void Executor::forward(std::span<const float> q, std::span<const float> k, std::
   s.fwd = {};
   const auto start = Clock::now();
   const double startUs = Timeline::nowUs();
-  auto qRowOf = [&s](std::vector<float>& t) {
-    return [&s, &t](int32_t local, int64_t tok) {
-      return t.data() + (s.tokenStart[static_cast<size_t>(local)] + tok) * s.qRow;
-    };
-  };
-  auto kOf = [&s](int32_t local, int64_t tok) { return s.kvOf(local) + tok * s.kRow; };
-  auto vOf = [&s](int32_t local, int64_t tok) {
-    const int64_t n = s.tokenStart[static_cast<size_t>(local) + 1] - s.tokenStart[static_cast<size_t>(local)];
-    return s.kvOf(local) + (n + tok) * s.kRow;
-  };
-  s.reshuffle(true, {{q.data(), s.qRow}, {k.data(), s.kRow}, {v.data(), s.kRow}},
-              {qRowOf(s.q), kOf, vOf}, {}, s.fwd);
-  if (s.options.timeline) s.options.timeline->add("reshuffle in", 1, startUs, Timeline::nowUs());
   std::fill(s.o.begin(), s.o.end(), 0.f);
   std::fill(s.lse.begin(), s.lse.end(), -std::numeric_limits<float>::infinity());
-  s.runStages(false);
-  const double outStart = Timeline::nowUs();
-  auto lseOf = [&s](int32_t local, int64_t tok) {
-    return s.lse.data() + (s.tokenStart[static_cast<size_t>(local)] + tok) * s.hq;
-  };
-  s.reshuffle(false, {}, {qRowOf(s.o), lseOf}, {{o.data(), s.qRow}, {lse.data(), s.hq}}, s.fwd);
-  if (s.options.timeline) s.options.timeline->add("reshuffle out", 1, outStart, Timeline::nowUs());
+  State::Inward in;
+  in.fields = {{q.data(), nullptr, s.qRow, s.rowOf(s.q, s.qRow)},
+               {k.data(), nullptr, s.kRow, s.kRowOf(s.kv, false)},
+               {v.data(), nullptr, s.kRow, s.kRowOf(s.kv, true)}};
+  State::Outward out;
+  out.fields = {{nullptr, o.data(), s.qRow, s.rowOf(s.o, s.qRow)}, {nullptr, lse.data(), s.hq, s.rowOf(s.lse, s.hq)}};
+  out.tagBase = s.outwardTag(0);
+  s.postInward(in, s.fwd);
+  s.startOutward(out, false, false, s.fwd);
+  s.qStream = &out;
+  std::vector<char> done;
+  s.runEarlyPairs(false, done);
+  s.finishInward(in);
+  s.runStages(false, done);
+  s.finishOutward(out);
+  s.qStream = nullptr;
   s.fwd.wallMs = msSince(start);
   if (s.options.timeline) s.options.timeline->add("forward", 2, startUs, Timeline::nowUs());
 }
@@ -471,33 +626,42 @@ void Executor::backward(std::span<const float> dO, std::span<float> dq, std::spa
   const double startUs = Timeline::nowUs();
   const auto localTokens = static_cast<size_t>(s.localTokens());
   s.dO.assign(localTokens * static_cast<size_t>(s.qRow), 0.f);
-  auto dORow = [&s](int32_t local, int64_t tok) {
-    return s.dO.data() + (s.tokenStart[static_cast<size_t>(local)] + tok) * s.qRow;
-  };
-  s.reshuffle(true, {{dO.data(), s.qRow}}, {dORow}, {}, s.bwd);
-  if (s.options.timeline) s.options.timeline->add("reshuffle in", 1, startUs, Timeline::nowUs());
   s.delta.assign(localTokens * static_cast<size_t>(s.hq), 0.f);
-  if (localTokens > 0) {
-    const auto h = static_cast<int>(s.hq), d = static_cast<int>(s.dim);
-    kernels::computeDelta({s.o.data(), static_cast<int64_t>(localTokens), h, d},
-                          {s.dO.data(), static_cast<int64_t>(localTokens), h, d}, s.delta.data());
-  }
   s.dq.assign(localTokens * static_cast<size_t>(s.qRow), 0.f);
   s.dkv.assign(2 * localTokens * static_cast<size_t>(s.kRow), 0.f);
-  s.runStages(true);
+  State::Inward in;
+  in.fields = {{dO.data(), nullptr, s.qRow, s.rowOf(s.dO, s.qRow)}};
+  State::Outward qOut, kvOut;
+  qOut.fields = {{nullptr, dq.data(), s.qRow, s.rowOf(s.dq, s.qRow)}};
+  qOut.tagBase = s.outwardTag(1);
+  kvOut.fields = {{nullptr, dk.data(), s.kRow, s.kRowOf(s.dkv, false)},
+                  {nullptr, dv.data(), s.kRow, s.kRowOf(s.dkv, true)}};
+  kvOut.tagBase = s.outwardTag(2);
+  s.postInward(in, s.bwd);
+  s.startOutward(qOut, true, false, s.bwd);
+  s.startOutward(kvOut, true, true, s.bwd);
+  s.qStream = &qOut;
+  s.kvStream = &kvOut;
+  // D = rowsum(dO ∘ O) per block: ready blocks first, so that their pairs can start.
+  auto computeDelta = [&s](bool readyBlocks) {
+    for (size_t local = 0; local < s.localBlocks.size(); ++local) {
+      if (static_cast<bool>(s.ready[local]) != readyBlocks) continue;
+      const int64_t row = s.tokenStart[local], n = s.tokenStart[local + 1] - row;
+      const auto h = static_cast<int>(s.hq), d = static_cast<int>(s.dim);
+      kernels::computeDelta({s.o.data() + row * s.qRow, n, h, d}, {s.dO.data() + row * s.qRow, n, h, d},
+                            s.delta.data() + row * s.hq);
+    }
+  };
+  computeDelta(true);
+  std::vector<char> done;
+  s.runEarlyPairs(true, done);
+  s.finishInward(in);
+  computeDelta(false);
+  s.runStages(true, done);
   FCP_CHECK(s.gradPartial.empty(), "rank ", s.rank, " ends the backward holding dK/dV partials");
-  const double outStart = Timeline::nowUs();
-  auto dqRow = [&s](int32_t local, int64_t tok) {
-    return s.dq.data() + (s.tokenStart[static_cast<size_t>(local)] + tok) * s.qRow;
-  };
-  auto dkRow = [&s](int32_t local, int64_t tok) { return s.dkvOf(local) + tok * s.kRow; };
-  auto dvRow = [&s](int32_t local, int64_t tok) {
-    const int64_t n = s.tokenStart[static_cast<size_t>(local) + 1] - s.tokenStart[static_cast<size_t>(local)];
-    return s.dkvOf(local) + (n + tok) * s.kRow;
-  };
-  s.reshuffle(false, {}, {dqRow, dkRow, dvRow},
-              {{dq.data(), s.qRow}, {dk.data(), s.kRow}, {dv.data(), s.kRow}}, s.bwd);
-  if (s.options.timeline) s.options.timeline->add("reshuffle out", 1, outStart, Timeline::nowUs());
+  s.finishOutward(qOut);
+  s.finishOutward(kvOut);
+  s.qStream = s.kvStream = nullptr;
   s.bwd.wallMs = msSince(start);
   if (s.options.timeline) s.options.timeline->add("backward", 2, startUs, Timeline::nowUs());
 }

@@ -4,7 +4,8 @@
 // (sendFree_, recvFree_). A send of n bytes occupies the send link for n / rate from
 // max(now, sendFree_); its *release time* is when that ends, and only then does the
 // *pacer thread* post it on the inner transport, so the peer sees the data when a real link
-// would have delivered it. A receive completes at max(arrival, recvFree_ + n / rate).
+// would have delivered it. A receive completes at max(arrival, recvFree_ + n / rate), its
+// arrival noted by the pacer thread's polling (never by the caller's, which may come late).
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "fcp/core/error.h"
 #include "fcp/runtime/throttle.h"
@@ -69,6 +71,8 @@ class ThrottledTransport final : public Transport {
     Request& r = requests_[id];
     r.inner = innerId;
     r.bytes = data.size();
+    pendingRecvs_.push_back(id);
+    cv_.notify_all();
     return id;
   }
 
@@ -91,16 +95,13 @@ class ThrottledTransport final : public Transport {
       if (done) requests_.erase(request);
       return done;
     }
-    if (!r.arrived) {
-      const RequestId innerId = r.inner;
-      lock.unlock();
-      const bool arrived = inner_.test(innerId);
-      lock.lock();
-      if (!arrived) return false;
-      r.arrived = true;
-      r.completeAt = std::max(Clock::now(), recvFree_ + linkTime(r.bytes));
-      recvFree_ = r.completeAt;
+    // Receives are polled by the pacer thread, which notes when their data arrived.
+    if (r.failed) {
+      const Error error = *r.failed;
+      requests_.erase(it);
+      throw error;
     }
+    if (!r.arrived) return false;
     if (Clock::now() < r.completeAt) return false;
     requests_.erase(request);
     return true;
@@ -142,36 +143,67 @@ class ThrottledTransport final : public Transport {
         std::chrono::duration<double>(static_cast<double>(bytes) / rate_));
   }
 
+  // Posts sends at their release times and polls pending receives every kPoll, so that a
+  // receive's link time counts from when its data arrived, not from when someone asked.
   void paceLoop() {
+    constexpr auto kPoll = std::chrono::microseconds(50);
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
-      if (queue_.empty()) {
+      if (queue_.empty() && pendingRecvs_.empty()) {
         cv_.wait(lock);
         continue;
       }
-      const auto [at, id] = *queue_.begin();
-      if (Clock::now() < at) {
-        cv_.wait_until(lock, at);
-        continue;
-      }
-      queue_.erase(queue_.begin());
-      Request& r = requests_.at(id);
-      const auto data = r.send;
-      const int peer = r.peer, tag = r.tag;
+      auto wake = Clock::now() + kPoll;
+      if (!queue_.empty()) wake = pendingRecvs_.empty() ? queue_.begin()->first : std::min(wake, queue_.begin()->first);
+      if (Clock::now() < wake) cv_.wait_until(lock, wake);
+      if (stop_) break;
+      pollReceives(lock);
+      while (!queue_.empty() && queue_.begin()->first <= Clock::now()) postSend(lock);
+    }
+  }
+
+  void pollReceives(std::unique_lock<std::mutex>& lock) {
+    const std::vector<RequestId> ids = pendingRecvs_;
+    for (const RequestId id : ids) {
+      const RequestId innerId = requests_.at(id).inner;
       lock.unlock();
-      RequestId innerId = 0;
+      bool arrived = false;
       std::optional<Error> failed;
       try {
-        innerId = inner_.isend(peer, tag, data);
+        arrived = inner_.test(innerId);
       } catch (const Error& e) {
         failed = e;
       }
       lock.lock();
-      Request& again = requests_.at(id);
-      again.inner = innerId;
-      again.failed = failed;
-      again.posted = true;
+      Request& r = requests_.at(id);
+      if (!arrived && !failed) continue;
+      r.failed = failed;
+      r.arrived = true;
+      r.completeAt = std::max(Clock::now(), recvFree_ + linkTime(r.bytes));
+      recvFree_ = r.completeAt;
+      pendingRecvs_.erase(std::find(pendingRecvs_.begin(), pendingRecvs_.end(), id));
     }
+  }
+
+  void postSend(std::unique_lock<std::mutex>& lock) {
+    const RequestId id = queue_.begin()->second;
+    queue_.erase(queue_.begin());
+    Request& r = requests_.at(id);
+    const auto data = r.send;
+    const int peer = r.peer, tag = r.tag;
+    lock.unlock();
+    RequestId innerId = 0;
+    std::optional<Error> failed;
+    try {
+      innerId = inner_.isend(peer, tag, data);
+    } catch (const Error& e) {
+      failed = e;
+    }
+    lock.lock();
+    Request& again = requests_.at(id);
+    again.inner = innerId;
+    again.failed = failed;
+    again.posted = true;
   }
 
   Transport& inner_;
@@ -184,6 +216,7 @@ class ThrottledTransport final : public Transport {
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Request> requests_;
   std::multimap<Clock::time_point, RequestId> queue_;
+  std::vector<RequestId> pendingRecvs_;
   std::thread pacer_;
 };
 
