@@ -14,4 +14,7 @@ void addBenchCommand(CLI::App& app);
 /// `fcp run`: execute FCP and ring plans on MPI ranks, forward and backward, and compare them.
 void addRunCommand(CLI::App& app);
 
+/// `fcp simulate`: time FCP and the baselines on a simulated cluster.
+void addSimulateCommand(CLI::App& app);
+
 }  // namespace fcp::app

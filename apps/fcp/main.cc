@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   fcp::app::addPlanCommand(app);
   fcp::app::addBenchCommand(app);
   fcp::app::addRunCommand(app);
+  fcp::app::addSimulateCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

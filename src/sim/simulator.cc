@@ -231,6 +231,45 @@ double backwardEfficiencyRatio(const HardwareProfile& hw) {
   return std::exp(logSum / static_cast<double>(points.size()));
 }
 
+/// Merges the flows one sender sends one receiver in one stage into one message, as an
+/// all-to-all-v or a grouped send does (a flow sits in the same stage at both ends); this also
+/// keeps the number of flows sharing a port at most the number of peers.
+void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>& stages) {
+  // The stage holding each flow at its sender and at its receiver.
+  std::vector<std::pair<int32_t, int32_t>> stageOfFlow(flows.size(), {-1, -1});
+  for (size_t w = 0; w < stages.size(); ++w) {
+    for (size_t s = 0; s < stages[w].size(); ++s) {
+      for (int32_t f : stages[w][s].flows) {
+        auto& at = stageOfFlow[static_cast<size_t>(f)];
+        (flows[static_cast<size_t>(f)].src == static_cast<int32_t>(w) ? at.first : at.second) =
+            static_cast<int32_t>(s);
+      }
+    }
+  }
+  // (src, dst, sender's stage, receiver's stage) -> message
+  std::map<std::tuple<int32_t, int32_t, int32_t, int32_t>, int32_t> idOf;
+  std::vector<Flow> merged;
+  std::vector<int32_t> rename(flows.size());
+  for (size_t f = 0; f < flows.size(); ++f) {
+    const auto key = std::make_tuple(flows[f].src, flows[f].dst, stageOfFlow[f].first, stageOfFlow[f].second);
+    auto [it, fresh] = idOf.try_emplace(key, static_cast<int32_t>(merged.size()));
+    if (fresh) {
+      merged.push_back(flows[f]);
+    } else {
+      merged[static_cast<size_t>(it->second)].bytes += flows[f].bytes;
+    }
+    rename[f] = it->second;
+  }
+  for (auto& ws : stages) {
+    for (SimStage& st : ws) {
+      for (int32_t& f : st.flows) f = rename[static_cast<size_t>(f)];
+      std::sort(st.flows.begin(), st.flows.end());
+      st.flows.erase(std::unique(st.flows.begin(), st.flows.end()), st.flows.end());
+    }
+  }
+  flows = std::move(merged);
+}
+
 PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions& options,
                    bool backward) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
@@ -287,6 +326,7 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       }
     }
   }
+  mergeMessages(flows, stages);
   Engine engine(hw, plan.config.numWorkers, std::move(flows), std::move(stages), options.timelines);
   PassResult r = engine.run();
   for (const plan::BlockPair& p : plan.pairs) {

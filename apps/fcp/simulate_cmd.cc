@@ -1,0 +1,256 @@
+// `fcp simulate`: plans batches with FCP and the baselines and times them on a hardware model.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "fcp/baselines/baselines.h"
+#include "fcp/core/error.h"
+#include "fcp/core/units.h"
+#include "fcp/core/workload.h"
+#include "fcp/sim/hardware.h"
+#include "fcp/sim/simulator.h"
+
+namespace fcp::app {
+namespace {
+
+struct SimulateArgs {
+  std::vector<std::string> strategies = {"fcp", "ring", "bytescale", "wlb", "magi", "megatron"};
+  std::vector<int64_t> workers = {16};
+  std::string hardware = "h100";
+  std::string workload = "lognormal";
+  std::string trace;
+  std::string blockSize = "4K";
+  std::string tokensPerWorker;  // default 32K for workloads, the trace's share for traces
+  int64_t batches = 1;
+  uint64_t seed = 0;
+  std::string mask = "causal";
+  int64_t coalesce = 16;
+  int64_t buffers = 3;
+  bool forwardOnly = false;
+  bool noReshuffle = false;
+  bool json = false;
+  bool csv = false;
+};
+
+/// Means over batches of one (strategy, workers) cell.
+struct Cell {
+  double mfu = 0, mfuForward = 0, mfuBackward = 0, timeMs = 0, forwardMs = 0, backwardMs = 0;
+  double computeImbalance = 0, commImbalance = 0, computeMs = 0, idleMs = 0;
+  double transferBytes = 0, reshuffleBytes = 0, planMs = 0, simMs = 0;
+  int64_t batches = 0;
+
+  void add(const sim::SimResult& r, double plan, double simulate) {
+    mfu += r.mfu;
+    mfuForward += r.forward.mfu;
+    mfuBackward += r.backward.mfu;
+    timeMs += r.timeMs;
+    forwardMs += r.forward.timeMs;
+    backwardMs += r.backward.timeMs;
+    computeImbalance += r.computeImbalance;
+    commImbalance += r.commImbalance;
+    computeMs += r.meanComputeMs;
+    idleMs += r.meanIdleMs;
+    transferBytes += static_cast<double>(r.transferBytes);
+    reshuffleBytes += static_cast<double>(r.reshuffleBytes);
+    planMs += plan;
+    simMs += simulate;
+    ++batches;
+  }
+  void finish() {
+    const auto k = static_cast<double>(batches);
+    for (double* x : {&mfu, &mfuForward, &mfuBackward, &timeMs, &forwardMs, &backwardMs, &computeImbalance,
+                      &commImbalance, &computeMs, &idleMs, &transferBytes, &reshuffleBytes, &planMs, &simMs}) {
+      *x /= k;
+    }
+  }
+};
+
+double msSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+void checkArgs(const SimulateArgs& a) {
+  if (a.strategies.empty()) throwInvalidArgument("empty --strategy: expected at least one strategy");
+  for (const std::string& s : a.strategies) {
+    static const std::vector<std::string> kAblation = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce"};
+    const auto& known = baselines::strategyNames();
+    if (std::find(known.begin(), known.end(), s) == known.end() &&
+        std::find(kAblation.begin(), kAblation.end(), s) == kAblation.end()) {
+      throwInvalidArgument("unknown --strategy '", s,
+                           "': expected fcp, ring, bytescale, wlb, magi, megatron (or fcp-base, "
+                           "fcp-pipeline, fcp-cfree, fcp-coalesce)");
+    }
+  }
+  if (a.workers.empty()) throwInvalidArgument("empty --workers: expected worker counts such as 16,32");
+  for (int64_t w : a.workers) {
+    if (w <= 0 || w > (int64_t{1} << 20)) {
+      throwInvalidArgument("invalid --workers ", w, ": expected 1 to 2^20");
+    }
+  }
+  if (a.batches <= 0) throwInvalidArgument("invalid --batches ", a.batches, ": expected a positive integer");
+  if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected a positive integer");
+  if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
+  if (a.json && a.csv) throwInvalidArgument("--json and --csv both given: expected at most one");
+}
+
+nlohmann::json record(const std::string& strategy, int64_t workers, const Cell& c,
+                      const plan::PlanConfig& config, const std::string& hardware) {
+  return {{"strategy", strategy},
+          {"workers", workers},
+          {"hardware", hardware},
+          {"tokens_per_worker", config.tokensPerWorker},
+          {"block_size", config.blockSize},
+          {"batches", c.batches},
+          {"mfu", c.mfu},
+          {"mfu_forward", c.mfuForward},
+          {"mfu_backward", c.mfuBackward},
+          {"time_ms", c.timeMs},
+          {"forward_ms", c.forwardMs},
+          {"backward_ms", c.backwardMs},
+          {"imbalance", {{"compute", c.computeImbalance}, {"comm", c.commImbalance}}},
+          {"breakdown_ms", {{"compute", c.computeMs}, {"idle", c.idleMs}}},
+          {"transfer_bytes", c.transferBytes},
+          {"reshuffle_bytes", c.reshuffleBytes},
+          {"plan_ms", c.planMs},
+          {"sim_ms", c.simMs}};
+}
+
+void runSimulate(const SimulateArgs& a) {
+  checkArgs(a);
+  const sim::HardwareProfile hw = sim::loadHardwareProfile(a.hardware);
+  plan::PlanConfig base;
+  base.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  base.coalesce = a.coalesce;
+  base.bufferDepth = a.buffers;
+  base.attention.mask = parseMask(a.mask);
+  const CostModel costModel = hw.costModel(base.attention);
+
+  Batch traceBatch;
+  const Workload* workload = nullptr;
+  if (!a.trace.empty()) {
+    traceBatch = readTrace(a.trace);
+  } else {
+    workload = &findWorkload(a.workload);
+  }
+  sim::SimOptions options;
+  options.backward = !a.forwardOnly;
+  options.reshuffle = !a.noReshuffle;
+
+  const int64_t batches = a.trace.empty() ? a.batches : 1;
+  const size_t total = a.workers.size() * static_cast<size_t>(batches) * a.strategies.size();
+  const bool progress = total > 1;
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  size_t done = 0;
+  const auto sweepStart = std::chrono::steady_clock::now();
+
+  if (a.csv) {
+    std::printf("strategy,workers,batches,mfu,mfu_forward,mfu_backward,time_ms,forward_ms,backward_ms,"
+                "imbalance_compute,imbalance_comm,compute_ms,idle_ms,transfer_bytes,reshuffle_bytes,"
+                "plan_ms,sim_ms\n");
+  } else if (!a.json) {
+    std::printf("hardware %s, %s, block %s\n", hw.name.c_str(),
+                a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
+                a.blockSize.c_str());
+    std::printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
+                "time_ms", "imb_comp", "imb_comm");
+  }
+  for (const int64_t workers : a.workers) {
+    plan::PlanConfig config = base;
+    config.numWorkers = workers;
+    if (a.trace.empty()) {
+      config.tokensPerWorker =
+          parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
+      if (config.tokensPerWorker > kMaxBatchTokens / workers) {
+        throwInvalidArgument("--workers ", workers, " x --tokens-per-worker ", config.tokensPerWorker,
+                             " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
+      }
+    } else {
+      config.tokensPerWorker = a.tokensPerWorker.empty()
+                                   ? (traceBatch.numTokens() + workers - 1) / workers
+                                   : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+    }
+    std::map<std::string, Cell> cells;
+    for (int64_t k = 0; k < batches; ++k) {
+      const Batch batch = workload ? sampleBatch(*workload, workers * config.tokensPerWorker,
+                                                 a.seed + static_cast<uint64_t>(k))
+                                   : traceBatch;
+      for (const std::string& strategy : a.strategies) {
+        sim::SimOptions o = options;
+        o.overlapReshuffle = strategy.rfind("fcp-", 0) != 0;  // ablation steps 0-3: no reshuffler
+        const baselines::PlanOracle oracle = [&](const plan::Plan& p) { return sim::simulate(p, hw, o).timeMs; };
+        const auto planStart = std::chrono::steady_clock::now();
+        const plan::Plan p = baselines::makePlan(strategy, batch, config, costModel, oracle);
+        const double planMs = msSince(planStart);
+        const auto simStart = std::chrono::steady_clock::now();
+        const sim::SimResult r = sim::simulate(p, hw, o);
+        cells[strategy].add(r, planMs, msSince(simStart));
+        ++done;
+        if (progress) {
+          std::fprintf(stderr, "%sfcp simulate: %zu/%zu  %s, %lld workers, batch %lld  (%.1f s)%s",
+                       tty ? "\r" : "", done, total, strategy.c_str(), static_cast<long long>(workers),
+                       static_cast<long long>(k + 1), msSince(sweepStart) / 1e3, tty ? "\033[K" : "\n");
+        }
+      }
+    }
+    for (const std::string& strategy : a.strategies) {
+      Cell& c = cells[strategy];
+      c.finish();
+      if (a.json) {
+        std::cout << record(strategy, workers, c, config, hw.name).dump() << '\n';
+      } else if (a.csv) {
+        std::printf("%s,%lld,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f,%.3f,%.3f\n",
+                    strategy.c_str(), static_cast<long long>(workers), static_cast<long long>(c.batches), c.mfu,
+                    c.mfuForward, c.mfuBackward, c.timeMs, c.forwardMs, c.backwardMs, c.computeImbalance,
+                    c.commImbalance, c.computeMs, c.idleMs, c.transferBytes, c.reshuffleBytes, c.planMs, c.simMs);
+      } else {
+        std::printf("%-13s %7lld %7.3f %7.3f %7.3f %11.3f %8.3f %8.3f\n", strategy.c_str(),
+                    static_cast<long long>(workers), c.mfu, c.mfuForward, c.mfuBackward, c.timeMs,
+                    c.computeImbalance, c.commImbalance);
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (progress && tty) std::fprintf(stderr, "\n");
+}
+
+}  // namespace
+
+void addSimulateCommand(CLI::App& app) {
+  auto args = std::make_shared<SimulateArgs>();
+  auto* cmd = app.add_subcommand("simulate", "Time FCP and the baselines on a simulated cluster");
+  cmd->add_option("--strategy", args->strategies,
+                  "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron (ablation: fcp-base, "
+                  "fcp-pipeline, fcp-cfree, fcp-coalesce)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--workers", args->workers, "Comma-separated worker counts, e.g. 16,32,64")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--hardware", args->hardware, "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file")
+      ->capture_default_str();
+  auto* workload = cmd->add_option("--workload", args->workload,
+                                   "Built-in workload: lognormal, lognormal-narrow, bimodal")
+                       ->capture_default_str();
+  auto* trace = cmd->add_option("--trace", args->trace, "Trace file: one sequence length per line");
+  workload->excludes(trace);
+  cmd->add_option("--block-size", args->blockSize, "Tokens per block, e.g. 4K")->capture_default_str();
+  cmd->add_option("--tokens-per-worker", args->tokensPerWorker,
+                  "Tokens per worker (default 32K; with --trace, the trace's share)");
+  cmd->add_option("--batches", args->batches, "Sampled batches per cell (mean reported)")->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the first batch")->capture_default_str();
+  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
+  cmd->add_option("--coalesce", args->coalesce, "FCP: rounds per pipeline stage")->capture_default_str();
+  cmd->add_option("--buffers", args->buffers, "FCP: stages of remote KV held (>= 2)")->capture_default_str();
+  cmd->add_flag("--forward-only", args->forwardOnly, "Simulate the forward pass only");
+  cmd->add_flag("--no-reshuffle", args->noReshuffle, "Do not charge the reshuffle");
+  cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");
+  cmd->add_flag("--csv", args->csv, "CSV, one row per (strategy, workers)");
+  cmd->callback([args] { runSimulate(*args); });
+}
+
+}  // namespace fcp::app
