@@ -117,7 +117,7 @@ std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind ma
 }
 
 std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostModel& costModel) {
-  // Index chunks by sequence: (block, chunk) for every chunk of each sequence.
+  // Index chunks by sequence: (block, chunk) for every chunk of each sequence, in block order.
   int32_t numSequences = 0;
   for (const Block& b : blocks) {
     for (const Chunk& c : b.chunks) numSequences = std::max(numSequences, c.sequence + 1);
@@ -129,56 +129,56 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       bySequence[static_cast<size_t>(c.sequence)].push_back({b, c});
     }
   }
+  // One Q block at a time: every sequence it holds contributes to its pairs with the blocks
+  // holding that sequence; contributions to one KV block add up in dense accumulators (a
+  // block may hold many sequences — packed blocks, or a ring rank's block), in sequence
+  // order, so the float sums have one order. Pairs come out sorted by (qBlock, kvBlock).
   const MaskKind mask = costModel.attention.mask;
+  std::vector<int64_t> accVisible(blocks.size(), 0);
+  std::vector<double> accCost(blocks.size(), 0.0);
+  std::vector<int32_t> touched;
+  std::vector<const Chunk*> qChunks;
   std::vector<BlockPair> pairs;
-  for (const auto& pieces : bySequence) {
-    // A sequence's blocks, each with the chunks of this sequence it holds (adjacent in
-    // `pieces`, since blocks were visited in order).
-    for (size_t qi = 0; qi < pieces.size();) {
+  for (int32_t q = 0; q < static_cast<int32_t>(blocks.size()); ++q) {
+    qChunks.clear();
+    for (const Chunk& c : blocks[static_cast<size_t>(q)].chunks) qChunks.push_back(&c);
+    std::stable_sort(qChunks.begin(), qChunks.end(),
+                     [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    for (size_t qi = 0; qi < qChunks.size();) {
       size_t qj = qi;
       int64_t qTokens = 0;
-      while (qj < pieces.size() && pieces[qj].first == pieces[qi].first) {
-        qTokens += pieces[qj].second.numTokens();
-        ++qj;
+      for (; qj < qChunks.size() && qChunks[qj]->sequence == qChunks[qi]->sequence; ++qj) {
+        qTokens += qChunks[qj]->numTokens();
       }
       // Kernels over this Q block's tokens of the sequence run at f(qTokens).
-      const double fwdCostPerVisible =
+      const double costPerVisible =
           forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
+      const auto& pieces = bySequence[static_cast<size_t>(qChunks[qi]->sequence)];
       for (size_t ki = 0; ki < pieces.size();) {
-        size_t kj = ki;
+        const int32_t k = pieces[ki].first;
         int64_t visible = 0;
-        while (kj < pieces.size() && pieces[kj].first == pieces[ki].first) {
-          for (size_t q = qi; q < qj; ++q) {
-            const Chunk& qc = pieces[q].second;
-            const Chunk& kc = pieces[kj].second;
-            visible += visibleEntries(mask, qc.begin, qc.end, kc.begin, kc.end);
+        for (; ki < pieces.size() && pieces[ki].first == k; ++ki) {
+          const Chunk& kc = pieces[ki].second;
+          for (size_t i = qi; i < qj; ++i) {
+            visible += visibleEntries(mask, qChunks[i]->begin, qChunks[i]->end, kc.begin, kc.end);
           }
-          ++kj;
         }
-        if (visible > 0) {
-          pairs.push_back({pieces[qi].first, pieces[ki].first, visible,
-                           static_cast<double>(visible) * fwdCostPerVisible});
-        }
-        ki = kj;
+        if (visible == 0) continue;
+        if (accVisible[static_cast<size_t>(k)] == 0) touched.push_back(k);
+        accVisible[static_cast<size_t>(k)] += visible;
+        accCost[static_cast<size_t>(k)] += static_cast<double>(visible) * costPerVisible;
       }
       qi = qj;
     }
-  }
-  // Merge the per-sequence contributions of packed blocks (several sequences, one self pair).
-  // Stable, so equal keys keep sequence order and the float sums below have one order.
-  std::stable_sort(pairs.begin(), pairs.end(), [](const BlockPair& a, const BlockPair& b) {
-    return std::tie(a.qBlock, a.kvBlock) < std::tie(b.qBlock, b.kvBlock);
-  });
-  std::vector<BlockPair> merged;
-  for (const BlockPair& p : pairs) {
-    if (!merged.empty() && merged.back().qBlock == p.qBlock && merged.back().kvBlock == p.kvBlock) {
-      merged.back().visible += p.visible;
-      merged.back().cost += p.cost;
-    } else {
-      merged.push_back(p);
+    std::sort(touched.begin(), touched.end());
+    for (int32_t k : touched) {
+      pairs.push_back({q, k, accVisible[static_cast<size_t>(k)], accCost[static_cast<size_t>(k)]});
+      accVisible[static_cast<size_t>(k)] = 0;
+      accCost[static_cast<size_t>(k)] = 0.0;
     }
+    touched.clear();
   }
-  return merged;
+  return pairs;
 }
 
 std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& pairs) {

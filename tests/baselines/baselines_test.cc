@@ -33,7 +33,7 @@ TEST(BaselinesTest, EveryStrategyGivesValidPlans) {
   for (uint64_t seed = 0; seed < 3; ++seed) {
     batches.push_back(sampleBatch(findWorkload("lognormal"), 64 * 1024, seed));
   }
-  for (const std::string& name : {"ring", "bytescale", "wlb", "magi", "megatron", "fcp-base",
+  for (const std::string name : {"ring", "bytescale", "wlb", "magi", "megatron", "fcp-base",
                                   "fcp-pipeline", "fcp-cfree", "fcp-coalesce"}) {
     for (const int64_t workers : {1, 2, 3, 4, 5, 8, 16}) {
       for (const Batch& b : batches) {
