@@ -169,6 +169,15 @@ struct Executor::State {
   void forwardPair(int32_t p);
   void backwardPair(int32_t p);
   void runStages(bool backward, const std::vector<char>& done);
+  // Posts the stage's KV receives and sends not posted yet; with `sendable`, only the sends
+  // whose block it accepts (the rest wait for the stage itself).
+  std::vector<char> posted;  // per transfer: its KV receive or send was posted this pass
+  std::vector<RequestId> preposted;
+  void postKv(const plan::Stage& st, std::vector<RequestId>& requests, PassStats& stats,
+              const std::function<bool(int32_t)>* sendable);
+  // The first stage's KV messages that need no reshuffled tokens go out before the inward
+  // reshuffle completes, so that they travel while the early pairs compute.
+  void prepostFirstStage(bool backward);
   // One contribution to a block of `out` is in; the block leaves when none remain.
   void countDown(Outward* out, int32_t local, PassStats& stats) {
     if (out == nullptr || local < 0) return;
@@ -491,29 +500,50 @@ void Executor::State::backwardPair(int32_t p) {
   }
 }
 
+void Executor::State::postKv(const plan::Stage& st, std::vector<RequestId>& requests, PassStats& stats,
+                             const std::function<bool(int32_t)>* sendable) {
+  for (const int32_t t : st.recv) {
+    if (posted[static_cast<size_t>(t)]) continue;
+    posted[static_cast<size_t>(t)] = 1;
+    const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+    auto& buf = remote[t];
+    buf.resize(static_cast<size_t>(tr.bytes) / sizeof(float));
+    requests.push_back(transport.irecv(tr.sender, tagKv(t), asWritableBytes(buf)));
+  }
+  for (const int32_t t : st.send) {
+    const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+    if (posted[static_cast<size_t>(t)] || (sendable && !(*sendable)(tr.block))) continue;
+    posted[static_cast<size_t>(t)] = 1;
+    const float* src = kvSource(tr.block);
+    requests.push_back(transport.isend(tr.receiver, tagKv(t),
+                                       asBytes({src, static_cast<size_t>(tr.bytes) / sizeof(float)})));
+    stats.sentBytes += tr.bytes;
+    stats.kvBytes += tr.bytes;
+  }
+}
+
+void Executor::State::prepostFirstStage(bool backward) {
+  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
+  posted.assign(plan.transfers.size(), 0);
+  preposted.clear();
+  if (stages.empty()) return;
+  // Backward, K and V are in place since the forward; forward, only ready blocks are.
+  const std::function<bool(int32_t)> sendable = [this, backward](int32_t block) {
+    const int32_t local = localIndex[static_cast<size_t>(block)];
+    return local >= 0 && (backward || ready[static_cast<size_t>(local)]);
+  };
+  postKv(stages.front(), preposted, backward ? bwd : fwd, &sendable);
+}
+
 void Executor::State::runStages(bool backward, const std::vector<char>& done) {
   const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
   PassStats& stats = backward ? bwd : fwd;
   std::vector<RequestId> requests;
-  std::vector<std::pair<int32_t, const char*>> posted;  // for the timeline
   for (size_t s = 0; s < stages.size(); ++s) {
     const plan::Stage& st = stages[s];
-    const double stageStart = Timeline::nowUs();
     requests.clear();
-    for (const int32_t t : st.recv) {
-      const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
-      auto& buf = remote[t];
-      buf.resize(static_cast<size_t>(tr.bytes) / sizeof(float));
-      requests.push_back(transport.irecv(tr.sender, tagKv(t), asWritableBytes(buf)));
-    }
-    for (const int32_t t : st.send) {
-      const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
-      const float* src = kvSource(tr.block);
-      requests.push_back(transport.isend(tr.receiver, tagKv(t),
-                                         asBytes({src, static_cast<size_t>(tr.bytes) / sizeof(float)})));
-      stats.sentBytes += tr.bytes;
-      stats.kvBytes += tr.bytes;
-    }
+    if (s == 0) requests.swap(preposted);
+    postKv(st, requests, stats, nullptr);
     for (const int32_t t : st.recvGrad) {
       const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
       auto& buf = gradIn[t];
@@ -544,7 +574,6 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
       }
       if (stageEnd - computeEnd > 1.0) options.timeline->add("wait", 2, computeEnd, stageEnd);
     }
-    (void)stageStart;
     for (const int32_t t : st.recvGrad) {
       const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
       const int32_t local = localIndex[static_cast<size_t>(tr.block)];
@@ -603,6 +632,7 @@ void Executor::forward(std::span<const float> q, std::span<const float> k, std::
   s.postInward(in, s.fwd);
   s.startOutward(out, false, false, s.fwd);
   s.qStream = &out;
+  s.prepostFirstStage(false);
   std::vector<char> done;
   s.runEarlyPairs(false, done);
   s.finishInward(in);
@@ -652,6 +682,7 @@ void Executor::backward(std::span<const float> dO, std::span<float> dq, std::spa
                             s.delta.data() + row * s.hq);
     }
   };
+  s.prepostFirstStage(true);
   computeDelta(true);
   std::vector<char> done;
   s.runEarlyPairs(true, done);
