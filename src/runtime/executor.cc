@@ -320,7 +320,9 @@ void Executor::State::postInward(Inward& in, PassStats& stats) {
 }
 
 void Executor::State::finishInward(Inward& in) {
+  const double waitStart = Timeline::nowUs();
   waitAll(transport, in.requests);
+  if (options.timeline) options.timeline->add("wait", 2, waitStart, Timeline::nowUs());
   for (size_t peer = 0; peer < in.recvBufs.size(); ++peer) {
     const float* src = in.recvBufs[peer].data();
     if (in.recvBufs[peer].empty()) continue;
@@ -418,7 +420,10 @@ void Executor::State::finishOutward(Outward& out) {
       }
     }
   }
-  if (options.timeline) options.timeline->add("reshuffle out (rest)", 1, start, Timeline::nowUs());
+  if (options.timeline) {
+    options.timeline->add("reshuffle out (rest)", 1, start, Timeline::nowUs());
+    options.timeline->add("wait", 2, start, Timeline::nowUs());
+  }
 }
 
 // The first stage's pairs whose Q and KV blocks are both ready run before the inward
