@@ -544,6 +544,7 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
   const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
   PassStats& stats = backward ? bwd : fwd;
   std::vector<RequestId> requests;
+  std::vector<int32_t> order;
   for (size_t s = 0; s < stages.size(); ++s) {
     const plan::Stage& st = stages[s];
     requests.clear();
@@ -564,7 +565,13 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
       stats.kvBytes += tr.bytes;
     }
     const double commPosted = Timeline::nowUs();
-    for (const int32_t p : st.compute) {
+    // Within a stage, pairs run grouped by Q block (stable), so that blocks finish one after
+    // another and their outputs leave while the rest compute.
+    order.assign(st.compute.begin(), st.compute.end());
+    std::stable_sort(order.begin(), order.end(), [this](int32_t a, int32_t b) {
+      return plan.pairs[static_cast<size_t>(a)].qBlock < plan.pairs[static_cast<size_t>(b)].qBlock;
+    });
+    for (const int32_t p : order) {
       if (done[static_cast<size_t>(p)]) continue;
       backward ? backwardPair(p) : forwardPair(p);
     }
