@@ -1,0 +1,145 @@
+#pragma once
+// An in-process transport: N ranks as threads of one test, messages through shared mailboxes
+// (gloo's habit: many ranks as threads, so executor tests need no mpirun). Sends are buffered
+// (complete at once); a receive completes when a message from its peer with its tag is there,
+// in posting order.
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "fcp/core/error.h"
+#include "fcp/runtime/transport.h"
+
+namespace fcp::runtime::testing {
+
+class ThreadWorld {
+ public:
+  explicit ThreadWorld(int size) : size_(size) {}
+  int size() const { return size_; }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::tuple<int, int, int>, std::deque<std::vector<std::byte>>> mailboxes;  // (src, dst, tag)
+  // allreduce: generation counter and per-generation accumulation
+  int64_t generation = 0;
+  int arrived = 0;
+  std::vector<int64_t> acc;
+
+ private:
+  int size_;
+};
+
+class ThreadTransport final : public Transport {
+ public:
+  ThreadTransport(ThreadWorld& world, int rank) : world_(world), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
+  int maxTag() const override { return 1 << 30; }
+
+  RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    std::lock_guard<std::mutex> lock(world_.mu);
+    world_.mailboxes[{rank_, peer, tag}].emplace_back(data.begin(), data.end());
+    world_.cv.notify_all();
+    return 0;  // complete
+  }
+  RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    std::lock_guard<std::mutex> lock(world_.mu);
+    const RequestId id = next_++;
+    pending_[id] = {peer, tag, data};
+    order_[{peer, tag}].push_back(id);
+    return id;
+  }
+  bool test(RequestId request) override {
+    if (request == 0) return true;
+    std::lock_guard<std::mutex> lock(world_.mu);
+    return tryComplete(request);
+  }
+  void wait(RequestId request) override {
+    if (request == 0) return;
+    std::unique_lock<std::mutex> lock(world_.mu);
+    if (!world_.cv.wait_for(lock, std::chrono::seconds(30), [&] { return tryComplete(request); })) {
+      throw Error(ErrorCode::kTransport, "thread transport: receive timed out");
+    }
+  }
+  void allreduce(std::span<int64_t> values, ReduceOp op) override {
+    std::unique_lock<std::mutex> lock(world_.mu);
+    const int64_t gen = world_.generation;
+    if (world_.arrived == 0) {
+      world_.acc.assign(values.begin(), values.end());
+    } else {
+      for (size_t i = 0; i < values.size(); ++i) {
+        int64_t& a = world_.acc[i];
+        a = op == ReduceOp::kSum ? a + values[i] : op == ReduceOp::kMin ? std::min(a, values[i]) : std::max(a, values[i]);
+      }
+    }
+    if (++world_.arrived == world_.size()) {
+      world_.arrived = 0;
+      ++world_.generation;
+      result_ = world_.acc;
+      world_.cv.notify_all();
+    } else {
+      world_.cv.wait(lock, [&] { return world_.generation != gen; });
+    }
+    std::copy(world_.acc.begin(), world_.acc.begin() + static_cast<std::ptrdiff_t>(values.size()), values.begin());
+  }
+  [[noreturn]] void abort(int) noexcept override { std::abort(); }
+
+ private:
+  struct Pending {
+    int peer;
+    int tag;
+    std::span<std::byte> data;
+  };
+  // Completes `request` if it is the oldest receive for its (peer, tag) and a message waits.
+  bool tryComplete(RequestId request) {
+    auto it = pending_.find(request);
+    if (it == pending_.end()) return true;
+    auto& queue = order_[{it->second.peer, it->second.tag}];
+    auto& box = world_.mailboxes[{it->second.peer, rank_, it->second.tag}];
+    while (!queue.empty() && !box.empty()) {
+      Pending& head = pending_.at(queue.front());
+      FCP_CHECK_EQ(box.front().size(), head.data.size());
+      std::memcpy(head.data.data(), box.front().data(), head.data.size());
+      box.pop_front();
+      pending_.erase(queue.front());
+      queue.pop_front();
+    }
+    return pending_.find(request) == pending_.end();
+  }
+
+  ThreadWorld& world_;
+  int rank_;
+  RequestId next_ = 1;
+  std::map<RequestId, Pending> pending_;
+  std::map<std::pair<int, int>, std::deque<RequestId>> order_;
+  std::vector<int64_t> result_;
+};
+
+/// Runs `body(transport)` on `size` thread ranks; rethrows the first exception of any rank.
+template <typename Body>
+void runRanks(int size, Body body) {
+  ThreadWorld world(size);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      ThreadTransport t(world, r);
+      try {
+        body(t);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace fcp::runtime::testing
