@@ -4,7 +4,10 @@ add_library(fcp_options INTERFACE)
 add_library(fcp::options ALIAS fcp_options)
 target_compile_options(fcp_options INTERFACE
   $<$<CXX_COMPILER_ID:GNU,Clang>:-Wall -Wextra -Wpedantic -Wshadow -Wconversion
-  -Wno-sign-conversion>)
+  -Wno-sign-conversion>
+  # Every rank must compute the same plan: no compiler may fuse a*b+c differently from
+  # another (Clang fuses by default). Kernel files that want FMA set it per file.
+  $<$<CXX_COMPILER_ID:GNU,Clang>:-ffp-contract=off>)
 if(FCP_SANITIZE)
   target_compile_options(fcp_options INTERFACE -fsanitize=address,undefined
                          -fno-omit-frame-pointer -fno-sanitize-recover=all)

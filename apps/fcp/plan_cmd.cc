@@ -1,5 +1,10 @@
 // `fcp plan`: build a batch, shard it, assign its blocks, print the summary (and the plan).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -53,24 +58,28 @@ void requirePositive(int64_t value, const char* flag) {
   if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
 }
 
-/// Writes `text` to `path` through a temporary file renamed into place, so a failure never
-/// leaves a half-written plan behind.
+/// Writes `text` to `path` through a uniquely named temporary file beside it, renamed into
+/// place, so a failure never leaves a half-written plan and concurrent writers never share a
+/// temporary.
 void writeFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throwInvalidArgument("cannot write --plan-out file '", path, "'");
-    out << text << '\n';
-    if (!out.flush()) {
-      std::remove(tmp.c_str());
-      throwInvalidArgument("cannot write --plan-out file '", path, "'");
-    }
+  std::string tmp = path + ".XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) throwInvalidArgument("cannot write --plan-out file '", path, "': ", std::strerror(errno));
+  ::fchmod(fd, 0644);  // mkstemp makes it private; a plan is an ordinary file
+  const std::string data = text + "\n";
+  size_t written = 0;
+  while (written < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
   }
+  const bool ok = written == data.size() && ::fsync(fd) == 0;
+  const bool closed = ::close(fd) == 0;
   std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
+  if (ok && closed) std::filesystem::rename(tmp, path, ec);
+  if (!ok || !closed || ec) {
     std::remove(tmp.c_str());
-    throwInvalidArgument("cannot write --plan-out file '", path, "': ", ec.message());
+    throwInvalidArgument("cannot write --plan-out file '", path, "'");
   }
 }
 
@@ -140,10 +149,15 @@ void runLoadedPlan(const PlanArgs& a) {
 void runPlan(const PlanArgs& a) {
   if (!a.planIn.empty()) return runLoadedPlan(a);
   requirePositive(a.workers, "--workers");
-  if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected at least 1");
-  if (a.buffers < 2) {
-    throwInvalidArgument("invalid --buffers ", a.buffers,
-                         ": expected at least 2, the least that overlaps receiving with computing");
+  if (a.workers > plan::kMaxWorkers) {
+    throwInvalidArgument("invalid --workers ", a.workers, ": expected at most ", plan::kMaxWorkers);
+  }
+  if (a.coalesce <= 0 || a.coalesce > plan::kMaxCoalesce) {
+    throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected 1 to ", plan::kMaxCoalesce);
+  }
+  if (a.buffers < 2 || a.buffers > plan::kMaxBufferDepth) {
+    throwInvalidArgument("invalid --buffers ", a.buffers, ": expected 2 (the least that overlaps "
+                         "receiving with computing) to ", plan::kMaxBufferDepth);
   }
   requirePositive(a.headsQ, "--heads-q");
   requirePositive(a.headsKv, "--heads-kv");

@@ -22,6 +22,14 @@ void checkAttentionConfig(const AttentionConfig& config) {
   positive(config.numHeadsKv, "KV head count");
   positive(config.headDim, "head dim");
   positive(config.elementBytes, "element bytes");
+  // Bounds that keep bytes per token times any batch (2^32 tokens) inside int64.
+  auto atMost = [](int64_t value, int64_t limit, const char* name) {
+    if (value > limit) throwInvalidArgument("invalid ", name, " ", value, ": expected at most ", limit);
+  };
+  atMost(config.numHeadsQ, kMaxHeads, "Q head count");
+  atMost(config.numHeadsKv, kMaxHeads, "KV head count");
+  atMost(config.headDim, kMaxHeadDim, "head dim");
+  atMost(config.elementBytes, kMaxElementBytes, "element bytes");
   if (config.numHeadsQ % config.numHeadsKv != 0) {
     throwInvalidArgument("invalid head counts: ", config.numHeadsQ, " Q heads is not a multiple of ",
                          config.numHeadsKv, " KV heads");

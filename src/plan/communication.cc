@@ -241,7 +241,7 @@ void buildStages(Plan& plan) {
       Stage& stage = forward[w][st];
       stage.send.reserve(sends[w * fwdStages + st]);
       stage.recv.reserve(recvs[w * fwdStages + st]);
-      stage.release.reserve(recvs[w * fwdStages + st >= lag ? w * fwdStages + st - lag : 0]);
+      stage.release.reserve(st >= lag ? recvs[w * fwdStages + st - lag] : 0);
       stage.compute.reserve(computes[w * fwdStages + st]);
     }
   }
@@ -413,7 +413,14 @@ void validateCommunication(const Plan& plan, Violations& v) {
           lastUse[static_cast<size_t>(t)] = s;
         }
         for (int32_t t : st.release) {
-          if (mark(releasedAt, t, numT, s, "release of transfer", w)) --held;
+          if (!mark(releasedAt, t, numT, s, "release of transfer", w)) continue;
+          const auto ts = static_cast<size_t>(t);
+          if (plan.transfers[ts].receiver != w || recvAt[ts] < 0 || recvAt[ts] > s) {
+            v.add(pass, ": worker ", w, " frees the buffer of transfer ", t,
+                  " that it has not received");
+            continue;
+          }
+          --held;
         }
         for (int32_t t : st.sendGrad) {
           if (mark(gradSentAt, t, numT, s, "dK/dV partial of transfer", w) &&

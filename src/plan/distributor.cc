@@ -7,6 +7,7 @@
 #include <queue>
 
 #include "fcp/core/error.h"
+#include "fcp/core/workload.h"
 #include "score_index.h"
 
 namespace fcp::plan {
@@ -136,8 +137,9 @@ void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts
   if (o.numWorkers <= 0 || o.numWorkers > (int64_t{1} << 24)) {
     throwInvalidArgument("invalid worker count ", o.numWorkers, ": expected 1 to ", 1 << 24);
   }
-  if (o.memoryLimitTokens <= 0) {
-    throwInvalidArgument("invalid memory limit ", o.memoryLimitTokens, " tokens: expected > 0");
+  if (o.memoryLimitTokens <= 0 || o.memoryLimitTokens > kMaxBatchTokens) {
+    throwInvalidArgument("invalid memory limit ", o.memoryLimitTokens, " tokens: expected 1 to ",
+                         kMaxBatchTokens);
   }
   if (!(o.memorySlack >= 0 && o.memorySlack <= 100)) {
     throwInvalidArgument("invalid memory slack ", o.memorySlack, ": expected 0 to 100");
@@ -251,7 +253,7 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     totalCost += costs[static_cast<size_t>(i)];
     maxBlockCost = std::max(maxBlockCost, costs[static_cast<size_t>(i)]);
   }
-  if (totalTokens > cap * static_cast<int64_t>(n)) {
+  if ((totalTokens + n - 1) / n > cap) {  // totalTokens > cap * n, without the product
     throwInvalidArgument("memory limit cannot hold the batch: ", totalTokens, " tokens > ", n,
                          " workers x ", cap, " tokens (M(1+delta)); raise --tokens-per-worker, "
                          "--memory-slack or --workers");

@@ -1,5 +1,8 @@
 #include "fcp/plan/json.h"
 
+#include <limits>
+#include <type_traits>
+
 #include <nlohmann/json.hpp>
 
 #include "fcp/core/error.h"
@@ -32,15 +35,50 @@ json configToJson(const PlanConfig& c) {
           {"mask", std::string(maskName(c.attention.mask))}};
 }
 
+/// An integer that must fit T exactly: nlohmann's get<T>() would narrow 2^32 + 1 to 1, or
+/// cast 1e300 with undefined behaviour.
+template <typename T>
+T integer(const json& j, const char* what) {
+  static_assert(std::is_integral_v<T>);
+  bool fits = j.is_number_integer();
+  if (fits && j.is_number_unsigned()) {
+    fits = j.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
+  } else if (fits) {
+    const auto v = j.get<int64_t>();
+    fits = v >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+           v <= static_cast<int64_t>(std::numeric_limits<T>::max());
+  }
+  if (!fits) {
+    throwInvalidArgument("plan JSON: ", what, " ", j.dump(), " is not an integer that fits in ",
+                         8 * sizeof(T), " bits");
+  }
+  return static_cast<T>(j.is_number_unsigned() ? static_cast<int64_t>(j.get<uint64_t>()) : j.get<int64_t>());
+}
+
+template <typename T>
+std::vector<T> integers(const json& j, const char* what) {
+  if (!j.is_array()) throwInvalidArgument("plan JSON: ", what, " is not an array");
+  std::vector<T> out;
+  out.reserve(j.size());
+  for (const json& e : j) out.push_back(integer<T>(e, what));
+  return out;
+}
+
 /// Reads field `key` of `object` as T, naming it in the error when missing or mistyped.
 template <typename T>
 T field(const json& object, const char* key) {
   const auto it = object.find(key);
   if (it == object.end()) throwInvalidArgument("plan JSON: missing field '", key, "'");
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    throwInvalidArgument("plan JSON: field '", key, "' has the wrong type (", it->type_name(), ")");
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    return integer<T>(*it, key);
+  } else if constexpr (std::is_same_v<T, std::vector<int32_t>> || std::is_same_v<T, std::vector<int64_t>>) {
+    return integers<typename T::value_type>(*it, key);
+  } else {
+    try {
+      return it->get<T>();
+    } catch (const json::exception&) {
+      throwInvalidArgument("plan JSON: field '", key, "' has the wrong type (", it->type_name(), ")");
+    }
   }
 }
 
@@ -85,9 +123,10 @@ std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
   for (const json& ws : j) {
     std::vector<Stage> list;
     for (const json& st : ws) {
-      using Ids = std::vector<int32_t>;
-      list.push_back({st.at(0).get<Ids>(), st.at(1).get<Ids>(), st.at(2).get<Ids>(),
-                      st.at(3).get<Ids>(), st.at(4).get<Ids>(), st.at(5).get<Ids>()});
+      const char* what = "stage id";
+      list.push_back({integers<int32_t>(st.at(0), what), integers<int32_t>(st.at(1), what),
+                      integers<int32_t>(st.at(2), what), integers<int32_t>(st.at(3), what),
+                      integers<int32_t>(st.at(4), what), integers<int32_t>(st.at(5), what)});
     }
     stages.push_back(std::move(list));
   }
@@ -145,7 +184,7 @@ Plan planFromJson(std::string_view text) {
   } catch (const json::parse_error& e) {
     throwInvalidArgument("plan JSON does not parse: ", e.what());
   }
-  if (!doc.is_object() || doc.value("format", "") != "fcp-plan") {
+  if (!doc.is_object() || !doc.contains("format") || doc["format"] != "fcp-plan") {
     throwInvalidArgument("not an FCP plan: expected a JSON object with \"format\": \"fcp-plan\"");
   }
   if (field<int>(doc, "version") != kFormatVersion) {
@@ -160,27 +199,33 @@ Plan planFromJson(std::string_view text) {
     for (const json& b : field<json>(doc, "blocks")) {
       Block block;
       for (const json& c : b) {
-        block.chunks.push_back({c.at(0).get<int32_t>(), c.at(1).get<int64_t>(), c.at(2).get<int64_t>()});
+        block.chunks.push_back({integer<int32_t>(c.at(0), "chunk sequence"),
+                                integer<int64_t>(c.at(1), "chunk begin"),
+                                integer<int64_t>(c.at(2), "chunk end")});
       }
       plan.blocks.push_back(std::move(block));
     }
     plan.owner = field<std::vector<int32_t>>(doc, "owner");
     for (const json& p : field<json>(doc, "pairs")) {
-      plan.pairs.push_back({p.at(0).get<int32_t>(), p.at(1).get<int32_t>(), p.at(2).get<int64_t>(),
-                            p.at(3).get<double>()});
+      plan.pairs.push_back({integer<int32_t>(p.at(0), "pair Q block"),
+                            integer<int32_t>(p.at(1), "pair KV block"),
+                            integer<int64_t>(p.at(2), "pair visible count"), p.at(3).get<double>()});
     }
     for (const json& l : field<json>(doc, "loads")) {
-      plan.loads.push_back({l.at(0).get<int64_t>(), l.at(1).get<double>()});
+      plan.loads.push_back({integer<int64_t>(l.at(0), "load tokens"), l.at(1).get<double>()});
     }
     for (const json& t : field<json>(doc, "transfers")) {
-      plan.transfers.push_back({t.at(0).get<int32_t>(), t.at(1).get<int32_t>(), t.at(2).get<int32_t>(),
-                                t.at(3).get<int64_t>(), t.at(4).get<int32_t>()});
+      const char* what = "transfer field";
+      plan.transfers.push_back({integer<int32_t>(t.at(0), what), integer<int32_t>(t.at(1), what),
+                                integer<int32_t>(t.at(2), what), integer<int64_t>(t.at(3), what),
+                                integer<int32_t>(t.at(4), what)});
     }
     plan.forward = stagesFromJson(field<json>(doc, "forward"));
     plan.backward = stagesFromJson(field<json>(doc, "backward"));
     for (const json& p : field<json>(doc, "reshuffle")) {
-      plan.reshuffle.push_back({p.at(0).get<int32_t>(), p.at(1).get<int32_t>(), p.at(2).get<int64_t>(),
-                                p.at(3).get<int64_t>()});
+      const char* what = "reshuffle field";
+      plan.reshuffle.push_back({integer<int32_t>(p.at(0), what), integer<int32_t>(p.at(1), what),
+                                integer<int64_t>(p.at(2), what), integer<int64_t>(p.at(3), what)});
     }
   } catch (const json::exception& e) {
     throwInvalidArgument("plan JSON has a malformed block, pair, load, transfer, stage or "

@@ -178,18 +178,23 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
                PlanTimings* timings) {
   const auto start = std::chrono::steady_clock::now();
   checkAttentionConfig(config.attention);
-  if (config.numWorkers <= 0) {
-    throwInvalidArgument("invalid worker count ", config.numWorkers, ": expected > 0");
+  if (config.numWorkers <= 0 || config.numWorkers > kMaxWorkers) {
+    throwInvalidArgument("invalid worker count ", config.numWorkers, ": expected 1 to ", kMaxWorkers);
   }
   if (config.tokensPerWorker <= 0) {
     throwInvalidArgument("invalid tokens per worker ", config.tokensPerWorker, ": expected > 0");
   }
-  if (config.coalesce <= 0) {
-    throwInvalidArgument("invalid coalesce ", config.coalesce, ": expected at least 1 round per stage");
+  if (config.coalesce <= 0 || config.coalesce > kMaxCoalesce) {
+    throwInvalidArgument("invalid coalesce ", config.coalesce, ": expected 1 to ", kMaxCoalesce,
+                         " rounds per stage");
   }
-  if (config.bufferDepth < 2) {
-    throwInvalidArgument("invalid buffer depth ", config.bufferDepth,
-                         ": expected at least 2, the least that overlaps receiving with computing");
+  if (config.bufferDepth < 2 || config.bufferDepth > kMaxBufferDepth) {
+    throwInvalidArgument("invalid buffer depth ", config.bufferDepth, ": expected 2 (the least "
+                         "that overlaps receiving with computing) to ", kMaxBufferDepth);
+  }
+  if (!(config.commBalanceSlack < 1) || std::isnan(config.commBalanceSlack)) {
+    throwInvalidArgument("invalid communication balance slack ", config.commBalanceSlack,
+                         ": expected below 1 (negative turns balancing off)");
   }
   if (config.attention.mask != costModel.attention.mask) {
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
@@ -310,14 +315,31 @@ PlanStats computeStats(const Plan& plan) {
 
 std::vector<std::string> validate(const Plan& plan) {
   Violations v;
-  if (plan.config.numWorkers <= 0) {
-    v.add("plan has ", plan.config.numWorkers, " workers: expected > 0");
-    return v.take();
+  // The configuration and batch first: a plan read from a file may carry anything, and the
+  // checks below size arrays by these numbers.
+  const PlanConfig& c = plan.config;
+  if (c.numWorkers <= 0 || c.numWorkers > kMaxWorkers) {
+    v.add("plan has ", c.numWorkers, " workers: expected 1 to ", kMaxWorkers);
   }
-  for (size_t s = 0; s < plan.batch.sequenceLengths.size(); ++s) {
-    if (plan.batch.sequenceLengths[s] <= 0) {
-      v.add("sequence ", s, " has length ", plan.batch.sequenceLengths[s], ": expected > 0");
-    }
+  if (c.coalesce <= 0 || c.coalesce > kMaxCoalesce || c.bufferDepth < 2 ||
+      c.bufferDepth > kMaxBufferDepth) {
+    v.add("plan has coalesce ", c.coalesce, " and buffer depth ", c.bufferDepth, ": expected 1 to ",
+          kMaxCoalesce, " and 2 to ", kMaxBufferDepth);
+  }
+  if (!(c.memorySlack >= 0 && c.memorySlack <= 100) || c.memoryLimit() <= 0 ||
+      c.memoryLimit() > kMaxBatchTokens) {
+    v.add("plan has memory limit ", c.memoryLimit(), " tokens with slack ", c.memorySlack,
+          ": expected 1 to ", kMaxBatchTokens, " tokens and slack 0 to 100");
+  }
+  try {
+    checkAttentionConfig(c.attention);
+  } catch (const Error& e) {
+    v.add("plan's attention: ", e.what());
+  }
+  try {
+    checkBatch(plan.batch);
+  } catch (const Error& e) {
+    v.add("plan's batch: ", e.what());
   }
   if (!v.empty()) return v.take();
   checkTokenCoverage(plan, v);
@@ -330,7 +352,7 @@ std::vector<std::string> validate(const Plan& plan) {
 void checkValid(const Plan& plan) {
   const std::vector<std::string> violations = validate(plan);
   if (violations.empty()) return;
-  std::string message = "plan breaks " + std::to_string(violations.size()) + " invariant(s): ";
+  std::string message = "plan breaks invariants: ";
   for (size_t i = 0; i < violations.size() && i < 3; ++i) message += (i ? "; " : "") + violations[i];
   throw Error(ErrorCode::kInvalidPlan, message);
 }

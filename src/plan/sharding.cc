@@ -41,51 +41,38 @@ void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, Mas
   }
 }
 
-/// First-fit decreasing over the short sequences. Bins are scanned in creation order, which
-/// is O(S * bins) but S short sequences fill at most S / 2 + 1 bins of which only the open
-/// ones are scanned: bins are dropped from the scan once full.
+/// First-fit decreasing over the short sequences. Bins live in a max-segment tree of free
+/// space over slots 0..S-1 (not yet opened slots are empty, so created bins are a prefix):
+/// the first bin with room is found by one descent, O(S log S) in all.
 void appendPackedSequences(const Batch& batch, int64_t blockSize, std::vector<Block>& blocks) {
   std::vector<int32_t> shortSequences;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
     if (batch.sequenceLengths[static_cast<size_t>(s)] < blockSize) shortSequences.push_back(s);
   }
+  if (shortSequences.empty()) return;
   std::stable_sort(shortSequences.begin(), shortSequences.end(), [&](int32_t a, int32_t b) {
     return batch.sequenceLengths[static_cast<size_t>(a)] >
            batch.sequenceLengths[static_cast<size_t>(b)];
   });
-  struct Bin {
-    Block block;
-    int64_t free;
-  };
-  std::vector<Bin> bins;
-  std::vector<size_t> open;  // indices into bins with free space, in creation order
-  const int64_t minLength = shortSequences.empty()
-                                ? 0
-                                : batch.sequenceLengths[static_cast<size_t>(shortSequences.back())];
+  size_t leaves = 1;
+  while (leaves < shortSequences.size()) leaves *= 2;
+  std::vector<int64_t> freeMax(2 * leaves, blockSize);
+  std::vector<Block> bins;
   for (int32_t s : shortSequences) {
     const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
-    bool placed = false;
-    for (size_t o = 0; o < open.size() && !placed; ++o) {
-      Bin& bin = bins[open[o]];
-      if (bin.free >= len) {
-        bin.block.chunks.push_back({s, 0, len});
-        bin.free -= len;
-        placed = true;
-        // No later (shorter or equal) sequence is shorter than minLength: a bin with less
-        // room than that can never take another.
-        if (bin.free < minLength) open.erase(open.begin() + static_cast<std::ptrdiff_t>(o));
-      }
-    }
-    if (!placed) {
-      bins.push_back({Block{{{s, 0, len}}}, blockSize - len});
-      if (blockSize - len >= minLength) open.push_back(bins.size() - 1);
-    }
+    size_t node = 1;
+    while (node < leaves) node = freeMax[2 * node] >= len ? 2 * node : 2 * node + 1;
+    const size_t slot = node - leaves;
+    if (slot == bins.size()) bins.emplace_back();
+    bins[slot].chunks.push_back({s, 0, len});
+    freeMax[node] -= len;
+    for (node /= 2; node >= 1; node /= 2) freeMax[node] = std::max(freeMax[2 * node], freeMax[2 * node + 1]);
   }
-  for (Bin& bin : bins) {
+  for (Block& bin : bins) {
     // Order a packed block's sequences by index so the token layout inside it is canonical.
-    std::sort(bin.block.chunks.begin(), bin.block.chunks.end(),
+    std::sort(bin.chunks.begin(), bin.chunks.end(),
               [](const Chunk& a, const Chunk& b) { return a.sequence < b.sequence; });
-    blocks.push_back(std::move(bin.block));
+    blocks.push_back(std::move(bin));
   }
 }
 

@@ -20,7 +20,9 @@ expect() {
   local name=$1 text=$2
   shift 2
   local out="$tmp/plan_$name.json"
-  "$fcp" plan "$@" --plan-out "$out" > "$tmp/stdout" 2> "$tmp/stderr"
+  local extra=(--plan-out "$out")
+  case " $* " in *" --plan-out "*) extra=() ;; esac
+  "$fcp" plan "$@" "${extra[@]}" > "$tmp/stdout" 2> "$tmp/stderr"
   local code=$?
   local why=""
   [ $code -eq 0 ] && why="exit code 0"
@@ -62,6 +64,14 @@ expect bad_heads "not a multiple" --heads-q 12 --heads-kv 8
 expect bad_dtype "'int3'" --dtype int3
 expect bad_slack "memory slack -1" --memory-slack -1
 
+expect huge_heads "head dim" --head-dim 4294967296
+expect huge_workers "--workers 9223372036854775807" --workers 9223372036854775807
+expect huge_buffers "--buffers 10000000" --buffers 10000000
+expect huge_memory "memory limit" --memory-limit 9223372036854775807
+printf '4096\n100\n' > "$tmp/small.txt"
+expect huge_trace_share "memory limit" --trace "$tmp/small.txt" --workers 3 --tokens-per-worker 9223372036854775807
+expect nan_slack "slack" --comm-balance-slack nan
+expect unwritable_plan_out "cannot write --plan-out" --workers 2 --plan-out "$tmp/no/such/dir/plan.json"
 expect zero_coalesce "--coalesce 0" --coalesce 0
 expect one_buffer "--buffers 1" --buffers 1
 expect missing_plan_in "$tmp/none.json" --plan-in "$tmp/none.json"

@@ -255,6 +255,62 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   }
   EXPECT_TRUE(mentions(validate(p), "dK/dV partial"));
 
+  p = good;  // more blocks held than the buffer depth allows: releases pushed to the end
+  for (auto& stages : p.forward) {
+    for (size_t st = 0; st + 1 < stages.size(); ++st) {
+      auto& last = stages.back().release;
+      last.insert(last.end(), stages[st].release.begin(), stages[st].release.end());
+      stages[st].release.clear();
+    }
+  }
+  EXPECT_TRUE(mentions(validate(p), "over buffer depth"));
+
+  p = good;  // more than `coalesce` receives in one stage
+  p.config.coalesce = 1;
+  EXPECT_TRUE(mentions(validate(p), "moves more than 1 blocks"));
+
+  p = good;  // a worker frees a buffer it never received
+  for (size_t w = 0; w < p.forward.size(); ++w) {
+    auto& releases = p.forward[w].back().release;
+    if (releases.empty()) continue;
+    p.forward[(w + 1) % p.forward.size()].back().release.push_back(releases.front());
+    releases.erase(releases.begin());
+    break;
+  }
+  EXPECT_TRUE(mentions(validate(p), "that it has not received"));
+
+  p = good;  // a relay that never received the block it passes on
+  {
+    // A transfer and a relay free to send in its round, so the round stays a matching.
+    int32_t relay = -1;
+    size_t id = 0;
+    for (; id < p.transfers.size() && relay < 0; ++id) {
+      const Transfer& cand = p.transfers[id];
+      for (int32_t r = 0; r < 16 && relay < 0; ++r) {
+        if (r == cand.sender || r == cand.receiver) continue;
+        bool busy = false;
+        for (const Transfer& other : p.transfers) busy = busy || (other.sender == r && other.round == cand.round);
+        if (!busy) relay = r;
+      }
+    }
+    ASSERT_GE(relay, 0);
+    --id;
+    Transfer& t = p.transfers[id];
+    const int32_t owner = t.sender;
+    const auto tid = static_cast<int32_t>(id);
+    for (auto* pass : {&p.forward, &p.backward}) {
+      for (auto& st : (*pass)[static_cast<size_t>(owner)]) {
+        auto it = std::find(st.send.begin(), st.send.end(), tid);
+        if (it == st.send.end()) continue;
+        st.send.erase(it);
+        (*pass)[static_cast<size_t>(relay)][static_cast<size_t>(&st - (*pass)[static_cast<size_t>(owner)].data())].send.push_back(tid);
+        break;
+      }
+    }
+    t.sender = relay;
+  }
+  EXPECT_TRUE(mentions(validate(p), "without holding it"));
+
   p = good;  // the reshuffle skips some tokens
   p.reshuffle.erase(p.reshuffle.begin() + 1);
   EXPECT_TRUE(mentions(validate(p), "reshuffle piece"));

@@ -101,6 +101,35 @@ TEST(PlanTest, JsonErrorsNameTheField) {
   }
 }
 
+TEST(PlanTest, JsonNumbersMustFitTheirFields) {
+  const Plan p = makePlan("lognormal", 2, MaskKind::kCausal, 5);
+  std::string text = planToJson(p);
+  // An owner of 2^32 + 1 must not be read as worker 1.
+  const auto at = text.find("\"owner\":[");
+  ASSERT_NE(at, std::string::npos);
+  const auto firstDigit = at + 9;
+  const auto end = text.find_first_of(",]", firstDigit);
+  std::string big = text;
+  big.replace(firstDigit, end - firstDigit, "4294967297");
+  EXPECT_THROW(planFromJson(big), Error);
+  std::string fractional = text;
+  fractional.replace(firstDigit, end - firstDigit, "1e300");
+  EXPECT_THROW(planFromJson(fractional), Error);
+  EXPECT_THROW(planFromJson("{\"format\": 7}"), Error);
+}
+
+TEST(PlanTest, ValidateRejectsOutOfRangeConfiguration) {
+  Plan p = makePlan("lognormal", 2, MaskKind::kCausal, 5);
+  p.config.numWorkers = int64_t{1} << 40;
+  EXPECT_TRUE(mentions(validate(p), "workers: expected 1 to"));
+  p = makePlan("lognormal", 2, MaskKind::kCausal, 5);
+  p.config.attention.headDim = int64_t{1} << 40;
+  EXPECT_TRUE(mentions(validate(p), "head dim"));
+  p = makePlan("lognormal", 2, MaskKind::kCausal, 5);
+  p.batch.sequenceLengths[0] = int64_t{1} << 62;
+  EXPECT_TRUE(mentions(validate(p), "plan's batch"));
+}
+
 TEST(PlanTest, ValidateCatchesEachBrokenInvariant) {
   const Plan good = makePlan("lognormal", 8, MaskKind::kCausal, 9);
   ASSERT_TRUE(validate(good).empty());

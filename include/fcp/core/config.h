@@ -39,8 +39,14 @@ struct AttentionConfig {
   friend bool operator==(const AttentionConfig&, const AttentionConfig&) = default;
 };
 
-/// Throws Error(kInvalidArgument) naming the bad field unless every count is positive and
-/// numHeadsQ is a multiple of numHeadsKv.
+/// Largest head count, head dim and element size accepted: bytes per token stay below 2^24,
+/// so bytes of any batch (at most 2^32 tokens) fit in int64.
+inline constexpr int64_t kMaxHeads = 1024;
+inline constexpr int64_t kMaxHeadDim = 1024;
+inline constexpr int64_t kMaxElementBytes = 8;
+
+/// Throws Error(kInvalidArgument) naming the bad field unless every count is positive and at
+/// most its limit above, and numHeadsQ is a multiple of numHeadsKv.
 void checkAttentionConfig(const AttentionConfig& config);
 
 }  // namespace fcp

@@ -16,6 +16,11 @@
 
 namespace fcp::plan {
 
+/// Limits buildPlan and validate enforce (ids are int32; stages are stored per worker).
+inline constexpr int64_t kMaxWorkers = int64_t{1} << 24;
+inline constexpr int64_t kMaxCoalesce = int64_t{1} << 20;
+inline constexpr int64_t kMaxBufferDepth = 1024;
+
 /// Everything the planner was asked for.
 struct PlanConfig {
   int64_t numWorkers = 16;
