@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# `fcp simulate` from the command line: bad input exits nonzero with exactly one line on stderr
+# that names the bad value and nothing on stdout; a small valid run's --json carries the
+# documented fields (strategy, workers, mfu, time_ms, imbalance {compute, comm}) with sane values.
+set -u
+fcp=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+passed=0
+
+# expect NAME EXPECTED_TEXT ARGS...: run `fcp simulate ARGS` on a small default cell.
+expect() {
+  local name=$1 text=$2
+  shift 2
+  "$fcp" simulate --workers 16 "$@" > "$tmp/stdout" 2> "$tmp/stderr"
+  local code=$?
+  local why=""
+  [ $code -eq 0 ] && why="exit code 0"
+  [ -s "$tmp/stdout" ] && why="$why; printed on stdout"
+  [ "$(wc -l < "$tmp/stderr")" -eq 1 ] || why="$why; stderr is not one line"
+  grep -qF -- "$text" "$tmp/stderr" || why="$why; stderr lacks '$text'"
+  if [ -n "$why" ]; then
+    echo "FAIL $name:$why"
+    sed 's/^/    stderr: /' "$tmp/stderr"
+    failures=$((failures + 1))
+  else
+    passed=$((passed + 1))
+  fi
+}
+
+expect unknown_strategy "'zigzag'" --strategy fcp,zigzag
+expect zero_workers "--workers 0" --workers 0
+expect zero_batches "--batches 0" --batches 0
+expect unknown_hardware "'tpu-v9'" --hardware tpu-v9
+expect json_and_csv "--json and --csv" --json --csv
+expect zero_block "--block-size '0'" --block-size 0
+expect missing_trace "$tmp/missing.txt" --trace "$tmp/missing.txt"
+
+# A small valid run: two strategies on 16 H100s, one batch, forward and backward.
+check_json() {
+  local why=""
+  "$fcp" simulate --strategy fcp,ring --workers 16 --batches 1 --json > "$tmp/run.json" 2> "$tmp/run.err"
+  local code=$?
+  [ $code -eq 0 ] || why="exit code $code"
+  /usr/bin/python3 - "$tmp/run.json" > "$tmp/check.out" 2>&1 <<'PY' || why="$why; $(cat "$tmp/check.out")"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+assert [r["strategy"] for r in rows] == ["fcp", "ring"], [r.get("strategy") for r in rows]
+for r in rows:
+    s = r["strategy"]
+    assert r["workers"] == 16, (s, r["workers"])
+    assert 0.01 < r["mfu"] <= 1.0, (s, "mfu", r["mfu"])
+    assert r["time_ms"] > 0, (s, "time_ms", r["time_ms"])
+    for k in ("compute", "comm"):
+        assert 0.0 <= r["imbalance"][k] < 1.0, (s, "imbalance", k, r["imbalance"][k])
+    # forward + backward make up the step.
+    assert abs(r["forward_ms"] + r["backward_ms"] - r["time_ms"]) <= 1e-6 * r["time_ms"], s
+PY
+  if [ -n "$why" ]; then
+    echo "FAIL valid_json:$why"
+    failures=$((failures + 1))
+  else
+    passed=$((passed + 1))
+  fi
+}
+check_json
+
+echo "$passed passed, $failures failed"
+[ $failures -eq 0 ]
