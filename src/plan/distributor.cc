@@ -202,8 +202,16 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
-    // Move: the least-loaded worker with room for the block.
-    const int32_t v = loads.tree.argMin(cap - mi, busiest, byCost);
+    // Move: the least-loaded worker with room for the block — usually one of the candidates
+    // (in ascending load), else a search of the whole tree.
+    int32_t v = -1;
+    for (int32_t u : candidates) {
+      if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
+        v = u;
+        break;
+      }
+    }
+    if (v < 0) v = loads.tree.argMin(cap - mi, busiest, byCost);
     if (v >= 0) {
       const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
       if (newMax < best.newMax) best = {newMax, i, v, -1};
