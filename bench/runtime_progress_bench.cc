@@ -59,7 +59,23 @@ int main(int argc, char** argv) {
     t->wait(id2);
     waitMs += (Timeline::nowUs() - before) / 1e3 / rounds;
   }
+  // Polling overhead: kernels while a receive stays pending the whole time (the thread polls
+  // throughout), against the same kernels with nothing pending.
+  int64_t sync = 0;
+  t->allreduce({&sync, 1}, fcp::runtime::ReduceOp::kMax);
+  const double idleKernelsMs = kernelsMs(20);
+  t->allreduce({&sync, 1}, fcp::runtime::ReduceOp::kMax);
+  int64_t token = 0;
+  const int peer = 1 - t->rank();
+  const auto pending = t->irecv(peer, 11, std::as_writable_bytes(std::span(&token, 1)));
+  const double pollingKernelsMs = kernelsMs(20);
+  t->wait(t->isend(peer, 11, std::as_bytes(std::span(&sync, 1))));
+  t->wait(pending);
   if (t->rank() == 1) {
+    std::printf("communication thread %-3s: kernels %.0f ms with nothing pending, %.0f ms with a receive "
+                "pending throughout (%+.1f%%)\n",
+                thread ? "on" : "off", idleKernelsMs, pollingKernelsMs,
+                100 * (pollingKernelsMs / idleKernelsMs - 1));
     std::printf("communication thread %-3s: %zu MB alone %.1f ms; after %.0f ms of kernels the wait "
                 "takes %.1f ms (%.0f%% of the lone transfer)\n",
                 thread ? "on" : "off", bytes >> 20, idleMs, computeMs, waitMs, 100 * waitMs / idleMs);
