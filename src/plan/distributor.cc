@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <queue>
+#include <array>
 
 #include "fcp/core/error.h"
 #include "fcp/core/workload.h"
@@ -51,28 +51,20 @@ class WorkerTree {
 
   int32_t busiest() const { return argMax_[1]; }
 
-  /// Up to `k` workers other than `exclude` in ascending compute (ties by id), found best
-  /// first in O(k log N).
-  std::vector<int32_t> leastLoaded(int32_t k, int32_t exclude) const {
-    using Entry = std::pair<double, size_t>;  // (subtree min cost, node)
-    std::priority_queue<Entry, std::vector<Entry>, std::greater<>> frontier;
-    frontier.push({minCost_[1], 1});
-    std::vector<int32_t> out;
-    while (!frontier.empty() && static_cast<int32_t>(out.size()) < k) {
-      const auto [cost, node] = frontier.top();
-      frontier.pop();
-      if (cost == kInf) break;
-      if (node >= static_cast<size_t>(leaves_)) {
-        const auto worker = static_cast<int32_t>(node - static_cast<size_t>(leaves_));
-        if (worker != exclude) out.push_back(worker);
-        continue;
-      }
-      frontier.push({minCost_[2 * node], 2 * node});
-      frontier.push({minCost_[2 * node + 1], 2 * node + 1});
-    }
-    return out;
+  /// The (up to) kSwapCandidates workers other than `exclude` with the least compute, in
+  /// ascending (compute, id) order: a depth-first search that enters only subtrees whose
+  /// least compute could still make the list, O(k log N), no allocation.
+  struct Candidates {
+    std::array<std::pair<double, int32_t>, kSwapCandidates> list;
+    int32_t size = 0;
+    const std::pair<double, int32_t>* begin() const { return list.data(); }
+    const std::pair<double, int32_t>* end() const { return list.data() + size; }
+  };
+  Candidates leastLoaded(int32_t exclude) const {
+    Candidates c;
+    collect(1, 0, leaves_, exclude, c);
+    return c;
   }
-
   /// The worker minimising score(mem, cost) among those with mem <= memLimit other than
   /// `exclude`; among ties, the first one a fixed traversal order meets; -1 if none. `score` must be nondecreasing in both
   /// arguments, so score(subtree minima) bounds every leaf below.
@@ -124,6 +116,37 @@ class WorkerTree {
     }
   };
 
+  void collect(size_t node, int32_t first, int32_t span, int32_t exclude, Candidates& c) const {
+    const double least = minCost_[node];
+    if (least == kInf) return;
+    if (c.size == kSwapCandidates && !(least < c.list[kSwapCandidates - 1].first)) {
+      // Ties with the last entry matter only for lower ids; the subtree's first id decides.
+      if (least > c.list[kSwapCandidates - 1].first || first > c.list[kSwapCandidates - 1].second) return;
+    }
+    if (span == 1) {
+      if (first == exclude || first >= numWorkers_) return;
+      const std::pair<double, int32_t> entry{least, first};
+      int32_t pos = std::min(c.size, kSwapCandidates - 1);
+      if (c.size == kSwapCandidates && !(entry < c.list[kSwapCandidates - 1])) return;
+      while (pos > 0 && entry < c.list[static_cast<size_t>(pos - 1)]) {
+        c.list[static_cast<size_t>(pos)] = c.list[static_cast<size_t>(pos - 1)];
+        --pos;
+      }
+      c.list[static_cast<size_t>(pos)] = entry;
+      c.size = std::min(c.size + 1, kSwapCandidates);
+      return;
+    }
+    const int32_t half = span / 2;
+    // The side with the smaller minimum first, so the list fills with good entries early.
+    if (minCost_[2 * node + 1] < minCost_[2 * node]) {
+      collect(2 * node + 1, first + half, half, exclude, c);
+      collect(2 * node, first, half, exclude, c);
+    } else {
+      collect(2 * node, first, half, exclude, c);
+      collect(2 * node + 1, first + half, half, exclude, c);
+    }
+  }
+
   int32_t numWorkers_;
   int32_t leaves_ = 1;
   std::vector<int64_t> minMem_;
@@ -169,10 +192,19 @@ struct Loads {
         blocks(static_cast<size_t>(n)), tree(n) {}
 
   void add(int32_t w, int32_t block, int64_t m, double c) {
+    addUntracked(w, block, m, c);
+    tree.set(w, mem[static_cast<size_t>(w)], cost[static_cast<size_t>(w)]);
+  }
+
+  /// add() without the tree update; call syncTree() before the tree is read again.
+  void addUntracked(int32_t w, int32_t block, int64_t m, double c) {
     mem[static_cast<size_t>(w)] += m;
     cost[static_cast<size_t>(w)] += c;
     blocks[static_cast<size_t>(w)].push_back(block);
-    tree.set(w, mem[static_cast<size_t>(w)], cost[static_cast<size_t>(w)]);
+  }
+
+  void syncTree() {
+    for (size_t w = 0; w < mem.size(); ++w) tree.set(static_cast<int32_t>(w), mem[w], cost[w]);
   }
 
   void remove(int32_t w, int32_t block, int64_t m, double c) {
@@ -198,14 +230,14 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   const double cw = loads.cost[w];
   Change best;
   const auto byCost = [](int64_t, double c) { return c; };
-  const std::vector<int32_t> candidates = loads.tree.leastLoaded(kSwapCandidates, busiest);
+  const auto candidates = loads.tree.leastLoaded(busiest);
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
     // Move: the least-loaded worker with room for the block — usually one of the candidates
     // (in ascending load), else a search of the whole tree.
     int32_t v = -1;
-    for (int32_t u : candidates) {
+    for (const auto& [unusedCost, u] : candidates) {
       if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
         v = u;
         break;
@@ -218,7 +250,7 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
     }
     // Swap: with a lighter block on one of the least-loaded workers (memory is usually near
     // the cap by now, so a swap of like-sized blocks is often the only way down).
-    for (int32_t u : candidates) {
+    for (const auto& [unusedCost, u] : candidates) {
       const auto us = static_cast<size_t>(u);
       for (int32_t j : loads.blocks[us]) {
         const int64_t mj = tokens[static_cast<size_t>(j)];
@@ -299,9 +331,10 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
                            "--tokens-per-worker");
     }
     result.owner[static_cast<size_t>(i)] = w;
-    loads.add(w, i, mi, ci);
+    loads.addUntracked(w, i, mi, ci);  // the greedy reads the index, not the tree
     index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   }
+  loads.syncTree();
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
 
   const double target = result.lowerBound * (1.0 + options.improveTarget);

@@ -1,157 +1,147 @@
 #include "score_index.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 namespace fcp::plan::detail {
 namespace {
-
-uint64_t mixBits(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 }  // namespace
 
 ScoreIndex::ScoreIndex(int32_t numWorkers, double a, double b)
-    : a_(a), b_(b), nodes_(static_cast<size_t>(numWorkers)) {
+    : a_(a), b_(b), mem_(static_cast<size_t>(numWorkers), 0),
+      cost_(static_cast<size_t>(numWorkers), 0.0),
+      scaledMem_(static_cast<size_t>(numWorkers), 0.0),
+      scaledCost_(static_cast<size_t>(numWorkers), 0.0),
+      diff_(static_cast<size_t>(numWorkers), 0.0),
+      bucketOf_(static_cast<size_t>(numWorkers), 0) {
+  targetSize_ = std::max<size_t>(16, static_cast<size_t>(std::sqrt(static_cast<double>(numWorkers))));
+  // All keys start equal (0), so id order is key order.
   for (int32_t w = 0; w < numWorkers; ++w) {
-    nodes_[w].priority = mixBits(static_cast<uint64_t>(w));
-    pull(w);
-    root_ = insert(root_, w);
+    if (buckets_.empty() || buckets_.back().workers.size() >= targetSize_) buckets_.emplace_back();
+    buckets_.back().workers.push_back(w);
+    bucketOf_[static_cast<size_t>(w)] = static_cast<uint32_t>(buckets_.size() - 1);
   }
+  for (Bucket& bucket : buckets_) summarise(bucket);
 }
 
 bool ScoreIndex::keyLess(int32_t u, int32_t v) const {
-  const double du = nodes_[u].diff, dv = nodes_[v].diff;
+  const double du = diff_[static_cast<size_t>(u)], dv = diff_[static_cast<size_t>(v)];
   return du != dv ? du < dv : u < v;
 }
 
-void ScoreIndex::pull(int32_t v) {
-  Node& n = nodes_[v];
-  n.minA = {n.scaledMem, v};
-  n.minB = {n.scaledCost, v};
-  if (n.left >= 0) {
-    n.minA = std::min(n.minA, nodes_[n.left].minA);
-    n.minB = std::min(n.minB, nodes_[n.left].minB);
-  }
-  if (n.right >= 0) {
-    n.minA = std::min(n.minA, nodes_[n.right].minA);
-    n.minB = std::min(n.minB, nodes_[n.right].minB);
+void ScoreIndex::summarise(Bucket& bucket) const {
+  bucket.minA = {kInf, -1};
+  bucket.minB = {kInf, -1};
+  for (int32_t w : bucket.workers) {
+    bucket.minA = std::min(bucket.minA, Candidate{scaledMem_[static_cast<size_t>(w)], w});
+    bucket.minB = std::min(bucket.minB, Candidate{scaledCost_[static_cast<size_t>(w)], w});
   }
 }
 
-std::pair<int32_t, int32_t> ScoreIndex::split(int32_t v, int32_t w) {
-  if (v < 0) return {-1, -1};
-  if (keyLess(v, w)) {
-    auto [l, r] = split(nodes_[v].right, w);
-    nodes_[v].right = l;
-    pull(v);
-    return {v, r};
+size_t ScoreIndex::bucketFor(int32_t w) const {
+  // The first bucket whose last worker is not below w; the last bucket if none.
+  size_t lo = 0, hi = buckets_.size() - 1;
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (keyLess(buckets_[mid].workers.back(), w)) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
   }
-  auto [l, r] = split(nodes_[v].left, w);
-  nodes_[v].left = r;
-  pull(v);
-  return {l, v};
+  return lo;
 }
 
-int32_t ScoreIndex::merge(int32_t l, int32_t r) {
-  if (l < 0) return r;
-  if (r < 0) return l;
-  if (nodes_[l].priority > nodes_[r].priority) {
-    nodes_[l].right = merge(nodes_[l].right, r);
-    pull(l);
-    return l;
-  }
-  nodes_[r].left = merge(l, nodes_[r].left);
-  pull(r);
-  return r;
-}
-
-int32_t ScoreIndex::insert(int32_t v, int32_t w) {
-  if (v < 0) return w;
-  if (nodes_[w].priority > nodes_[v].priority) {
-    auto [l, r] = split(v, w);
-    nodes_[w].left = l;
-    nodes_[w].right = r;
-    pull(w);
-    return w;
-  }
-  if (keyLess(w, v)) {
-    nodes_[v].left = insert(nodes_[v].left, w);
+void ScoreIndex::rebalance(size_t b) {
+  if (buckets_[b].workers.empty()) {
+    buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(b));
+  } else if (buckets_[b].workers.size() > 2 * targetSize_) {
+    Bucket upper;
+    auto& lower = buckets_[b].workers;
+    upper.workers.assign(lower.begin() + static_cast<std::ptrdiff_t>(targetSize_), lower.end());
+    lower.resize(targetSize_);
+    summarise(buckets_[b]);
+    summarise(upper);
+    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(b) + 1, std::move(upper));
   } else {
-    nodes_[v].right = insert(nodes_[v].right, w);
+    return;
   }
-  pull(v);
-  return v;
-}
-
-int32_t ScoreIndex::erase(int32_t v, int32_t w) {
-  if (v == w) return merge(nodes_[v].left, nodes_[v].right);
-  if (keyLess(w, v)) {
-    nodes_[v].left = erase(nodes_[v].left, w);
-  } else {
-    nodes_[v].right = erase(nodes_[v].right, w);
+  for (size_t i = b; i < buckets_.size(); ++i) {
+    for (int32_t w : buckets_[i].workers) bucketOf_[static_cast<size_t>(w)] = static_cast<uint32_t>(i);
   }
-  pull(v);
-  return v;
 }
 
 void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
-  root_ = erase(root_, w);
-  Node& n = nodes_[w];
-  n.left = n.right = -1;
-  n.mem = mem;
-  n.cost = cost;
-  n.scaledMem = a_ * static_cast<double>(mem);
-  n.scaledCost = b_ * cost;
-  n.diff = n.scaledMem - n.scaledCost;
-  pull(w);
-  root_ = insert(root_, w);
-}
+  const auto ws = static_cast<size_t>(w);
+  size_t from = bucketOf_[ws];
+  auto& old = buckets_[from].workers;
+  old.erase(std::find(old.begin(), old.end(), w));
+  // The summary changes only if w held one of its minima.
+  if (buckets_[from].minA.second == w || buckets_[from].minB.second == w) summarise(buckets_[from]);
+  if (old.empty() && buckets_.size() > 1) rebalance(from);
 
-// The least (B, id) among the subtree's workers with mem <= memLimit, if it beats `best`.
-void ScoreIndex::bestFeasibleB(int32_t v, int64_t memLimit, Candidate& best) const {
-  if (v < 0) return;
-  const Candidate& bound = nodes_[v].minB;
-  if (!(bound < best)) return;
-  if (nodes_[bound.second].mem <= memLimit) {
-    best = bound;
-    return;
-  }
-  if (nodes_[v].mem <= memLimit) best = std::min(best, Candidate{nodes_[v].scaledCost, v});
-  bestFeasibleB(nodes_[v].left, memLimit, best);
-  bestFeasibleB(nodes_[v].right, memLimit, best);
+  mem_[ws] = mem;
+  cost_[ws] = cost;
+  scaledMem_[ws] = a_ * static_cast<double>(mem);
+  scaledCost_[ws] = b_ * cost;
+  diff_[ws] = scaledMem_[ws] - scaledCost_[ws];
+
+  const size_t to = bucketFor(w);
+  auto& list = buckets_[to].workers;
+  list.insert(std::upper_bound(list.begin(), list.end(), w,
+                               [&](int32_t x, int32_t y) { return keyLess(x, y); }),
+              w);
+  bucketOf_[ws] = static_cast<uint32_t>(to);
+  Bucket& bucket = buckets_[to];
+  bucket.minA = std::min(bucket.minA, Candidate{scaledMem_[ws], w});
+  bucket.minB = std::min(bucket.minB, Candidate{scaledCost_[ws], w});
+  rebalance(to);
 }
 
 int32_t ScoreIndex::argMin(int64_t memLimit, int64_t mi, double ci) const {
   const double x = a_ * static_cast<double>(mi), y = b_ * ci, t = y - x;
   Candidate bestA{kInf, -1};  // least (A, id) with D >= t
   Candidate bestB{kInf, -1};  // least (B, id) with D < t and room
-  for (int32_t v = root_; v >= 0;) {
-    const Node& n = nodes_[v];
-    if (n.diff >= t) {
-      // v and its right subtree have D >= t.
-      bestA = std::min(bestA, Candidate{n.scaledMem, v});
-      if (n.right >= 0) bestA = std::min(bestA, nodes_[n.right].minA);
-      v = n.left;
+  const auto scanB = [&](const Bucket& bucket) {
+    for (int32_t w : bucket.workers) {
+      const auto ws = static_cast<size_t>(w);
+      if (diff_[ws] < t && mem_[ws] <= memLimit) bestB = std::min(bestB, Candidate{scaledCost_[ws], w});
+    }
+  };
+  for (const Bucket& bucket : buckets_) {
+    const double lo = diff_[static_cast<size_t>(bucket.workers.front())];
+    const double hi = diff_[static_cast<size_t>(bucket.workers.back())];
+    if (lo >= t) {
+      bestA = std::min(bestA, bucket.minA);
+    } else if (hi < t) {
+      if (!(bucket.minB < bestB)) continue;
+      if (mem_[static_cast<size_t>(bucket.minB.second)] <= memLimit) {
+        bestB = bucket.minB;
+      } else {
+        scanB(bucket);  // its least-B worker is full: look at the others
+      }
     } else {
-      // v and its left subtree have D < t.
-      if (n.mem <= memLimit) bestB = std::min(bestB, Candidate{n.scaledCost, v});
-      bestFeasibleB(n.left, memLimit, bestB);
-      v = n.right;
+      // Straddles t: each worker on its own side.
+      for (int32_t w : bucket.workers) {
+        const auto ws = static_cast<size_t>(w);
+        if (diff_[ws] >= t) bestA = std::min(bestA, Candidate{scaledMem_[ws], w});
+      }
+      scanB(bucket);
     }
   }
   // The least A has the least memory: if it has no room, no worker of its group has.
-  if (bestA.second >= 0 && nodes_[bestA.second].mem > memLimit) bestA = {kInf, -1};
+  if (bestA.second >= 0 && mem_[static_cast<size_t>(bestA.second)] > memLimit) bestA = {kInf, -1};
   // Score both winners exactly as Algorithm 1 states it; ties to the lower id.
   const auto score = [&](int32_t w) -> Candidate {
     if (w < 0) return {kInf, -1};
-    const Node& n = nodes_[w];
-    return {std::max(a_ * (static_cast<double>(n.mem) + static_cast<double>(mi)), b_ * (n.cost + ci)), w};
+    const auto ws = static_cast<size_t>(w);
+    return {std::max(a_ * (static_cast<double>(mem_[ws]) + static_cast<double>(mi)),
+                     b_ * (cost_[ws] + ci)),
+            w};
   };
   return std::min(score(bestA.second), score(bestB.second)).second;
 }
