@@ -9,9 +9,9 @@
 /// swap off it that lowers the larger of the two workers' loads is applied. LB = max(largest
 /// c_i, Σ c_i / N) bounds every assignment's busiest worker from below.
 ///
-/// The greedy finds the exact argmin in O(log N) with a treap of workers ordered by
-/// α m_w / m̂ − β c_w / ĉ (where the score switches between its two terms); ties go to the
-/// lowest worker id. The improvement pass searches a segment tree over workers (least
+/// The greedy finds the exact argmin with workers kept ordered by α m_w / m̂ − β c_w / ĉ
+/// (where the score switches between its two terms) in about √N sorted buckets, O(√N) per
+/// block with small constants; ties go to the lowest worker id. The improvement pass searches a segment tree over workers (least
 /// compute, least memory, most compute per subtree). Neither scans full workers one by one.
 /// The improvement pass is bounded by a step count, not by time, so every rank stops at the
 /// same plan.
