@@ -38,6 +38,12 @@ struct SimStage {
 /// on the port, recomputed whenever a flow starts or ends on either port. `version` discards
 /// stale drain events after a rate change. A worker's `outstanding` counts the flows and the
 /// compute of its current stage not yet done.
+///
+/// Rates are recomputed once per instant, not once per start or end: a port whose flow set
+/// changed is *dirty*, and before time moves past the instant every dirty port's flows are
+/// re-rated, and only a flow whose rate actually changed gets a new drain event. An
+/// all-to-all of P workers posts P^2 flows at one instant; re-rating on every start would push
+/// O(P^3) events (minutes and gigabytes at 256 workers), this pushes O(P^2).
 class Engine {
  public:
   Engine(const HardwareProfile& hw, int64_t numWorkers, std::vector<Flow> flows,
@@ -52,6 +58,7 @@ class Engine {
     posted_.assign(f, 0);
     for (size_t i = 0; i < f; ++i) remaining_[i] = flows_[i].bytes;
     active_.resize(4 * n_);
+    isDirty_.assign(4 * n_, 0);
     stageIdx_.assign(n_, 0);
     outstanding_.assign(n_, 0);
     stageStart_.assign(n_, 0);
@@ -63,7 +70,11 @@ class Engine {
 
   PassResult run() {
     for (size_t w = 0; w < n_; ++w) enter(static_cast<int32_t>(w), 0);
-    while (!queue_.empty()) {
+    while (!queue_.empty() || !dirty_.empty()) {
+      if (!dirty_.empty() && (queue_.empty() || queue_.top().time > dirtyTime_)) {
+        flush(dirtyTime_);
+        continue;
+      }
       const Event e = queue_.top();
       queue_.pop();
       switch (e.kind) {
@@ -148,46 +159,56 @@ class Engine {
     last_[i] = t;
   }
 
-  /// Re-rates every active flow on `port` at time t (they were settled by the caller).
-  void rerate(size_t port, double t) {
-    for (int32_t g : active_[port]) {
-      const auto i = static_cast<size_t>(g);
-      const Flow& f = flows_[i];
-      const size_t a = outPort(f), b = inPort(f);
-      rate_[i] = std::min(capacity(a) / static_cast<double>(active_[a].size()),
-                          capacity(b) / static_cast<double>(active_[b].size()));
-      push(t + remaining_[i] / rate_[i], kDrained, g, ++version_[i]);
+  /// Marks `port` for re-rating at time t (the current instant).
+  void markDirty(size_t port, double t) {
+    dirtyTime_ = t;
+    if (!isDirty_[port]) {
+      isDirty_[port] = 1;
+      dirty_.push_back(port);
     }
   }
 
-  void settlePort(size_t port, double t) {
-    for (int32_t g : active_[port]) settle(g, t);
+  /// Re-rates the flows of every dirty port at time t: a flow whose rate changed is settled at
+  /// its old rate up to t and gets a new drain event.
+  void flush(double t) {
+    for (const size_t port : dirty_) {
+      isDirty_[port] = 0;
+      for (int32_t g : active_[port]) {
+        const auto i = static_cast<size_t>(g);
+        const Flow& f = flows_[i];
+        const size_t a = outPort(f), b = inPort(f);
+        const double rate = std::min(capacity(a) / static_cast<double>(active_[a].size()),
+                                     capacity(b) / static_cast<double>(active_[b].size()));
+        if (rate == rate_[i]) continue;
+        settle(g, t);
+        rate_[i] = rate;
+        push(t + remaining_[i] / rate, kDrained, g, ++version_[i]);
+      }
+    }
+    dirty_.clear();
   }
 
   void start(int32_t f, double t) {
     const Flow& flow = flows_[static_cast<size_t>(f)];
     const size_t a = outPort(flow), b = inPort(flow);
-    settlePort(a, t);
-    settlePort(b, t);
     active_[a].push_back(f);
     active_[b].push_back(f);
+    rate_[static_cast<size_t>(f)] = 0;
     last_[static_cast<size_t>(f)] = t;
-    rerate(a, t);
-    rerate(b, t);
+    markDirty(a, t);
+    markDirty(b, t);
   }
 
   void drained(int32_t f, double t) {
     const Flow& flow = flows_[static_cast<size_t>(f)];
     const size_t a = outPort(flow), b = inPort(flow);
-    settlePort(a, t);
-    settlePort(b, t);
     for (const size_t port : {a, b}) {
       auto& list = active_[port];
       list.erase(std::find(list.begin(), list.end(), f));
     }
     ++version_[static_cast<size_t>(f)];
-    rerate(a, t);
-    rerate(b, t);
+    markDirty(a, t);
+    markDirty(b, t);
     const double latency =
         sameNode(flow.src, flow.dst) ? hw_.intraNodeLatencySeconds : hw_.interNodeLatencySeconds;
     push(t + latency, kArrived, f);
@@ -202,6 +223,9 @@ class Engine {
   std::vector<uint32_t> version_;
   std::vector<uint8_t> posted_;
   std::vector<std::vector<int32_t>> active_;
+  std::vector<uint8_t> isDirty_;
+  std::vector<size_t> dirty_;
+  double dirtyTime_ = 0;
   std::vector<size_t> stageIdx_;
   std::vector<int64_t> outstanding_;
   std::vector<double> stageStart_, computeEnd_;
