@@ -370,6 +370,13 @@ nlohmann::json toJson(const StrategyResult& r) {
   return j;
 }
 
+/// One write per line, so that lines of several ranks sharing stderr do not interleave.
+void printLine(const std::string& text) {
+  const std::string line = text + "\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
+
 /// The launcher ends the surviving ranks with SIGTERM when a peer dies; say so in one line
 /// (only async-signal-safe calls here).
 char terminatedMessage[128];
@@ -436,18 +443,28 @@ void runRun(const RunArgs& a) {
       std::fflush(stdout);
     }
     if (failed) {
-      throw Error(ErrorCode::kInternal, "--check: relative L2 error above --tolerance " + std::to_string(a.tolerance));
+      std::ostringstream os;
+      os << "--check: relative L2 error above --tolerance " << a.tolerance << " (see the table)";
+      throw Error(ErrorCode::kInternal, os.str());
     }
   } catch (const Error& e) {
     // Errors every rank meets together (bad batch, plan disagreement, check verdict) end
     // normally; anything else may leave peers waiting, so it ends the whole job.
     const bool shared = e.code() == ErrorCode::kInvalidPlan || e.code() == ErrorCode::kInvalidArgument ||
                         std::string(e.what()).rfind("--check", 0) == 0;
-    if (shared) throw;
-    std::cerr << "fcp: error: " << e.what() << std::endl;
+    if (shared) {
+      // Every rank prints its line before any exits: the launcher kills the others as soon
+      // as one rank exits nonzero, which could cut a slower rank's message.
+      printLine(std::string("fcp: error: ") + e.what());
+      int64_t barrier = 0;
+      net->allreduce({&barrier, 1}, runtime::ReduceOp::kMax);
+      net.reset();  // MPI_Finalize
+      std::exit(1);
+    }
+    printLine(std::string("fcp: error: ") + e.what());
     net->abort(1);
   } catch (const std::exception& e) {
-    std::cerr << "fcp: internal error: " << e.what() << std::endl;
+    printLine(std::string("fcp: internal error: ") + e.what());
     net->abort(1);
   }
 }

@@ -64,4 +64,8 @@ else
   echo "ok: 2-rank --check --json"
 fi
 
+# A check that fails (an impossible tolerance) is a nonzero exit on every rank, not a hang.
+expect_error "check above tolerance" "relative L2 error above --tolerance" 30 \
+  "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15
+
 [ "$failures" -eq 0 ] && echo "all passed" || { echo "$failures failed"; exit 1; }
