@@ -74,6 +74,7 @@ class CommState {
   }
 
   int64_t maxComm() const { return tree_->max(); }
+  int64_t comm(int32_t w) const { return comm_[static_cast<size_t>(w)]; }
   int32_t busiest() const { return tree_->argMax(); }
   int64_t mem(int32_t w) const { return mem_[static_cast<size_t>(w)]; }
   double load(int32_t w) const { return load_[static_cast<size_t>(w)]; }
@@ -194,7 +195,6 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
   for (; steps < maxSteps && state.imbalance() > kTargetImbalance; ++steps) {
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
-    int64_t bestMax = before;
     std::pair<int32_t, int32_t> best{-1, -1};
     for (int32_t b : blocksOf[static_cast<size_t>(w)]) {
       const int64_t traffic = state.traffic(b);
@@ -219,11 +219,14 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
         }
         state.move(b, u);
         state.move(b2, w);
-        const int64_t after = state.maxComm();
+        // Kept if w drops and nobody rises to w's old level: with several workers tied at
+        // the top (equal-size blocks make ties common), the maximum itself falls only after
+        // each of them has been relieved in turn.
+        const bool better = state.comm(w) < before && state.maxComm() <= before &&
+                            state.comm(u) < before;
         state.move(b2, u);
         state.move(b, w);
-        if (after < bestMax) {  // first improvement: keeps each step cheap
-          bestMax = after;
+        if (better) {  // first improvement: keeps each step cheap
           best = {b, b2};
           break;
         }
