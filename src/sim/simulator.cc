@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <queue>
 #include <tuple>
@@ -35,9 +36,10 @@ struct SimStage {
 /// NIC out, NIC in); a flow uses the sender's out port and the receiver's in port of one kind.
 /// A flow is *posted* by each endpoint when it enters the stage holding it and *active* once
 /// both have; an active flow drains at rate min over its two ports of capacity / active flows
-/// on the port, recomputed whenever a flow starts or ends on either port. `version` discards
-/// stale drain events after a rate change. A worker's `outstanding` counts the flows and the
-/// compute of its current stage not yet done.
+/// on the port, recomputed whenever a flow starts or ends on either port. Each active flow has
+/// one drain time, kept in an indexed heap (`drains_`, position `heapPos_`) and moved in place
+/// when its rate changes; compute ends and arrivals go through `queue_`. A worker's
+/// `outstanding` counts the flows and the compute of its current stage not yet done.
 ///
 /// Rates are recomputed once per instant, not once per start or end: a port whose flow set
 /// changed is *dirty*, and before time moves past the instant every dirty port's flows are
@@ -54,7 +56,8 @@ class Engine {
     remaining_.resize(f);
     rate_.assign(f, 0);
     last_.assign(f, 0);
-    version_.assign(f, 0);
+    drainAt_.assign(f, 0);
+    heapPos_.assign(f, -1);
     posted_.assign(f, 0);
     for (size_t i = 0; i < f; ++i) remaining_[i] = flows_[i].bytes;
     active_.resize(4 * n_);
@@ -70,9 +73,18 @@ class Engine {
 
   PassResult run() {
     for (size_t w = 0; w < n_; ++w) enter(static_cast<int32_t>(w), 0);
-    while (!queue_.empty() || !dirty_.empty()) {
-      if (!dirty_.empty() && (queue_.empty() || queue_.top().time > dirtyTime_)) {
+    constexpr double kNever = std::numeric_limits<double>::infinity();
+    while (!queue_.empty() || !drains_.empty() || !dirty_.empty()) {
+      const double nextEvent = queue_.empty() ? kNever : queue_.top().time;
+      const double nextDrain = drains_.empty() ? kNever : drainAt_[static_cast<size_t>(drains_[0])];
+      if (!dirty_.empty() && std::min(nextEvent, nextDrain) > dirtyTime_) {
         flush(dirtyTime_);
+        continue;
+      }
+      if (nextDrain <= nextEvent) {
+        const int32_t f = drains_[0];
+        heapRemoveTop();
+        drained(f, nextDrain);
         continue;
       }
       const Event e = queue_.top();
@@ -81,9 +93,6 @@ class Engine {
         case kComputeDone:
           computeEnd_[static_cast<size_t>(e.id)] = e.time;
           done(e.id, e.time);
-          break;
-        case kDrained:
-          if (e.version == version_[static_cast<size_t>(e.id)]) drained(e.id, e.time);
           break;
         case kArrived:
           done(flows_[static_cast<size_t>(e.id)].src, e.time);
@@ -103,18 +112,69 @@ class Engine {
   }
 
  private:
-  enum Kind { kComputeDone, kDrained, kArrived };
+  enum Kind { kComputeDone, kArrived };
   struct Event {
     double time;
     uint64_t seq;
     Kind kind;
     int32_t id;
-    uint32_t version;
     bool operator>(const Event& o) const { return std::tie(time, seq) > std::tie(o.time, o.seq); }
   };
 
-  void push(double time, Kind kind, int32_t id, uint32_t version = 0) {
-    queue_.push({time, seq_++, kind, id, version});
+  void push(double time, Kind kind, int32_t id) { queue_.push({time, seq_++, kind, id}); }
+
+  // The indexed binary min-heap of drain times: ties broken by flow id, so the order is
+  // deterministic.
+  bool drainsBefore(int32_t a, int32_t b) const {
+    const double ta = drainAt_[static_cast<size_t>(a)], tb = drainAt_[static_cast<size_t>(b)];
+    return ta < tb || (ta == tb && a < b);
+  }
+  void heapPlace(size_t i, int32_t f) {
+    drains_[i] = f;
+    heapPos_[static_cast<size_t>(f)] = static_cast<int64_t>(i);
+  }
+  void siftUp(size_t i) {
+    const int32_t f = drains_[i];
+    while (i > 0 && drainsBefore(f, drains_[(i - 1) / 2])) {
+      heapPlace(i, drains_[(i - 1) / 2]);
+      i = (i - 1) / 2;
+    }
+    heapPlace(i, f);
+  }
+  void siftDown(size_t i) {
+    const int32_t f = drains_[i];
+    const size_t size = drains_.size();
+    for (;;) {
+      size_t child = 2 * i + 1;
+      if (child >= size) break;
+      if (child + 1 < size && drainsBefore(drains_[child + 1], drains_[child])) ++child;
+      if (!drainsBefore(drains_[child], f)) break;
+      heapPlace(i, drains_[child]);
+      i = child;
+    }
+    heapPlace(i, f);
+  }
+  /// Sets flow f's drain time, inserting it or moving it within the heap.
+  void scheduleDrain(int32_t f, double time) {
+    const auto i = static_cast<size_t>(f);
+    drainAt_[i] = time;
+    if (heapPos_[i] < 0) {
+      drains_.push_back(f);
+      siftUp(drains_.size() - 1);
+    } else {
+      const auto at = static_cast<size_t>(heapPos_[i]);
+      siftUp(at);
+      siftDown(static_cast<size_t>(heapPos_[i]));
+    }
+  }
+  void heapRemoveTop() {
+    heapPos_[static_cast<size_t>(drains_[0])] = -1;
+    const int32_t last = drains_.back();
+    drains_.pop_back();
+    if (!drains_.empty()) {
+      drains_[0] = last;
+      siftDown(0);
+    }
   }
 
   bool sameNode(int32_t a, int32_t b) const {
@@ -182,7 +242,7 @@ class Engine {
         if (rate == rate_[i]) continue;
         settle(g, t);
         rate_[i] = rate;
-        push(t + remaining_[i] / rate, kDrained, g, ++version_[i]);
+        scheduleDrain(g, t + remaining_[i] / rate);
       }
     }
     dirty_.clear();
@@ -206,7 +266,6 @@ class Engine {
       auto& list = active_[port];
       list.erase(std::find(list.begin(), list.end(), f));
     }
-    ++version_[static_cast<size_t>(f)];
     markDirty(a, t);
     markDirty(b, t);
     const double latency =
@@ -220,7 +279,9 @@ class Engine {
   std::vector<std::vector<SimStage>> stages_;
   bool keep_;
   std::vector<double> remaining_, rate_, last_;
-  std::vector<uint32_t> version_;
+  std::vector<double> drainAt_;
+  std::vector<int64_t> heapPos_;
+  std::vector<int32_t> drains_;
   std::vector<uint8_t> posted_;
   std::vector<std::vector<int32_t>> active_;
   std::vector<uint8_t> isDirty_;
