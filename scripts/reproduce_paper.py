@@ -60,17 +60,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fcp", default="build/apps/fcp/fcp")
     ap.add_argument("--quick", action="store_true", help="one batch everywhere")
+    ap.add_argument("--workloads", default="lognormal,lognormal-narrow,bimodal")
+    ap.add_argument("--max-workers", type=int, default=4096, help="largest GPU count swept")
+    ap.add_argument("--all-up-to", type=int, default=256, help="every strategy up to this many GPUs")
     a = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     k = 1 if a.quick else 2
 
     # Weak scaling, three workloads, H100 profile, 32K tokens per GPU, 4K blocks, coalesce 16.
-    for wl in ["lognormal", "lognormal-narrow", "bimodal"]:
-        rows = simulate(a.fcp, strategy=ALL, workers="16,32,64,128,256", workload=wl, batches=k)
-        # Beyond 256: ring's plan grows as P^2 transfers, so the large sweep runs FCP and the
-        # group-based baselines, with one batch.
-        rows += simulate(a.fcp, strategy="fcp,bytescale,megatron,magi", workers="512,1024", workload=wl, batches=1)
-        rows += simulate(a.fcp, strategy="fcp,bytescale,megatron", workers="2048,4096", workload=wl, batches=1)
+    sizes = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    def sweep(lo, hi):
+        return ",".join(str(w) for w in sizes if lo < w <= min(hi, a.max_workers))
+    for wl in a.workloads.split(","):
+        rows = simulate(a.fcp, strategy=ALL, workers=sweep(0, a.all_up_to), workload=wl, batches=k)
+        # Larger: ring's and Magi's plans grow as P^2 transfers (and WLB's oracle simulates
+        # ring), so the large sweep runs FCP and the group-based baselines, with one batch.
+        if sweep(a.all_up_to, 4096):
+            rows += simulate(a.fcp, strategy="fcp,bytescale,megatron", workers=sweep(a.all_up_to, 4096),
+                             workload=wl, batches=1)
         save(rows, f"weak_scaling_{wl}")
         plot_lines(rows, "workers", "mfu", "strategy", f"Weak scaling, {wl}, H100, 32K tokens/GPU",
                    f"{OUT}/weak_scaling_{wl}.png", "GPUs", "attention MFU (fwd+bwd)")

@@ -31,6 +31,11 @@ struct SimulateArgs {
   std::string mask = "causal";
   int64_t coalesce = 16;
   int64_t buffers = 3;
+  double memorySlack = 0.1;
+  int64_t headsQ = 64;
+  int64_t headsKv = 8;
+  int64_t headDim = 128;
+  std::string dtype = "bf16";
   bool forwardOnly = false;
   bool noReshuffle = false;
   bool json = false;
@@ -70,6 +75,12 @@ struct Cell {
   }
 };
 
+int64_t elementBytes(const std::string& dtype) {
+  if (dtype == "bf16" || dtype == "fp16") return 2;
+  if (dtype == "fp32") return 4;
+  throwInvalidArgument("unknown --dtype '", dtype, "': expected bf16, fp16 or fp32");
+}
+
 double msSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
@@ -95,6 +106,9 @@ void checkArgs(const SimulateArgs& a) {
   if (a.batches <= 0) throwInvalidArgument("invalid --batches ", a.batches, ": expected a positive integer");
   if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected a positive integer");
   if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
+  if (!(a.memorySlack >= 0 && a.memorySlack <= 100)) {
+    throwInvalidArgument("invalid --memory-slack ", a.memorySlack, ": expected 0 to 100");
+  }
   if (a.json && a.csv) throwInvalidArgument("--json and --csv both given: expected at most one");
 }
 
@@ -127,7 +141,9 @@ void runSimulate(const SimulateArgs& a) {
   base.blockSize = parseTokenCount(a.blockSize, "--block-size");
   base.coalesce = a.coalesce;
   base.bufferDepth = a.buffers;
-  base.attention.mask = parseMask(a.mask);
+  base.memorySlack = a.memorySlack;
+  base.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
+  checkAttentionConfig(base.attention);
   const CostModel costModel = hw.costModel(base.attention);
 
   Batch traceBatch;
@@ -246,6 +262,12 @@ void addSimulateCommand(CLI::App& app) {
   cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
   cmd->add_option("--coalesce", args->coalesce, "FCP: rounds per pipeline stage")->capture_default_str();
   cmd->add_option("--buffers", args->buffers, "FCP: stages of remote KV held (>= 2)")->capture_default_str();
+  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
+      ->capture_default_str();
+  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
+  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
+  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "Element type: bf16, fp16 or fp32")->capture_default_str();
   cmd->add_flag("--forward-only", args->forwardOnly, "Simulate the forward pass only");
   cmd->add_flag("--no-reshuffle", args->noReshuffle, "Do not charge the reshuffle");
   cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");
