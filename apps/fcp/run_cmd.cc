@@ -3,6 +3,7 @@
 //
 // Terms. Each rank makes its own user-layout slice of Q, K, V and dO from (seed, rank). A
 // *repeat* is one forward and one backward pass; the time of a pass is the slowest rank's.
+// Repeats of the strategies alternate, so that the machine's slow spells hit each alike.
 // *Kernel time* is time inside attention kernels; η = wall time / the busiest rank's kernel
 // time. *Ideal* = the batch's useful FLOPs / ranks / the kernel's FLOP/s measured in the same
 // run (all ranks' FLOPs over all ranks' kernel time).
@@ -240,14 +241,29 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   r.errDv = runtime::relativeL2(dv, ref.dv);
 }
 
-StrategyResult runStrategy(runtime::Transport& net, runtime::Transport& data, const Setup& s,
-                           const RunArgs& a, const std::string& strategy, const Tensors& in,
-                           runtime::Timeline* timeline) {
+/// One strategy's plan, executors, outputs and measurements. The strategies' repeats are
+/// interleaved (fcp, ring, fcp, ring, ...) so that a slow spell of this shared machine hits
+/// both alike.
+struct StrategyRun {
+  std::string strategy;
+  plan::Plan plan;
+  std::unique_ptr<runtime::Executor> executor, traced;
+  std::vector<float> o, lse, dq, dk, dv;
+  std::vector<double> fwd, bwd;
+  double kernelMs = 0, flops = 0;
+  int64_t sent = 0, kv = 0;
+};
+
+std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data, const Setup& s,
+                                             const RunArgs& a, const std::string& strategy, const Tensors& in,
+                                             runtime::Timeline* timeline) {
+  auto run = std::make_unique<StrategyRun>();
+  run->strategy = strategy;
   const CostModel costModel{s.config.attention};
-  const plan::Plan p = strategy == "ring" ? baselines::ringPlan(s.batch, s.config, costModel)
-                                          : plan::buildPlan(s.batch, s.config, costModel);
-  plan::checkValid(p);
-  runtime::checkPlanAgreement(p, net);
+  run->plan = strategy == "ring" ? baselines::ringPlan(s.batch, s.config, costModel)
+                                 : plan::buildPlan(s.batch, s.config, costModel);
+  plan::checkValid(run->plan);
+  runtime::checkPlanAgreement(run->plan, net);
   // Fault injection for the tests: this rank dies as a crashed peer would, or stops
   // answering as a hung one would.
   if (const char* faultRank = std::getenv("FCP_FAULT_EXIT_RANK")) {
@@ -256,55 +272,57 @@ StrategyResult runStrategy(runtime::Transport& net, runtime::Transport& data, co
   if (const char* stallRank = std::getenv("FCP_FAULT_STALL_RANK")) {
     if (std::atoi(stallRank) == net.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
   }
-  runtime::Executor ex(p, data, {static_cast<int>(a.threads), nullptr});
-  const int64_t n = ex.userTokens();
-  const auto& att = s.config.attention;
-  std::vector<float> o(in.q.size()), lse(static_cast<size_t>(n * att.numHeadsQ)), dq(in.q.size()),
-      dk(in.k.size()), dv(in.v.size());
-  std::vector<double> fwd, bwd;
-  double fwdKernel = 0, bwdKernel = 0, flops = 0;
-  int64_t sent = 0, kv = 0;
-  for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
-    const bool last = i + 1 == a.warmup + a.repeats;
-    runtime::Executor& run = ex;
-    std::unique_ptr<runtime::Executor> traced;
-    if (last && timeline) {
-      traced = std::make_unique<runtime::Executor>(p, data, runtime::ExecutorOptions{static_cast<int>(a.threads), timeline});
-    }
-    runtime::Executor& e = traced ? *traced : run;
-    const double start = runtime::Timeline::nowUs();
-    e.forward(in.q, in.k, in.v, o, lse);
-    e.backward(in.dO, dq, dk, dv);
-    if (timeline && last) timeline->add(strategy, 2, start, runtime::Timeline::nowUs());
-    const double f = maxOverRanks(net, e.forwardStats().wallMs, 1e-6);
-    const double b = maxOverRanks(net, e.backwardStats().wallMs, 1e-6);
-    if (i < a.warmup) continue;
-    fwd.push_back(f);
-    bwd.push_back(b);
-    fwdKernel += e.forwardStats().kernelMs;
-    bwdKernel += e.backwardStats().kernelMs;
-    flops = e.forwardStats().flops + e.backwardStats().flops;
-    sent = e.forwardStats().sentBytes + e.backwardStats().sentBytes;
-    kv = e.forwardStats().kvBytes + e.backwardStats().kvBytes;
+  const auto threads = static_cast<int>(a.threads);
+  run->executor = std::make_unique<runtime::Executor>(run->plan, data, runtime::ExecutorOptions{threads, nullptr});
+  // The last repeat runs on a second executor that records the timeline.
+  if (timeline) {
+    run->traced = std::make_unique<runtime::Executor>(run->plan, data, runtime::ExecutorOptions{threads, timeline});
   }
+  const int64_t n = run->executor->userTokens();
+  run->o.resize(in.q.size());
+  run->lse.resize(static_cast<size_t>(n * s.config.attention.numHeadsQ));
+  run->dq.resize(in.q.size());
+  run->dk.resize(in.k.size());
+  run->dv.resize(in.v.size());
+  return run;
+}
+
+void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in, bool measured, bool last,
+                    runtime::Timeline* timeline) {
+  runtime::Executor& e = last && run.traced ? *run.traced : *run.executor;
+  const double start = runtime::Timeline::nowUs();
+  e.forward(in.q, in.k, in.v, run.o, run.lse);
+  e.backward(in.dO, run.dq, run.dk, run.dv);
+  if (timeline && last) timeline->add(run.strategy, 2, start, runtime::Timeline::nowUs());
+  const double f = maxOverRanks(net, e.forwardStats().wallMs, 1e-6);
+  const double b = maxOverRanks(net, e.backwardStats().wallMs, 1e-6);
+  if (!measured) return;
+  run.fwd.push_back(f);
+  run.bwd.push_back(b);
+  run.kernelMs += e.forwardStats().kernelMs + e.backwardStats().kernelMs;
+  run.flops = e.forwardStats().flops + e.backwardStats().flops;
+  run.sent = e.forwardStats().sentBytes + e.backwardStats().sentBytes;
+  run.kv = e.forwardStats().kvBytes + e.backwardStats().kvBytes;
+}
+
+StrategyResult summarize(runtime::Transport& net, const Setup& s, const RunArgs& a, StrategyRun& run) {
   StrategyResult r;
-  r.strategy = strategy;
-  r.fwdMs = median(fwd);
-  r.bwdMs = median(bwd);
-  const double reps = static_cast<double>(a.repeats);
-  const double kernelMs = (fwdKernel + bwdKernel) / reps;
+  r.strategy = run.strategy;
+  r.fwdMs = median(run.fwd);
+  r.bwdMs = median(run.bwd);
+  const double kernelMs = run.kernelMs / static_cast<double>(a.repeats);
   const double busiestKernelMs = maxOverRanks(net, kernelMs, 1e-6);
-  const double totalFlops = sumOverRanks(net, flops, 1.0);
+  const double totalFlops = sumOverRanks(net, run.flops, 1.0);
   const double totalKernelMs = sumOverRanks(net, kernelMs, 1e-6);
   const double ranks = net.size();
   r.eta = busiestKernelMs > 0 ? (r.fwdMs + r.bwdMs) / busiestKernelMs : 0;
   r.gflopsPerRank = totalFlops / ranks / ((r.fwdMs + r.bwdMs) * 1e6);
   r.kernelGflops = totalKernelMs > 0 ? totalFlops / (totalKernelMs * 1e6) : 0;
   r.idealMs = r.kernelGflops > 0 ? totalFlops / ranks / (r.kernelGflops * 1e6) : 0;
-  r.commBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(sent), 1.0));
-  r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(kv), 1.0));
+  r.commBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.sent), 1.0));
+  r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.kv), 1.0));
   if (a.check) {
-    const std::vector<float>* outs[4] = {&o, &dq, &dk, &dv};
+    const std::vector<float>* outs[4] = {&run.o, &run.dq, &run.dk, &run.dv};
     checkAgainstReference(net, s, a, plan::userLayoutStarts(s.batch.numTokens(), net.size()), outs, r);
   }
   return r;
@@ -418,10 +436,16 @@ void runRun(const RunArgs& a) {
     const Tensors in = makeInputs(a.seed, rank, starts[static_cast<size_t>(rank) + 1] - starts[static_cast<size_t>(rank)],
                                   c.attention);
     runtime::Timeline timeline;
-    std::vector<StrategyResult> results;
+    runtime::Timeline* recorder = a.timeline.empty() ? nullptr : &timeline;
+    std::vector<std::unique_ptr<StrategyRun>> runs;
     for (const std::string& strategy : s.strategies) {
-      results.push_back(runStrategy(*net, data, s, a, strategy, in, a.timeline.empty() ? nullptr : &timeline));
+      runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, recorder));
     }
+    for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
+      for (auto& run : runs) repeatStrategy(*net, *run, in, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
+    }
+    std::vector<StrategyResult> results;
+    for (auto& run : runs) results.push_back(summarize(*net, s, a, *run));
     std::string trace;
     if (!a.timeline.empty()) trace = runtime::gatherChromeTrace(*net, timeline);
     // Rank 0 judges the check; every rank returns the same verdict.
