@@ -120,12 +120,33 @@ class MpiTransport final : public Transport {
     }
   }
 
+  // Non-blocking, tested under the same deadline as wait: a rank that stops answering makes
+  // the others fail with a message instead of blocking inside a collective forever.
   void allreduce(std::span<int64_t> values, ReduceOp op) override {
     const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
-    std::lock_guard<std::mutex> lock(mu_);
-    check(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T,
-                        mpiOp, comm_),
-          "MPI_Allreduce", -1);
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T,
+                           mpiOp, comm_, &request),
+            "MPI_Iallreduce", -1);
+    }
+    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeoutSeconds);
+    for (int spins = 0;; ++spins) {
+      int flag = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "MPI_Test of an allreduce", -1);
+      }
+      if (flag) return;
+      if (Clock::now() > deadline) {
+        throw Error(ErrorCode::kTransport,
+                    "rank " + std::to_string(rank_) + ": timed out after " +
+                        std::to_string(static_cast<int>(options_.timeoutSeconds)) +
+                        " s waiting for an allreduce with every rank (did a rank die or stop?)");
+      }
+      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
 
   [[noreturn]] void abort(int exitCode) noexcept override {
