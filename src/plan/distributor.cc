@@ -207,6 +207,13 @@ struct Loads {
     for (size_t w = 0; w < mem.size(); ++w) tree.set(static_cast<int32_t>(w), mem[w], cost[w]);
   }
 
+  void removeUntracked(int32_t w, int32_t block, int64_t m, double c) {
+    auto& list = blocks[static_cast<size_t>(w)];
+    list.erase(std::find(list.begin(), list.end(), block));
+    mem[static_cast<size_t>(w)] -= m;
+    cost[static_cast<size_t>(w)] -= c;
+  }
+
   void remove(int32_t w, int32_t block, int64_t m, double c) {
     auto& list = blocks[static_cast<size_t>(w)];
     list.erase(std::find(list.begin(), list.end(), block));
@@ -265,6 +272,57 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   return best;
 }
 
+/// Brings every worker under the memory cap after the greedy had to overfill some: while a
+/// worker is over, apply the single move or swap off the fullest worker that lowers its
+/// overflow most without pushing the other worker over (ties: the smaller compute change,
+/// then the lower ids). Deterministic; false if it gets stuck. A rare path (tight caps with
+/// blocks near the block size), so it scans all workers.
+bool repairMemory(Loads& loads, std::vector<int32_t>& owner, const std::vector<int64_t>& tokens,
+                  const std::vector<double>& costs, int64_t cap) {
+  const auto n = static_cast<int32_t>(loads.mem.size());
+  for (int64_t step = 0; step < 64 * static_cast<int64_t>(owner.size()) + 64; ++step) {
+    const auto w = static_cast<int32_t>(std::max_element(loads.mem.begin(), loads.mem.end()) -
+                                        loads.mem.begin());
+    const int64_t over = loads.mem[static_cast<size_t>(w)] - cap;
+    if (over <= 0) return true;
+    struct Fix {
+      int64_t gain = 0;
+      double drift = 0;
+      int32_t block = -1, to = -1, other = -1;
+    } best;
+    const auto consider = [&](int64_t gain, double drift, int32_t i, int32_t u, int32_t j) {
+      if (gain <= 0) return;
+      if (gain > best.gain || (gain == best.gain && drift < best.drift)) best = {gain, drift, i, u, j};
+    };
+    for (int32_t i : loads.blocks[static_cast<size_t>(w)]) {
+      const int64_t mi = tokens[static_cast<size_t>(i)];
+      for (int32_t u = 0; u < n; ++u) {
+        if (u == w) continue;
+        const int64_t roomU = cap - loads.mem[static_cast<size_t>(u)];
+        if (mi <= roomU) consider(std::min(mi, over), costs[static_cast<size_t>(i)], i, u, -1);
+        for (int32_t j : loads.blocks[static_cast<size_t>(u)]) {
+          const int64_t mj = tokens[static_cast<size_t>(j)];
+          if (mj >= mi || mi - mj > roomU) continue;
+          consider(std::min(mi - mj, over),
+                   std::abs(costs[static_cast<size_t>(i)] - costs[static_cast<size_t>(j)]), i, u, j);
+        }
+      }
+    }
+    if (best.block < 0) return false;
+    const auto mOf = [&](int32_t b) { return tokens[static_cast<size_t>(b)]; };
+    const auto cOf = [&](int32_t b) { return costs[static_cast<size_t>(b)]; };
+    loads.removeUntracked(w, best.block, mOf(best.block), cOf(best.block));
+    if (best.other >= 0) {
+      loads.removeUntracked(best.to, best.other, mOf(best.other), cOf(best.other));
+      loads.addUntracked(w, best.other, mOf(best.other), cOf(best.other));
+      owner[static_cast<size_t>(best.other)] = w;
+    }
+    loads.addUntracked(best.to, best.block, mOf(best.block), cOf(best.block));
+    owner[static_cast<size_t>(best.block)] = best.to;
+  }
+  return false;
+}
+
 }  // namespace
 
 int64_t memoryCapTokens(const DistributorOptions& options) {
@@ -321,19 +379,29 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   Loads loads(n);
   const double a = options.alpha / mHat, b = options.beta / cHat;
   detail::ScoreIndex index(n, a, b);
+  int32_t firstHomeless = -1;
   for (int32_t i : order) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
-    const int32_t w = index.argMin(cap - mi, mi, ci);
+    int32_t w = index.argMin(cap - mi, mi, ci);
     if (w < 0) {
-      throwInvalidArgument("no worker has room for block ", i, " (", mi, " tokens) under the "
-                           "memory cap of ", cap, " tokens: raise --memory-slack or "
-                           "--tokens-per-worker");
+      // No room anywhere: the greedy has painted itself into a corner (large blocks against a
+      // tight cap). Place the block on the emptiest worker for now; repairMemory below must
+      // then bring every worker back under the cap.
+      if (firstHomeless < 0) firstHomeless = i;
+      w = static_cast<int32_t>(std::min_element(loads.mem.begin(), loads.mem.end()) - loads.mem.begin());
     }
     result.owner[static_cast<size_t>(i)] = w;
     loads.addUntracked(w, i, mi, ci);  // the greedy reads the index, not the tree
     index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   }
+  if (firstHomeless >= 0 && !repairMemory(loads, result.owner, tokens, costs, cap)) {
+    throwInvalidArgument("no worker has room for block ", firstHomeless, " (",
+                         tokens[static_cast<size_t>(firstHomeless)], " tokens) under the memory "
+                         "cap of ", cap, " tokens, and no moves or swaps could make room: raise "
+                         "--memory-slack or --tokens-per-worker, or lower --block-size");
+  }
+  result.memoryRepaired = firstHomeless >= 0;
   loads.syncTree();
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
 

@@ -146,6 +146,24 @@ TEST(DistributorTest, MemoryThatCannotHoldTheBatchIsAnError) {
   EXPECT_NO_THROW(assignBlocks({50, 50, 50, 50}, {1, 1, 1, 1}, o));
 }
 
+TEST(DistributorTest, RepairsMemoryWhenTheGreedyPaintsItselfIntoACorner) {
+  // Two sequences of 7650 and 8734 tokens in ~2K blocks on 2 workers of 8K (cap 9011): the
+  // compute-led greedy leaves no room for the last block, yet {1913, 4 x 1747} and
+  // {3 x 1913, 1747} fit. Moves and swaps must find a packing under the cap.
+  const std::vector<int64_t> tokens = {1913, 1913, 1912, 1912, 1747, 1747, 1747, 1747, 1746};
+  std::vector<double> costs;
+  for (size_t i = 0; i < tokens.size(); ++i) costs.push_back(i < 4 ? 7650.0 : 8734.0);
+  DistributorOptions o;
+  o.numWorkers = 2;
+  o.memoryLimitTokens = 8192;
+  const Assignment a = assignBlocks(tokens, costs, o);
+  std::vector<int64_t> mem(2, 0);
+  for (size_t i = 0; i < tokens.size(); ++i) mem[static_cast<size_t>(a.owner[i])] += tokens[i];
+  EXPECT_LE(mem[0], memoryCapTokens(o));
+  EXPECT_LE(mem[1], memoryCapTokens(o));
+  EXPECT_TRUE(a.memoryRepaired);
+}
+
 TEST(DistributorTest, BadOptionsAreErrors) {
   DistributorOptions o;
   o.memoryLimitTokens = 10;

@@ -40,6 +40,9 @@ struct Assignment {
   double lowerBound = 0;       ///< LB as defined above
   double greedyMaxCost = 0;    ///< busiest worker after the greedy, before improvement
   int64_t improveSteps = 0;    ///< improvement steps applied
+  /// The greedy found no room for some block (large blocks against a tight cap) and moves and
+  /// swaps had to bring every worker back under the cap before the improvement pass.
+  bool memoryRepaired = false;
 };
 
 /// The cap in tokens: floor(M · (1 + δ)).
@@ -47,7 +50,8 @@ int64_t memoryCapTokens(const DistributorOptions& options);
 
 /// Assigns blocks with memories `tokens` and costs `costs` (same length) to workers.
 /// Throws Error(kInvalidArgument) when options are out of range, a block or the whole batch
-/// cannot fit under the cap, or the greedy meets a block no worker has room for (naming it).
+/// cannot fit under the cap, or the greedy met a block no worker had room for and no moves
+/// or swaps could make room (naming the block).
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
 
