@@ -169,6 +169,7 @@ class CommState {
 
 /// How many blocks nearest in cost are tried as swap partners.
 constexpr size_t kPartnerWindow = 48;
+constexpr size_t kWidePartnerWindow = 2048;
 /// Balancing stops once (max − mean) / max of communication is this low.
 constexpr double kTargetImbalance = 0.03;
 
@@ -196,40 +197,45 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
     std::pair<int32_t, int32_t> best{-1, -1};
-    for (int32_t b : blocksOf[static_cast<size_t>(w)]) {
-      const int64_t traffic = state.traffic(b);
-      if (traffic == 0) continue;
-      const double cb = blockCost[static_cast<size_t>(b)];
-      // Partners nearest b in cost, alternating below and above.
-      const size_t r = rank[static_cast<size_t>(b)];
-      for (size_t step = 1, tried = 0; tried < kPartnerWindow && step <= byCost.size(); ++step) {
-        const size_t half = (step + 1) / 2;
-        const bool below = step % 2 == 1;
-        if (below ? half > r : r + half >= byCost.size()) continue;
-        const int32_t b2 = byCost[below ? r - half : r + half];
-        ++tried;
-        const int32_t u = plan.owner[static_cast<size_t>(b2)];
-        if (u == w) continue;
-        const double c2 = blockCost[static_cast<size_t>(b2)];
-        if (state.load(w) - cb + c2 > computeCap || state.load(u) - c2 + cb > computeCap) continue;
-        if (state.mem(w) - state.tokens(b) + state.tokens(b2) > memoryCap ||
-            state.mem(u) - state.tokens(b2) + state.tokens(b) > memoryCap ||
-            state.traffic(b2) >= traffic) {  // only a quieter block can help w
-          continue;
+    // Nearest partners first; only when none helps, a much wider look (rare, and it is what
+    // unsticks a busiest worker whose neighbours in cost all carry as much traffic).
+    for (const size_t window : {kPartnerWindow, kWidePartnerWindow}) {
+      for (int32_t b : blocksOf[static_cast<size_t>(w)]) {
+        const int64_t traffic = state.traffic(b);
+        if (traffic == 0) continue;
+        const double cb = blockCost[static_cast<size_t>(b)];
+        // Partners nearest b in cost, alternating below and above.
+        const size_t r = rank[static_cast<size_t>(b)];
+        for (size_t step = 1, tried = 0; tried < window && step <= byCost.size(); ++step) {
+          const size_t half = (step + 1) / 2;
+          const bool below = step % 2 == 1;
+          if (below ? half > r : r + half >= byCost.size()) continue;
+          const int32_t b2 = byCost[below ? r - half : r + half];
+          ++tried;
+          const int32_t u = plan.owner[static_cast<size_t>(b2)];
+          if (u == w) continue;
+          const double c2 = blockCost[static_cast<size_t>(b2)];
+          if (state.load(w) - cb + c2 > computeCap || state.load(u) - c2 + cb > computeCap) continue;
+          if (state.mem(w) - state.tokens(b) + state.tokens(b2) > memoryCap ||
+              state.mem(u) - state.tokens(b2) + state.tokens(b) > memoryCap ||
+              state.traffic(b2) >= traffic) {  // only a quieter block can help w
+            continue;
+          }
+          state.move(b, u);
+          state.move(b2, w);
+          // Kept if w drops and nobody rises to w's old level: with several workers tied at
+          // the top (equal-size blocks make ties common), the maximum itself falls only after
+          // each of them has been relieved in turn.
+          const bool better = state.comm(w) < before && state.maxComm() <= before &&
+                              state.comm(u) < before;
+          state.move(b2, u);
+          state.move(b, w);
+          if (better) {  // first improvement: keeps each step cheap
+            best = {b, b2};
+            break;
+          }
         }
-        state.move(b, u);
-        state.move(b2, w);
-        // Kept if w drops and nobody rises to w's old level: with several workers tied at
-        // the top (equal-size blocks make ties common), the maximum itself falls only after
-        // each of them has been relieved in turn.
-        const bool better = state.comm(w) < before && state.maxComm() <= before &&
-                            state.comm(u) < before;
-        state.move(b2, u);
-        state.move(b, w);
-        if (better) {  // first improvement: keeps each step cheap
-          best = {b, b2};
-          break;
-        }
+        if (best.first >= 0) break;
       }
       if (best.first >= 0) break;
     }
