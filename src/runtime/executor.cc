@@ -166,6 +166,14 @@ struct Executor::State {
   kernels::BlockMask maskOf(const plan::BlockPair& pair) const {
     return {mask, segments[static_cast<size_t>(pair.qBlock)], segments[static_cast<size_t>(pair.kvBlock)]};
   }
+  /// What both passes need to compute pair p: its Q rows here and its K, V (local or received).
+  struct PairViews {
+    const plan::BlockPair& pair;
+    int32_t local;  ///< the Q block's index among this rank's blocks
+    int64_t row;    ///< first token of the Q block in this rank's FCP layout
+    kernels::TensorView q, k, v;
+  };
+  PairViews pairViews(int32_t p);
   void forwardPair(int32_t p);
   void backwardPair(int32_t p);
   void runStages(bool backward, const std::vector<char>& done);
@@ -449,7 +457,7 @@ const float* Executor::State::kvSource(int32_t block) {
   return it->second.data();
 }
 
-void Executor::State::forwardPair(int32_t p) {
+Executor::State::PairViews Executor::State::pairViews(int32_t p) {
   const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
   const int32_t local = localIndex[static_cast<size_t>(pair.qBlock)];
   FCP_CHECK(local >= 0, "rank ", rank, " computes pair ", p, " whose Q block it does not own");
@@ -457,28 +465,31 @@ void Executor::State::forwardPair(int32_t p) {
   const int64_t row = tokenStart[static_cast<size_t>(local)];
   const float* kvp = kvSource(pair.kvBlock);
   const auto h = static_cast<int>(hq), hk = static_cast<int>(hkv), d = static_cast<int>(dim);
-  const kernels::TensorView qv{q.data() + row * qRow, nq, h, d};
-  const kernels::TensorView kView{kvp, nk, hk, d}, vView{kvp + nk * kRow, nk, hk, d};
+  return {pair, local, row, {q.data() + row * qRow, nq, h, d}, {kvp, nk, hk, d},
+          {kvp + nk * kRow, nk, hk, d}};
+}
+
+void Executor::State::forwardPair(int32_t p) {
+  const PairViews pv = pairViews(p);
+  const plan::BlockPair& pair = pv.pair;
+  const int64_t row = pv.row;
   const double start = Timeline::nowUs();
-  kernels::forward(qv, kView, vView, maskOf(pair), partO.data(), partLse.data(), {options.numThreads});
-  kernels::mergePartials(nq, h, d, o.data() + row * qRow, lse.data() + row * hq, partO.data(),
-                         partLse.data());
+  kernels::forward(pv.q, pv.k, pv.v, maskOf(pair), partO.data(), partLse.data(), {options.numThreads});
+  kernels::mergePartials(pv.q.numTokens, pv.q.numHeads, pv.q.headDim, o.data() + row * qRow,
+                         lse.data() + row * hq, partO.data(), partLse.data());
   const double end = Timeline::nowUs();
   fwd.kernelMs += (end - start) / 1e3;
   fwd.flops += forwardFlops(plan.config.attention, pair.visible);
-  countDown(qStream, local, fwd);
+  countDown(qStream, pv.local, fwd);
   if (options.timeline) {
     options.timeline->add("fwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock), 0, start, end);
   }
 }
 
 void Executor::State::backwardPair(int32_t p) {
-  const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
-  const int32_t local = localIndex[static_cast<size_t>(pair.qBlock)];
-  FCP_CHECK(local >= 0, "rank ", rank, " computes pair ", p, " whose Q block it does not own");
-  const int64_t nq = blockTokens(pair.qBlock), nk = blockTokens(pair.kvBlock);
-  const int64_t row = tokenStart[static_cast<size_t>(local)];
-  const float* kvp = kvSource(pair.kvBlock);
+  const PairViews pv = pairViews(p);
+  const plan::BlockPair& pair = pv.pair;
+  const int64_t row = pv.row, nk = pv.k.numTokens;
   float* grad = nullptr;
   const int32_t kvLocal = localIndex[static_cast<size_t>(pair.kvBlock)];
   if (kvLocal >= 0) {
@@ -488,17 +499,14 @@ void Executor::State::backwardPair(int32_t p) {
     if (partial.empty()) partial.assign(static_cast<size_t>(2 * nk * kRow), 0.f);
     grad = partial.data();
   }
-  const auto h = static_cast<int>(hq), hk = static_cast<int>(hkv), d = static_cast<int>(dim);
-  const kernels::TensorView qv{q.data() + row * qRow, nq, h, d};
-  const kernels::TensorView dov{dO.data() + row * qRow, nq, h, d};
-  const kernels::TensorView kView{kvp, nk, hk, d}, vView{kvp + nk * kRow, nk, hk, d};
+  const kernels::TensorView dov{dO.data() + row * qRow, pv.q.numTokens, pv.q.numHeads, pv.q.headDim};
   const double start = Timeline::nowUs();
-  kernels::backward(qv, kView, vView, dov, lse.data() + row * hq, delta.data() + row * hq,
+  kernels::backward(pv.q, pv.k, pv.v, dov, lse.data() + row * hq, delta.data() + row * hq,
                     maskOf(pair), dq.data() + row * qRow, grad, grad + nk * kRow, {options.numThreads});
   const double end = Timeline::nowUs();
   bwd.kernelMs += (end - start) / 1e3;
   bwd.flops += backwardFlops(plan.config.attention, pair.visible);
-  countDown(qStream, local, bwd);
+  countDown(qStream, pv.local, bwd);
   countDown(kvStream, kvLocal, bwd);
   if (options.timeline) {
     options.timeline->add("bwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock), 0, start, end);
