@@ -37,29 +37,36 @@ struct SimStage {
 /// A flow is *posted* by each endpoint when it enters the stage holding it and *active* once
 /// both have; an active flow drains at rate min over its two ports of capacity / active flows
 /// on the port, recomputed whenever a flow starts or ends on either port. Each active flow has
-/// one drain time, kept in an indexed heap (`drains_`, position `heapPos_`) and moved in place
-/// when its rate changes; compute ends and arrivals go through `queue_`. A worker's
-/// `outstanding` counts the flows and the compute of its current stage not yet done.
+/// one drain time, kept in an indexed 4-ary heap (`heap_`, position `FlowState::heapPos`) and
+/// moved in place when its rate changes; compute ends and arrivals go through `queue_`. A
+/// worker's `outstanding` counts the flows and the compute of its current stage not yet done.
 ///
 /// Rates are recomputed once per instant, not once per start or end: a port whose flow set
 /// changed is *dirty*, and before time moves past the instant every dirty port's flows are
 /// re-rated, and only a flow whose rate actually changed gets a new drain event. An
 /// all-to-all of P workers posts P^2 flows at one instant; re-rating on every start would push
 /// O(P^3) events (minutes and gigabytes at 256 workers), this pushes O(P^2).
+///
+/// Layout, for speed at thousands of workers (a million flows, tens of millions of re-rates):
+/// everything the inner loops touch about a flow sits in one FlowState; a port's active list
+/// removes in O(1) (each flow remembers its slot in both lists); heap entries carry their
+/// time, so sifting compares without chasing flows. None of this changes a result: the heap
+/// orders by (time, flow id), a total order, so the order flows are re-rated in is immaterial.
 class Engine {
  public:
-  Engine(const HardwareProfile& hw, int64_t numWorkers, std::vector<Flow> flows,
+  Engine(const HardwareProfile& hw, int64_t numWorkers, const std::vector<Flow>& flows,
          std::vector<std::vector<SimStage>> stages, bool keepTimelines)
-      : hw_(hw), n_(static_cast<size_t>(numWorkers)), flows_(std::move(flows)),
-        stages_(std::move(stages)), keep_(keepTimelines) {
-    const size_t f = flows_.size();
-    remaining_.resize(f);
-    rate_.assign(f, 0);
-    last_.assign(f, 0);
-    drainAt_.assign(f, 0);
-    heapPos_.assign(f, -1);
-    posted_.assign(f, 0);
-    for (size_t i = 0; i < f; ++i) remaining_[i] = flows_[i].bytes;
+      : hw_(hw), n_(static_cast<size_t>(numWorkers)), stages_(std::move(stages)), keep_(keepTimelines) {
+    flow_.resize(flows.size());
+    for (size_t i = 0; i < flows.size(); ++i) {
+      FlowState& s = flow_[i];
+      const bool near = sameNode(flows[i].src, flows[i].dst);
+      s.remaining = flows[i].bytes;
+      s.outPort = 4 * flows[i].src + (near ? 0 : 2);
+      s.inPort = 4 * flows[i].dst + (near ? 1 : 3);
+      s.src = flows[i].src;
+      s.dst = flows[i].dst;
+    }
     active_.resize(4 * n_);
     isDirty_.assign(4 * n_, 0);
     stageIdx_.assign(n_, 0);
@@ -74,15 +81,15 @@ class Engine {
   PassResult run() {
     for (size_t w = 0; w < n_; ++w) enter(static_cast<int32_t>(w), 0);
     constexpr double kNever = std::numeric_limits<double>::infinity();
-    while (!queue_.empty() || !drains_.empty() || !dirty_.empty()) {
+    while (!queue_.empty() || !heap_.empty() || !dirty_.empty()) {
       const double nextEvent = queue_.empty() ? kNever : queue_.top().time;
-      const double nextDrain = drains_.empty() ? kNever : drainAt_[static_cast<size_t>(drains_[0])];
+      const double nextDrain = heap_.empty() ? kNever : heap_[0].time;
       if (!dirty_.empty() && std::min(nextEvent, nextDrain) > dirtyTime_) {
         flush(dirtyTime_);
         continue;
       }
       if (nextDrain <= nextEvent) {
-        const int32_t f = drains_[0];
+        const int32_t f = heap_[0].flow;
         heapRemoveTop();
         drained(f, nextDrain);
         continue;
@@ -95,8 +102,8 @@ class Engine {
           done(e.id, e.time);
           break;
         case kArrived:
-          done(flows_[static_cast<size_t>(e.id)].src, e.time);
-          done(flows_[static_cast<size_t>(e.id)].dst, e.time);
+          done(flow_[static_cast<size_t>(e.id)].src, e.time);
+          done(flow_[static_cast<size_t>(e.id)].dst, e.time);
           break;
       }
     }
@@ -120,59 +127,81 @@ class Engine {
     int32_t id;
     bool operator>(const Event& o) const { return std::tie(time, seq) > std::tie(o.time, o.seq); }
   };
+  /// What the engine keeps of one flow.
+  struct FlowState {
+    double remaining = 0;  ///< bytes left as of `last`
+    double rate = 0;       ///< bytes per second since `last`
+    double last = 0;
+    int32_t outPort = 0, inPort = 0;  ///< port indices, 4 × worker + kind
+    int32_t outSlot = -1, inSlot = -1;  ///< index in active_[outPort] / active_[inPort]
+    int32_t heapPos = -1;               ///< index in heap_, −1 when not draining
+    int32_t src = 0, dst = 0;
+    int32_t posted = 0;  ///< endpoints that have posted it (0, 1, 2)
+  };
+  struct Drain {
+    double time;
+    int32_t flow;
+  };
 
   void push(double time, Kind kind, int32_t id) { queue_.push({time, seq_++, kind, id}); }
 
-  // The indexed binary min-heap of drain times: ties broken by flow id, so the order is
+  // The indexed 4-ary min-heap of drain times; ties broken by flow id, so the order is
   // deterministic.
-  bool drainsBefore(int32_t a, int32_t b) const {
-    const double ta = drainAt_[static_cast<size_t>(a)], tb = drainAt_[static_cast<size_t>(b)];
-    return ta < tb || (ta == tb && a < b);
+  static bool before(const Drain& a, const Drain& b) {
+    return a.time < b.time || (a.time == b.time && a.flow < b.flow);
   }
-  void heapPlace(size_t i, int32_t f) {
-    drains_[i] = f;
-    heapPos_[static_cast<size_t>(f)] = static_cast<int64_t>(i);
+  void heapPlace(size_t i, const Drain& d) {
+    heap_[i] = d;
+    flow_[static_cast<size_t>(d.flow)].heapPos = static_cast<int32_t>(i);
   }
   void siftUp(size_t i) {
-    const int32_t f = drains_[i];
-    while (i > 0 && drainsBefore(f, drains_[(i - 1) / 2])) {
-      heapPlace(i, drains_[(i - 1) / 2]);
-      i = (i - 1) / 2;
+    const Drain d = heap_[i];
+    while (i > 0 && before(d, heap_[(i - 1) / 4])) {
+      heapPlace(i, heap_[(i - 1) / 4]);
+      i = (i - 1) / 4;
     }
-    heapPlace(i, f);
+    heapPlace(i, d);
   }
   void siftDown(size_t i) {
-    const int32_t f = drains_[i];
-    const size_t size = drains_.size();
+    const Drain d = heap_[i];
+    const size_t size = heap_.size();
     for (;;) {
-      size_t child = 2 * i + 1;
-      if (child >= size) break;
-      if (child + 1 < size && drainsBefore(drains_[child + 1], drains_[child])) ++child;
-      if (!drainsBefore(drains_[child], f)) break;
-      heapPlace(i, drains_[child]);
-      i = child;
+      const size_t first = 4 * i + 1;
+      if (first >= size) break;
+      size_t best = first;
+      const size_t stop = std::min(first + 4, size);
+      for (size_t c = first + 1; c < stop; ++c) {
+        if (before(heap_[c], heap_[best])) best = c;
+      }
+      if (!before(heap_[best], d)) break;
+      heapPlace(i, heap_[best]);
+      i = best;
     }
-    heapPlace(i, f);
+    heapPlace(i, d);
   }
   /// Sets flow f's drain time, inserting it or moving it within the heap.
   void scheduleDrain(int32_t f, double time) {
-    const auto i = static_cast<size_t>(f);
-    drainAt_[i] = time;
-    if (heapPos_[i] < 0) {
-      drains_.push_back(f);
-      siftUp(drains_.size() - 1);
-    } else {
-      const auto at = static_cast<size_t>(heapPos_[i]);
+    FlowState& s = flow_[static_cast<size_t>(f)];
+    if (s.heapPos < 0) {
+      heap_.push_back({time, f});
+      siftUp(heap_.size() - 1);
+      return;
+    }
+    const auto at = static_cast<size_t>(s.heapPos);
+    const bool earlier = before({time, f}, heap_[at]);
+    heap_[at].time = time;
+    if (earlier) {
       siftUp(at);
-      siftDown(static_cast<size_t>(heapPos_[i]));
+    } else {
+      siftDown(at);
     }
   }
   void heapRemoveTop() {
-    heapPos_[static_cast<size_t>(drains_[0])] = -1;
-    const int32_t last = drains_.back();
-    drains_.pop_back();
-    if (!drains_.empty()) {
-      drains_[0] = last;
+    flow_[static_cast<size_t>(heap_[0].flow)].heapPos = -1;
+    const Drain last = heap_.back();
+    heap_.pop_back();
+    if (!heap_.empty()) {
+      heap_[0] = last;
       siftDown(0);
     }
   }
@@ -180,10 +209,11 @@ class Engine {
   bool sameNode(int32_t a, int32_t b) const {
     return a / hw_.workersPerNode == b / hw_.workersPerNode;
   }
-  size_t outPort(const Flow& f) const { return 4 * static_cast<size_t>(f.src) + (sameNode(f.src, f.dst) ? 0 : 2); }
-  size_t inPort(const Flow& f) const { return 4 * static_cast<size_t>(f.dst) + (sameNode(f.src, f.dst) ? 1 : 3); }
-  double capacity(size_t port) const {
+  double capacity(int32_t port) const {
     return port % 4 < 2 ? hw_.intraNodeBytesPerSecond : hw_.interNodeBytesPerSecond;
+  }
+  double share(int32_t port) const {
+    return capacity(port) / static_cast<double>(active_[static_cast<size_t>(port)].size());
   }
 
   void enter(int32_t w, double t) {
@@ -198,7 +228,7 @@ class Engine {
     result_.computeMs[wi] += s.computeSeconds * 1e3;
     push(t + s.computeSeconds, kComputeDone, w);
     for (int32_t f : s.flows) {
-      if (++posted_[static_cast<size_t>(f)] == 2) start(f, t);
+      if (++flow_[static_cast<size_t>(f)].posted == 2) start(f, t);
     }
   }
 
@@ -213,17 +243,12 @@ class Engine {
     enter(w, t);
   }
 
-  void settle(int32_t f, double t) {
-    const auto i = static_cast<size_t>(f);
-    remaining_[i] = std::max(0.0, remaining_[i] - rate_[i] * (t - last_[i]));
-    last_[i] = t;
-  }
-
   /// Marks `port` for re-rating at time t (the current instant).
-  void markDirty(size_t port, double t) {
+  void markDirty(int32_t port, double t) {
     dirtyTime_ = t;
-    if (!isDirty_[port]) {
-      isDirty_[port] = 1;
+    const auto p = static_cast<size_t>(port);
+    if (!isDirty_[p]) {
+      isDirty_[p] = 1;
       dirty_.push_back(port);
     }
   }
@@ -231,61 +256,68 @@ class Engine {
   /// Re-rates the flows of every dirty port at time t: a flow whose rate changed is settled at
   /// its old rate up to t and gets a new drain event.
   void flush(double t) {
-    for (const size_t port : dirty_) {
-      isDirty_[port] = 0;
-      for (int32_t g : active_[port]) {
-        const auto i = static_cast<size_t>(g);
-        const Flow& f = flows_[i];
-        const size_t a = outPort(f), b = inPort(f);
-        const double rate = std::min(capacity(a) / static_cast<double>(active_[a].size()),
-                                     capacity(b) / static_cast<double>(active_[b].size()));
-        if (rate == rate_[i]) continue;
-        settle(g, t);
-        rate_[i] = rate;
-        scheduleDrain(g, t + remaining_[i] / rate);
+    for (const int32_t port : dirty_) {
+      isDirty_[static_cast<size_t>(port)] = 0;
+      const auto& list = active_[static_cast<size_t>(port)];
+      if (list.empty()) continue;
+      const double mine = share(port);
+      for (const int32_t g : list) {
+        FlowState& s = flow_[static_cast<size_t>(g)];
+        const double rate = std::min(mine, share(s.outPort == port ? s.inPort : s.outPort));
+        if (rate == s.rate) continue;
+        s.remaining = std::max(0.0, s.remaining - s.rate * (t - s.last));
+        s.last = t;
+        s.rate = rate;
+        scheduleDrain(g, t + s.remaining / rate);
       }
     }
     dirty_.clear();
   }
 
   void start(int32_t f, double t) {
-    const Flow& flow = flows_[static_cast<size_t>(f)];
-    const size_t a = outPort(flow), b = inPort(flow);
-    active_[a].push_back(f);
-    active_[b].push_back(f);
-    rate_[static_cast<size_t>(f)] = 0;
-    last_[static_cast<size_t>(f)] = t;
-    markDirty(a, t);
-    markDirty(b, t);
+    FlowState& s = flow_[static_cast<size_t>(f)];
+    auto& out = active_[static_cast<size_t>(s.outPort)];
+    auto& in = active_[static_cast<size_t>(s.inPort)];
+    s.outSlot = static_cast<int32_t>(out.size());
+    out.push_back(f);
+    s.inSlot = static_cast<int32_t>(in.size());
+    in.push_back(f);
+    s.rate = 0;
+    s.last = t;
+    markDirty(s.outPort, t);
+    markDirty(s.inPort, t);
+  }
+
+  /// Removes flow f from `port`'s active list (at `slot`), moving the last entry into its place.
+  void unlist(int32_t port, int32_t slot) {
+    auto& list = active_[static_cast<size_t>(port)];
+    const int32_t moved = list.back();
+    list[static_cast<size_t>(slot)] = moved;
+    list.pop_back();
+    FlowState& m = flow_[static_cast<size_t>(moved)];
+    (m.outPort == port ? m.outSlot : m.inSlot) = slot;
   }
 
   void drained(int32_t f, double t) {
-    const Flow& flow = flows_[static_cast<size_t>(f)];
-    const size_t a = outPort(flow), b = inPort(flow);
-    for (const size_t port : {a, b}) {
-      auto& list = active_[port];
-      list.erase(std::find(list.begin(), list.end(), f));
-    }
-    markDirty(a, t);
-    markDirty(b, t);
+    FlowState& s = flow_[static_cast<size_t>(f)];
+    unlist(s.outPort, s.outSlot);
+    unlist(s.inPort, s.inSlot);
+    markDirty(s.outPort, t);
+    markDirty(s.inPort, t);
     const double latency =
-        sameNode(flow.src, flow.dst) ? hw_.intraNodeLatencySeconds : hw_.interNodeLatencySeconds;
+        s.outPort % 4 == 0 ? hw_.intraNodeLatencySeconds : hw_.interNodeLatencySeconds;
     push(t + latency, kArrived, f);
   }
 
   const HardwareProfile& hw_;
   size_t n_;
-  std::vector<Flow> flows_;
+  std::vector<FlowState> flow_;
   std::vector<std::vector<SimStage>> stages_;
   bool keep_;
-  std::vector<double> remaining_, rate_, last_;
-  std::vector<double> drainAt_;
-  std::vector<int64_t> heapPos_;
-  std::vector<int32_t> drains_;
-  std::vector<uint8_t> posted_;
+  std::vector<Drain> heap_;
   std::vector<std::vector<int32_t>> active_;
   std::vector<uint8_t> isDirty_;
-  std::vector<size_t> dirty_;
+  std::vector<int32_t> dirty_;
   double dirtyTime_ = 0;
   std::vector<size_t> stageIdx_;
   std::vector<int64_t> outstanding_;
@@ -318,32 +350,51 @@ double backwardEfficiencyRatio(const HardwareProfile& hw) {
 
 /// Merges the flows one sender sends one receiver in one stage into one message, as an
 /// all-to-all-v or a grouped send does (a flow sits in the same stage at both ends); this also
-/// keeps the number of flows sharing a port at most the number of peers.
+/// keeps the number of flows sharing a port at most the number of peers. A message takes the
+/// place of its lowest-numbered flow, so messages keep the order of their first flows.
 void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>& stages) {
-  // The stage holding each flow at its sender and at its receiver.
-  std::vector<std::pair<int32_t, int32_t>> stageOfFlow(flows.size(), {-1, -1});
+  // The stage holding each flow at its receiver.
+  std::vector<int32_t> recvStage(flows.size(), -1);
   for (size_t w = 0; w < stages.size(); ++w) {
     for (size_t s = 0; s < stages[w].size(); ++s) {
       for (int32_t f : stages[w][s].flows) {
-        auto& at = stageOfFlow[static_cast<size_t>(f)];
-        (flows[static_cast<size_t>(f)].src == static_cast<int32_t>(w) ? at.first : at.second) =
-            static_cast<int32_t>(s);
+        if (flows[static_cast<size_t>(f)].dst == static_cast<int32_t>(w)) {
+          recvStage[static_cast<size_t>(f)] = static_cast<int32_t>(s);
+        }
       }
     }
   }
-  // (src, dst, sender's stage, receiver's stage) -> message
-  std::map<std::tuple<int32_t, int32_t, int32_t, int32_t>, int32_t> idOf;
+  // Within each sender's stage, flows with the same (receiver, receiver's stage) are one
+  // message; `first` maps each flow to the lowest-numbered flow of its message.
+  std::vector<int32_t> first(flows.size());
+  std::vector<std::tuple<int32_t, int32_t, int32_t>> local;  // (dst, recv stage, flow)
+  for (size_t w = 0; w < stages.size(); ++w) {
+    for (const SimStage& st : stages[w]) {
+      local.clear();
+      for (int32_t f : st.flows) {
+        const Flow& flow = flows[static_cast<size_t>(f)];
+        if (flow.src == static_cast<int32_t>(w)) local.emplace_back(flow.dst, recvStage[static_cast<size_t>(f)], f);
+      }
+      std::sort(local.begin(), local.end());
+      for (size_t i = 0; i < local.size(); ++i) {
+        const bool sameAsPrevious = i > 0 && std::get<0>(local[i]) == std::get<0>(local[i - 1]) &&
+                                    std::get<1>(local[i]) == std::get<1>(local[i - 1]);
+        first[static_cast<size_t>(std::get<2>(local[i]))] =
+            sameAsPrevious ? first[static_cast<size_t>(std::get<2>(local[i - 1]))] : std::get<2>(local[i]);
+      }
+    }
+  }
   std::vector<Flow> merged;
   std::vector<int32_t> rename(flows.size());
   for (size_t f = 0; f < flows.size(); ++f) {
-    const auto key = std::make_tuple(flows[f].src, flows[f].dst, stageOfFlow[f].first, stageOfFlow[f].second);
-    auto [it, fresh] = idOf.try_emplace(key, static_cast<int32_t>(merged.size()));
-    if (fresh) {
+    const auto head = static_cast<size_t>(first[f]);
+    if (head == f) {
+      rename[f] = static_cast<int32_t>(merged.size());
       merged.push_back(flows[f]);
     } else {
-      merged[static_cast<size_t>(it->second)].bytes += flows[f].bytes;
+      rename[f] = rename[head];
+      merged[static_cast<size_t>(rename[f])].bytes += flows[f].bytes;
     }
-    rename[f] = it->second;
   }
   for (auto& ws : stages) {
     for (SimStage& st : ws) {
@@ -412,7 +463,7 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
     }
   }
   mergeMessages(flows, stages);
-  Engine engine(hw, plan.config.numWorkers, std::move(flows), std::move(stages), options.timelines);
+  Engine engine(hw, plan.config.numWorkers, flows, std::move(stages), options.timelines);
   PassResult r = engine.run();
   for (const plan::BlockPair& p : plan.pairs) {
     r.usefulFlops += backward ? backwardFlops(plan.config.attention, p.visible)

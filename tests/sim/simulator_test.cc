@@ -2,6 +2,9 @@
 // NIC, a pipeline whose compute hides its communication, a ring of N steps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
 #include "fcp/sim/hardware.h"
@@ -93,6 +96,29 @@ TEST(SimulatorTest, ShareIsRecomputedWhenAFlowEnds) {
   EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
   EXPECT_NEAR(r.forward.finishMs[0], 2000.0, 1e-6);  // each sender is done with its own flow
   EXPECT_NEAR(r.forward.finishMs[1], 4000.0, 1e-6);
+}
+
+// Processor sharing into one NIC: k senders of distinct sizes, listed in shuffled order, so
+// flows leave the receiver's port from the middle of its list. Sorted by size, the i-th
+// finishes at Σ_{j ≤ i} (b_j − b_{j−1}) (k − j + 1) / capacity.
+TEST(SimulatorTest, ManySendersIntoOneNicFinishAsUnderProcessorSharing) {
+  constexpr int32_t k = 40;
+  std::vector<int64_t> bytes(k);
+  for (int32_t i = 0; i < k; ++i) bytes[static_cast<size_t>(i)] = int64_t{10'000'000} * (1 + (i * 17) % k);
+  plan::Plan p = barePlan(k + 1, 1);
+  for (int32_t i = 0; i < k; ++i) addTransfer(p, i, k, bytes[static_cast<size_t>(i)], 0);
+  const SimResult r = simulate(p, unitHardware(), forwardOnly());
+  std::vector<int64_t> sorted = bytes;
+  std::sort(sorted.begin(), sorted.end());
+  for (int32_t i = 0; i < k; ++i) {
+    double expectSeconds = 0;
+    int64_t previous = 0;
+    for (int32_t j = 0; j < k && sorted[static_cast<size_t>(j)] <= bytes[static_cast<size_t>(i)]; ++j) {
+      expectSeconds += static_cast<double>(sorted[static_cast<size_t>(j)] - previous) * (k - j) / 1e9;
+      previous = sorted[static_cast<size_t>(j)];
+    }
+    EXPECT_NEAR(r.forward.finishMs[static_cast<size_t>(i)], expectSeconds * 1e3, 1e-6) << "sender " << i;
+  }
 }
 
 TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
