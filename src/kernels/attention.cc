@@ -46,6 +46,7 @@ float fromBf16(uint16_t value) {
 
 namespace {
 
+using detail::ColumnSpan;
 using detail::TileClass;
 using detail::TileMap;
 using detail::TokenInfo;
@@ -238,8 +239,10 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
     const int64_t rows = qTokens * s.g;
     const float* qTile = qg.data + task.kvHead * qg.headStride + q0 * s.g * s.d;
     for (int64_t kt : task.partners) {
-      const int64_t k0 = kt * kKTileTokens;
-      const int64_t kCols = std::min(kKTileTokens, s.nk - k0);
+      // Only the tile's column span: keys no query of this Q tile can see are not computed.
+      const ColumnSpan span = p.map.span(task.tile, kt);
+      const int64_t k0 = kt * kKTileTokens + span.begin;
+      const int64_t kCols = span.end - span.begin;
       const float* kTile = kg.data + task.kvHead * kg.headStride + k0 * s.d;
       const float* vTile = vg.data + task.kvHead * vg.headStride + k0 * s.d;
       gemmFlops[w] += 4.0 * static_cast<double>(rows * kCols * s.d);
@@ -358,12 +361,17 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
     sc.dq.resize(maxRows * s.d);
     sc.dk.assign(kKTileTokens * s.d, 0.0f);
     sc.dv.assign(kKTileTokens * s.d, 0.0f);
-    const int64_t k0 = task.tile * kKTileTokens;
-    const int64_t kCols = std::min(kKTileTokens, s.nk - k0);
+    const int64_t kTile0 = task.tile * kKTileTokens;
     const int64_t h = task.kvHead;
-    const float* kTile = kg.data + h * kg.headStride + k0 * s.d;
-    const float* vTile = vg.data + h * vg.headStride + k0 * s.d;
     for (int64_t qt : task.partners) {
+      // Only the tile's column span (see the forward); its rows of dK, dV start at span.begin.
+      const ColumnSpan span = p.map.span(qt, task.tile);
+      const int64_t k0 = kTile0 + span.begin;
+      const int64_t kCols = span.end - span.begin;
+      const float* kTile = kg.data + h * kg.headStride + k0 * s.d;
+      const float* vTile = vg.data + h * vg.headStride + k0 * s.d;
+      float* dkTile = sc.dk.data() + span.begin * s.d;
+      float* dvTile = sc.dv.data() + span.begin * s.d;
       const int64_t q0 = qt * p.qTileTokens;
       const int64_t qTokens = std::min(p.qTileTokens, s.nq - q0);
       const int64_t rows = qTokens * s.g;
@@ -383,13 +391,13 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
       }
       // dV += P^T dO; dP = dO V^T; dS = P (dP - D); dK += scale dS^T Q; dQ += scale dS K.
       detail::sgemm('T', 'N', kCols, s.d, rows, 1.0f, pt, kKTileTokens, doTile, s.d, 1.0f,
-                    sc.dv.data(), s.d);
+                    dvTile, s.d);
       detail::sgemm('N', 'T', rows, kCols, s.d, 1.0f, doTile, s.d, vTile, s.d, 0.0f, dpt,
                     kKTileTokens);
       if (!gemmOnly)
         ops.scoreGradients(pt, dpt, rows, kCols, kKTileTokens, deltaG.data() + rowBase);
       detail::sgemm('T', 'N', kCols, s.d, rows, scale, dpt, kKTileTokens, qTile, s.d, 1.0f,
-                    sc.dk.data(), s.d);
+                    dkTile, s.d);
       detail::sgemm('N', 'N', rows, s.d, kCols, scale, dpt, kKTileTokens, kTile, s.d, 0.0f,
                     sc.dq.data(), s.d);
       if (gemmOnly) continue;
@@ -397,9 +405,10 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
       ops.add(dqg.data() + rowBase * s.d, sc.dq.data(), rows * s.d);
     }
     if (gemmOnly) return;
-    // This task alone owns rows [k0, k0 + kCols) of KV head h.
-    for (int64_t i = 0; i < kCols; ++i) {
-      const int64_t row = ((k0 + i) * s.hkv + h) * s.d;
+    // This task alone owns rows [kTile0, kTile0 + tileCols) of KV head h.
+    const int64_t tileCols = std::min(kKTileTokens, s.nk - kTile0);
+    for (int64_t i = 0; i < tileCols; ++i) {
+      const int64_t row = ((kTile0 + i) * s.hkv + h) * s.d;
       ops.add(dk + row, sc.dk.data() + i * s.d, s.d);
       ops.add(dv + row, sc.dv.data() + i * s.d, s.d);
     }

@@ -79,14 +79,39 @@ std::vector<TileSummary> summarise(const TokenInfo& info, int64_t tileTokens) {
   return tiles;
 }
 
+struct Classified {
+  TileClass cls = TileClass::kEmpty;
+  ColumnSpan span;
+};
+
 // Element-wise classification, for tiles that mix sequences.
-TileClass classifyExactly(const TokenInfo& q, int64_t q0, int64_t q1, const TokenInfo& k,
-                          int64_t k0, int64_t k1, bool causal) {
+Classified classifyExactly(const TokenInfo& q, int64_t q0, int64_t q1, const TokenInfo& k,
+                           int64_t k0, int64_t k1, bool causal) {
   int64_t seen = 0;
-  for (int64_t i = q0; i < q1; ++i)
-    for (int64_t j = k0; j < k1; ++j) seen += visible(q, i, k, j, causal) ? 1 : 0;
-  if (seen == 0) return TileClass::kEmpty;
-  return seen == (q1 - q0) * (k1 - k0) ? TileClass::kFull : TileClass::kPartial;
+  int64_t first = k1, last = k0 - 1;  // visible key columns, absolute
+  for (int64_t j = k0; j < k1; ++j) {
+    int64_t column = 0;
+    for (int64_t i = q0; i < q1; ++i) column += visible(q, i, k, j, causal) ? 1 : 0;
+    if (column == 0) continue;
+    seen += column;
+    first = std::min(first, j);
+    last = j;
+  }
+  if (seen == 0) return {};
+  const ColumnSpan span{static_cast<int32_t>(first - k0), static_cast<int32_t>(last + 1 - k0)};
+  return {seen == (q1 - q0) * (k1 - k0) ? TileClass::kFull : TileClass::kPartial, span};
+}
+
+// Causal tile pair of one sequence on both sides, partially visible: a key is visible to some
+// query iff its position is at most the Q tile's last position.
+ColumnSpan causalSpan(const TokenInfo& k, int64_t k0, int64_t k1, int64_t qPosMax) {
+  int64_t first = k1, last = k0 - 1;
+  for (int64_t j = k0; j < k1; ++j) {
+    if (k.position[j] > qPosMax) continue;
+    first = std::min(first, j);
+    last = j;
+  }
+  return {static_cast<int32_t>(first - k0), static_cast<int32_t>(last + 1 - k0)};
 }
 
 }  // namespace
@@ -101,25 +126,29 @@ TileMap classifyTiles(const TokenInfo& q, const TokenInfo& k, bool causal, int64
   map.numQTiles = static_cast<int64_t>(qs.size());
   map.numKTiles = static_cast<int64_t>(ks.size());
   map.classes.resize(map.numQTiles * map.numKTiles);
+  map.spans.resize(map.classes.size());
   const int64_t nq = static_cast<int64_t>(q.sequence.size());
   const int64_t nk = static_cast<int64_t>(k.sequence.size());
   for (int64_t qt = 0; qt < map.numQTiles; ++qt) {
     for (int64_t kt = 0; kt < map.numKTiles; ++kt) {
       const TileSummary& a = qs[qt];
       const TileSummary& b = ks[kt];
-      TileClass c;
+      const int64_t k0 = kt * kTileTokens, k1 = std::min(nk, (kt + 1) * kTileTokens);
+      const ColumnSpan all{0, static_cast<int32_t>(k1 - k0)};
+      Classified c;
       if (a.seqMax < b.seqMin || b.seqMax < a.seqMin) {
-        c = TileClass::kEmpty;
+        c = {};
       } else if (a.seqMin == a.seqMax && b.seqMin == b.seqMax) {
         // One sequence on each side, and it is the same one.
-        if (!causal || b.posMax <= a.posMin) c = TileClass::kFull;
-        else if (b.posMin > a.posMax) c = TileClass::kEmpty;
-        else c = TileClass::kPartial;
+        if (!causal || b.posMax <= a.posMin) c = {TileClass::kFull, all};
+        else if (b.posMin > a.posMax) c = {};
+        else c = {TileClass::kPartial, causalSpan(k, k0, k1, a.posMax)};
       } else {
-        c = classifyExactly(q, qt * qTileTokens, std::min(nq, (qt + 1) * qTileTokens), k,
-                            kt * kTileTokens, std::min(nk, (kt + 1) * kTileTokens), causal);
+        c = classifyExactly(q, qt * qTileTokens, std::min(nq, (qt + 1) * qTileTokens), k, k0, k1,
+                            causal);
       }
-      map.classes[qt * map.numKTiles + kt] = c;
+      map.classes[qt * map.numKTiles + kt] = c.cls;
+      map.spans[qt * map.numKTiles + kt] = c.span;
     }
   }
   return map;
