@@ -196,6 +196,22 @@ Prepared prepare(const TensorView& q, const TensorView& k, const TensorView& v,
   return p;
 }
 
+// Writes the empty partial (O = 0, LSE = -inf) to the rows of Q tiles that see no K tile: no
+// forward task covers them. Every other row is written by its task.
+void fillUntouchedRows(const Prepared& p, float* o, float* lse) {
+  const Shape& s = p.shape;
+  const int64_t rowFloats = static_cast<int64_t>(s.hq) * s.d;
+  for (int64_t qt = 0; qt < p.map.numQTiles; ++qt) {
+    bool seesSomething = false;
+    for (int64_t kt = 0; kt < p.map.numKTiles; ++kt)
+      seesSomething = seesSomething || p.map.at(qt, kt) != TileClass::kEmpty;
+    if (seesSomething) continue;
+    const int64_t q0 = qt * p.qTileTokens, q1 = std::min(s.nq, q0 + p.qTileTokens);
+    std::fill(o + q0 * rowFloats, o + q1 * rowFloats, 0.0f);
+    std::fill(lse + q0 * s.hq, lse + q1 * s.hq, kNegInf);
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -208,9 +224,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
   const int numThreads = detail::resolveThreads(options.numThreads);
   if (s.nq == 0) return 0.0;
   FCP_CHECK(o != nullptr && lse != nullptr, "forward needs output buffers");
-  // Rows that no task touches (no visible key in this pair) are the empty partial.
-  std::fill_n(o, s.nq * s.hq * s.d, 0.0f);
-  std::fill_n(lse, s.nq * s.hq, kNegInf);
+  fillUntouchedRows(p, o, lse);
   if (s.nk == 0) return 0.0;
 
   const VectorOps& ops = detail::vectorOps();
@@ -230,7 +244,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
     const Task& task = tasks[t];
     Scratch& sc = scratch[w];
     sc.scores.resize(maxRows * kKTileTokens);
-    sc.acc.assign(maxRows * s.d, 0.0f);
+    sc.acc.resize(maxRows * s.d);  // the first O += P V overwrites it (beta = 0)
     sc.rowMax.assign(maxRows, kNegInf);
     sc.rowSum.assign(maxRows, 0.0f);
     sc.correction.resize(maxRows);
@@ -238,6 +252,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
     const int64_t qTokens = std::min(p.qTileTokens, s.nq - q0);
     const int64_t rows = qTokens * s.g;
     const float* qTile = qg.data + task.kvHead * qg.headStride + q0 * s.g * s.d;
+    bool first = true;
     for (int64_t kt : task.partners) {
       // Only the tile's column span: keys no query of this Q tile can see are not computed.
       const ColumnSpan span = p.map.span(task.tile, kt);
@@ -254,10 +269,11 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
                    kCols, p.causal, ops);
         ops.softmaxStep(sc.scores.data(), rows, kCols, kKTileTokens, sc.rowMax.data(),
                         sc.rowSum.data(), sc.correction.data());
-        ops.scaleRows(sc.acc.data(), rows, s.d, s.d, sc.correction.data());
+        if (!first) ops.scaleRows(sc.acc.data(), rows, s.d, s.d, sc.correction.data());
       }
       detail::sgemm('N', 'N', rows, s.d, kCols, 1.0f, sc.scores.data(), kKTileTokens, vTile, s.d,
-                    1.0f, sc.acc.data(), s.d);
+                    first ? 0.0f : 1.0f, sc.acc.data(), s.d);
+      first = false;
     }
     if (gemmOnly) return;
     // Normalise and scatter back to [Nq][Hq][d]; natural-log LSE.

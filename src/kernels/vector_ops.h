@@ -15,10 +15,13 @@
 namespace fcp::kernels::detail {
 
 struct VectorOps {
-  /// Online-softmax step on `rows` rows of scores s (in place: s becomes exp2(s - newMax)).
-  /// rowMax/rowSum carry the running max and sum; correction receives exp2(oldMax - newMax),
-  /// the factor by which the caller must scale its output accumulator. A row whose running max
-  /// stays -inf (nothing visible yet) gets s = 0, correction = 1.
+  /// Online-softmax step on `rows` rows of scores s (in place: s becomes exp2(s - newRef)).
+  /// rowMax/rowSum carry a running *reference* max and the sum of exp2(s - ref): the reference
+  /// is the first finite max and moves to a tile's max only when that exceeds it by more than a
+  /// slack of 8, so it may lie below the true max (by at most 8) and LSE2 = ref + log2(sum)
+  /// still holds. correction receives exp2(oldRef - newRef), the factor by which the caller
+  /// must scale its output accumulator: exactly 1 when the reference did not move. A row whose
+  /// reference stays -inf (nothing visible yet) gets s = 0, correction = 1.
   void (*softmaxStep)(float* s, int64_t rows, int64_t cols, int64_t ld, float* rowMax,
                       float* rowSum, float* correction);
   /// Backward probabilities: s <- exp2(s - lse2[r]) per row r; a row with lse2 = -inf becomes 0.
@@ -26,7 +29,7 @@ struct VectorOps {
   /// dS = P * (dP - delta[r]), written over dp.
   void (*scoreGradients)(const float* p, float* dp, int64_t rows, int64_t cols, int64_t ld,
                          const float* delta);
-  /// x[r][c] *= factor[r] for `cols` columns.
+  /// x[r][c] *= factor[r] for `cols` columns (rows with factor 1 are not touched).
   void (*scaleRows)(float* x, int64_t rows, int64_t cols, int64_t ld, const float* factor);
   /// s[c] <- -inf where key c is invisible to a query of sequence seqQ at position posQ.
   void (*maskRow)(float* s, int64_t cols, int64_t seqQ, int64_t posQ, const int64_t* seqK,
