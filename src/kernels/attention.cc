@@ -1,10 +1,12 @@
 // Block attention on the CPU: FlashAttention-2 style tiling over one (Q block, KV block) pair.
 //
 // Terms. Nq, Nk: tokens of the Q and KV blocks; Hq, Hkv: heads; g = Hq / Hkv (GQA group); d: head
-// dimension. Inputs are first laid out *group-major*, [Hkv][tokens][g][d] in fp32, so that the g
-// query heads that share a KV head form one matrix with contiguous rows: a Q tile of qTile tokens
-// is a (qTile * g) x d matrix and every tile product is one plain GEMM. (With Hkv = 1 and fp32
-// input this layout is the input itself and nothing is copied.) A *task* is the unit of the
+// dimension. Inputs are first laid out *group-major*, [Hkv][tokens][g][d], so that the g query
+// heads that share a KV head form one matrix with contiguous rows: a Q tile of qTile tokens is a
+// (qTile * g) x d matrix and every tile product is one plain GEMM. (With Hkv = 1 this layout is
+// the input itself and nothing is copied, unless bf16 input is widened.) The layout holds fp32,
+// or bf16 when the tile products go through oneDNN's bf16 GEMM (Bf16Gemm::kNative); then the
+// fp32 P and dS tiles are rounded to bf16 before the products that read them. A *task* is the unit of the
 // parallel loop: in the forward one (KV head, Q tile) that walks its non-empty K tiles with an
 // online softmax; in the backward one (KV head, K tile) that owns its dK, dV rows and walks its
 // non-empty Q tiles, adding dQ under a per-Q-tile lock. Tasks are sorted by their number of
@@ -14,6 +16,7 @@
 #include "fcp/kernels/attention.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -24,6 +27,7 @@
 #include "attention_internal.h"
 #include "block_mask.h"
 #include "fcp/core/error.h"
+#include "fcp/kernels/cpu_dispatch.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "vector_ops.h"
@@ -99,35 +103,67 @@ void checkLike(const TensorView& t, const TensorView& like, const char* name, co
                          like.numHeads, ", ", like.headDim, "]");
 }
 
-// A tensor in group-major fp32 layout [Hkv][tokens][g][d]; owns a copy unless it aliases input.
+// A tensor in group-major layout [Hkv][tokens][g][d]: bf16 when the tile products go through
+// the bf16 GEMM (the input must be bf16 then), else fp32 (bf16 input widened). Owns a copy
+// unless it aliases the input (Hkv = 1 and the input already has the element type).
 struct GroupMajor {
-  std::vector<float> storage;
-  const float* data = nullptr;
-  int64_t headStride = 0;  // floats between consecutive KV heads
+  std::vector<float> f32Storage;
+  std::vector<uint16_t> bf16Storage;
+  const void* data = nullptr;
+  bool bf16 = false;
+  int64_t headStride = 0;  // elements between consecutive KV heads
+
+  /// The tile starting `offset` elements in, as a GEMM operand.
+  const void* at(int64_t offset) const {
+    if (bf16) return static_cast<const uint16_t*>(data) + offset;
+    return static_cast<const float*>(data) + offset;
+  }
 };
 
-GroupMajor toGroupMajor(const TensorView& t, int groups, const VectorOps& ops) {
+GroupMajor toGroupMajor(const TensorView& t, int groups, bool bf16, const VectorOps& ops) {
+  FCP_CHECK(!bf16 || t.dtype == DType::kBf16, "a bf16 group-major copy needs bf16 input");
   GroupMajor out;
+  out.bf16 = bf16;
   const int g = t.numHeads / groups;
-  const int64_t rowFloats = static_cast<int64_t>(g) * t.headDim;
-  out.headStride = t.numTokens * rowFloats;
-  if (t.dtype == DType::kFp32 && groups == 1) {
-    out.data = static_cast<const float*>(t.data);
+  const int64_t rowElems = static_cast<int64_t>(g) * t.headDim;
+  out.headStride = t.numTokens * rowElems;
+  const bool sameType = bf16 == (t.dtype == DType::kBf16);
+  if (sameType && groups == 1) {
+    out.data = t.data;
     return out;
   }
-  out.storage.resize(static_cast<size_t>(out.headStride) * groups);
+  if (bf16) out.bf16Storage.resize(static_cast<size_t>(out.headStride) * groups);
+  else out.f32Storage.resize(static_cast<size_t>(out.headStride) * groups);
+  const auto* srcF32 = static_cast<const float*>(t.data);
+  const auto* srcBf16 = static_cast<const uint16_t*>(t.data);
   for (int h = 0; h < groups; ++h) {
     for (int64_t i = 0; i < t.numTokens; ++i) {
       const int64_t src = (i * t.numHeads + static_cast<int64_t>(h) * g) * t.headDim;
-      float* dst = out.storage.data() + h * out.headStride + i * rowFloats;
-      if (t.dtype == DType::kFp32)
-        std::copy_n(static_cast<const float*>(t.data) + src, rowFloats, dst);
+      const int64_t dst = h * out.headStride + i * rowElems;
+      if (bf16)
+        std::copy_n(srcBf16 + src, rowElems, out.bf16Storage.data() + dst);
+      else if (t.dtype == DType::kFp32)
+        std::copy_n(srcF32 + src, rowElems, out.f32Storage.data() + dst);
       else
-        ops.bf16ToFp32(static_cast<const uint16_t*>(t.data) + src, dst, rowFloats);
+        ops.bf16ToFp32(srcBf16 + src, out.f32Storage.data() + dst, rowElems);
     }
   }
-  out.data = out.storage.data();
+  out.data = bf16 ? static_cast<const void*>(out.bf16Storage.data())
+                  : static_cast<const void*>(out.f32Storage.data());
   return out;
+}
+
+// Whether this call's tile products go through the bf16 GEMM: bf16 operands and that path on.
+bool useBf16Gemm(std::initializer_list<const TensorView*> operands) {
+  for (const TensorView* t : operands)
+    if (t->dtype != DType::kBf16) return false;
+  return activeBf16Gemm() == Bf16Gemm::kNative;
+}
+
+// Rounds `rows` rows of `cols` fp32 values (row distance ld) to bf16, for a bf16 GEMM operand.
+void roundRowsToBf16(const float* src, uint16_t* dst, int64_t rows, int64_t cols, int64_t ld,
+                     const VectorOps& ops) {
+  for (int64_t r = 0; r < rows; ++r) ops.fp32ToBf16(src + r * ld, dst + r * ld, cols);
 }
 
 // Per-row values ([Nq][Hq] floats) in group-major order [Hkv][Nq][g], times `factor`.
@@ -228,15 +264,17 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
   if (s.nk == 0) return 0.0;
 
   const VectorOps& ops = detail::vectorOps();
-  const GroupMajor qg = toGroupMajor(q, s.hkv, ops);
-  const GroupMajor kg = toGroupMajor(k, s.hkv, ops);
-  const GroupMajor vg = toGroupMajor(v, s.hkv, ops);
+  const bool bf16 = useBf16Gemm({&q});
+  const GroupMajor qg = toGroupMajor(q, s.hkv, bf16, ops);
+  const GroupMajor kg = toGroupMajor(k, s.hkv, bf16, ops);
+  const GroupMajor vg = toGroupMajor(v, s.hkv, bf16, ops);
   const std::vector<Task> tasks = makeTasks(p.map, s.hkv, /*perQTile=*/true);
   const float alpha = kLog2e / std::sqrt(static_cast<float>(s.d));
   const int64_t maxRows = p.qTileTokens * s.g;
 
   struct Scratch {
     std::vector<float> scores, acc, rowMax, rowSum, correction;
+    std::vector<uint16_t> scoresBf16;  // P rounded to bf16 for O += P V (bf16 GEMM only)
   };
   std::vector<Scratch> scratch(numThreads);
   std::vector<double> gemmFlops(numThreads, 0.0);
@@ -244,6 +282,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
     const Task& task = tasks[t];
     Scratch& sc = scratch[w];
     sc.scores.resize(maxRows * kKTileTokens);
+    if (bf16) sc.scoresBf16.resize(maxRows * kKTileTokens);
     sc.acc.resize(maxRows * s.d);  // the first O += P V overwrites it (beta = 0)
     sc.rowMax.assign(maxRows, kNegInf);
     sc.rowSum.assign(maxRows, 0.0f);
@@ -251,18 +290,20 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
     const int64_t q0 = task.tile * p.qTileTokens;
     const int64_t qTokens = std::min(p.qTileTokens, s.nq - q0);
     const int64_t rows = qTokens * s.g;
-    const float* qTile = qg.data + task.kvHead * qg.headStride + q0 * s.g * s.d;
+    const void* qTile = qg.at(task.kvHead * qg.headStride + q0 * s.g * s.d);
+    const void* pTile = bf16 ? static_cast<const void*>(sc.scoresBf16.data())
+                             : static_cast<const void*>(sc.scores.data());
     bool first = true;
     for (int64_t kt : task.partners) {
       // Only the tile's column span: keys no query of this Q tile can see are not computed.
       const ColumnSpan span = p.map.span(task.tile, kt);
       const int64_t k0 = kt * kKTileTokens + span.begin;
       const int64_t kCols = span.end - span.begin;
-      const float* kTile = kg.data + task.kvHead * kg.headStride + k0 * s.d;
-      const float* vTile = vg.data + task.kvHead * vg.headStride + k0 * s.d;
+      const void* kTile = kg.at(task.kvHead * kg.headStride + k0 * s.d);
+      const void* vTile = vg.at(task.kvHead * vg.headStride + k0 * s.d);
       gemmFlops[w] += 4.0 * static_cast<double>(rows * kCols * s.d);
-      detail::sgemm('N', 'T', rows, kCols, s.d, alpha, qTile, s.d, kTile, s.d, 0.0f,
-                    sc.scores.data(), kKTileTokens);
+      detail::gemm(bf16, 'N', 'T', rows, kCols, s.d, alpha, qTile, s.d, kTile, s.d, 0.0f,
+                   sc.scores.data(), kKTileTokens);
       if (!gemmOnly) {
         if (p.map.at(task.tile, kt) == TileClass::kPartial)
           maskTile(sc.scores.data(), kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0,
@@ -270,9 +311,11 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
         ops.softmaxStep(sc.scores.data(), rows, kCols, kKTileTokens, sc.rowMax.data(),
                         sc.rowSum.data(), sc.correction.data());
         if (!first) ops.scaleRows(sc.acc.data(), rows, s.d, s.d, sc.correction.data());
+        if (bf16)
+          roundRowsToBf16(sc.scores.data(), sc.scoresBf16.data(), rows, kCols, kKTileTokens, ops);
       }
-      detail::sgemm('N', 'N', rows, s.d, kCols, 1.0f, sc.scores.data(), kKTileTokens, vTile, s.d,
-                    first ? 0.0f : 1.0f, sc.acc.data(), s.d);
+      detail::gemm(bf16, 'N', 'N', rows, s.d, kCols, 1.0f, pTile, kKTileTokens, vTile, s.d,
+                   first ? 0.0f : 1.0f, sc.acc.data(), s.d);
       first = false;
     }
     if (gemmOnly) return;
@@ -349,10 +392,11 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
   FCP_CHECK(lse && delta && dq && dk && dv, "backward needs lse, delta and gradient buffers");
 
   const VectorOps& ops = detail::vectorOps();
-  const GroupMajor qg = toGroupMajor(q, s.hkv, ops);
-  const GroupMajor kg = toGroupMajor(k, s.hkv, ops);
-  const GroupMajor vg = toGroupMajor(v, s.hkv, ops);
-  const GroupMajor dog = toGroupMajor(dO, s.hkv, ops);
+  const bool bf16 = useBf16Gemm({&q, &dO});
+  const GroupMajor qg = toGroupMajor(q, s.hkv, bf16, ops);
+  const GroupMajor kg = toGroupMajor(k, s.hkv, bf16, ops);
+  const GroupMajor vg = toGroupMajor(v, s.hkv, bf16, ops);
+  const GroupMajor dog = toGroupMajor(dO, s.hkv, bf16, ops);
   const std::vector<float> lse2 = rowsToGroupMajor(lse, s, kLog2e);
   const std::vector<float> deltaG = rowsToGroupMajor(delta, s, 1.0f);
   const std::vector<Task> tasks = makeTasks(p.map, s.hkv, /*perQTile=*/false);
@@ -366,6 +410,7 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
 
   struct Scratch {
     std::vector<float> p, dp, dk, dv, dq;
+    std::vector<uint16_t> roundedBf16;  // P, then dS, rounded for their products (bf16 GEMM)
   };
   std::vector<Scratch> scratch(numThreads);
   std::vector<double> gemmFlops(numThreads, 0.0);
@@ -374,48 +419,55 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
     Scratch& sc = scratch[w];
     sc.p.resize(maxRows * kKTileTokens);
     sc.dp.resize(maxRows * kKTileTokens);
+    if (bf16) sc.roundedBf16.resize(maxRows * kKTileTokens);
     sc.dq.resize(maxRows * s.d);
     sc.dk.assign(kKTileTokens * s.d, 0.0f);
     sc.dv.assign(kKTileTokens * s.d, 0.0f);
     const int64_t kTile0 = task.tile * kKTileTokens;
     const int64_t h = task.kvHead;
+    float* pt = sc.p.data();
+    float* dpt = sc.dp.data();
+    // The fp32 P and dS tiles, or their bf16 roundings, as operands of the GEMMs that read them.
+    const void* pOperand = bf16 ? static_cast<const void*>(sc.roundedBf16.data()) : pt;
+    const void* dsOperand = bf16 ? static_cast<const void*>(sc.roundedBf16.data()) : dpt;
     for (int64_t qt : task.partners) {
       // Only the tile's column span (see the forward); its rows of dK, dV start at span.begin.
       const ColumnSpan span = p.map.span(qt, task.tile);
       const int64_t k0 = kTile0 + span.begin;
       const int64_t kCols = span.end - span.begin;
-      const float* kTile = kg.data + h * kg.headStride + k0 * s.d;
-      const float* vTile = vg.data + h * vg.headStride + k0 * s.d;
+      const void* kTile = kg.at(h * kg.headStride + k0 * s.d);
+      const void* vTile = vg.at(h * vg.headStride + k0 * s.d);
       float* dkTile = sc.dk.data() + span.begin * s.d;
       float* dvTile = sc.dv.data() + span.begin * s.d;
       const int64_t q0 = qt * p.qTileTokens;
       const int64_t qTokens = std::min(p.qTileTokens, s.nq - q0);
       const int64_t rows = qTokens * s.g;
       const int64_t rowBase = (h * s.nq + q0) * s.g;
-      const float* qTile = qg.data + h * qg.headStride + q0 * s.g * s.d;
-      const float* doTile = dog.data + h * dog.headStride + q0 * s.g * s.d;
-      float* pt = sc.p.data();
-      float* dpt = sc.dp.data();
+      const void* qTile = qg.at(h * qg.headStride + q0 * s.g * s.d);
+      const void* doTile = dog.at(h * dog.headStride + q0 * s.g * s.d);
       gemmFlops[w] += 10.0 * static_cast<double>(rows * kCols * s.d);
-      detail::sgemm('N', 'T', rows, kCols, s.d, alpha, qTile, s.d, kTile, s.d, 0.0f, pt,
-                    kKTileTokens);
+      detail::gemm(bf16, 'N', 'T', rows, kCols, s.d, alpha, qTile, s.d, kTile, s.d, 0.0f, pt,
+                   kKTileTokens);
       if (!gemmOnly) {
         if (p.map.at(qt, task.tile) == TileClass::kPartial)
           maskTile(pt, kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0, kCols, p.causal,
                    ops);
         ops.probabilities(pt, rows, kCols, kKTileTokens, lse2.data() + rowBase);
+        if (bf16) roundRowsToBf16(pt, sc.roundedBf16.data(), rows, kCols, kKTileTokens, ops);
       }
       // dV += P^T dO; dP = dO V^T; dS = P (dP - D); dK += scale dS^T Q; dQ += scale dS K.
-      detail::sgemm('T', 'N', kCols, s.d, rows, 1.0f, pt, kKTileTokens, doTile, s.d, 1.0f,
-                    dvTile, s.d);
-      detail::sgemm('N', 'T', rows, kCols, s.d, 1.0f, doTile, s.d, vTile, s.d, 0.0f, dpt,
-                    kKTileTokens);
-      if (!gemmOnly)
+      detail::gemm(bf16, 'T', 'N', kCols, s.d, rows, 1.0f, pOperand, kKTileTokens, doTile, s.d,
+                   1.0f, dvTile, s.d);
+      detail::gemm(bf16, 'N', 'T', rows, kCols, s.d, 1.0f, doTile, s.d, vTile, s.d, 0.0f, dpt,
+                   kKTileTokens);
+      if (!gemmOnly) {
         ops.scoreGradients(pt, dpt, rows, kCols, kKTileTokens, deltaG.data() + rowBase);
-      detail::sgemm('T', 'N', kCols, s.d, rows, scale, dpt, kKTileTokens, qTile, s.d, 1.0f,
-                    dkTile, s.d);
-      detail::sgemm('N', 'N', rows, s.d, kCols, scale, dpt, kKTileTokens, kTile, s.d, 0.0f,
-                    sc.dq.data(), s.d);
+        if (bf16) roundRowsToBf16(dpt, sc.roundedBf16.data(), rows, kCols, kKTileTokens, ops);
+      }
+      detail::gemm(bf16, 'T', 'N', kCols, s.d, rows, scale, dsOperand, kKTileTokens, qTile, s.d,
+                   1.0f, dkTile, s.d);
+      detail::gemm(bf16, 'N', 'N', rows, s.d, kCols, scale, dsOperand, kKTileTokens, kTile, s.d,
+                   0.0f, sc.dq.data(), s.d);
       if (gemmOnly) continue;
       std::lock_guard<std::mutex> lock(locks[h * p.map.numQTiles + qt]);
       ops.add(dqg.data() + rowBase * s.d, sc.dq.data(), rows * s.d);

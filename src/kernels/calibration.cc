@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention_internal.h"
+#include "fcp/kernels/cpu_dispatch.h"
 #include "gemm.h"
 #include "parallel.h"
 
@@ -115,7 +116,7 @@ double measurePeakGemmGflops(int numThreads, double minSeconds) {
 }
 
 double measureBf16GemmGflops(int64_t m, int64_t n, int64_t k, int numThreads, double minSeconds) {
-  if (!detail::bf16GemmAvailable()) return -1.0;
+  if (!bf16GemmSupported()) return -1.0;
   const int threads = detail::resolveThreads(numThreads);
   std::vector<uint16_t> a(m * k, 0x3f80), b(n * k, 0x3f80);
   std::vector<std::vector<float>> cs(threads, std::vector<float>(m * n, 0.0f));

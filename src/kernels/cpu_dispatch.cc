@@ -27,6 +27,11 @@ std::atomic<CpuPath>& forcedPath() {
   return path;
 }
 
+std::atomic<Bf16Gemm>& forcedBf16Gemm() {
+  static std::atomic<Bf16Gemm> gemm{Bf16Gemm::kAuto};
+  return gemm;
+}
+
 }  // namespace
 
 std::string_view cpuPathName(CpuPath path) {
@@ -61,6 +66,28 @@ CpuPath activeCpuPath() {
   static const CpuPath best = detectBest();
   const CpuPath forced = forcedPath().load();
   return forced == CpuPath::kAuto ? best : forced;
+}
+
+std::string_view bf16GemmName(Bf16Gemm gemm) {
+  switch (gemm) {
+    case Bf16Gemm::kAuto: return "auto";
+    case Bf16Gemm::kNative: return "native";
+    case Bf16Gemm::kWiden: return "widen";
+  }
+  return "unknown";
+}
+
+void setBf16Gemm(Bf16Gemm gemm) {
+  if (gemm == Bf16Gemm::kNative && !bf16GemmSupported())
+    throwInvalidArgument("bf16 GEMM path 'native' is unavailable on this CPU (oneDNN's ",
+                         "dnnl_gemm_bf16bf16f32 is unimplemented here); expected auto or widen");
+  forcedBf16Gemm().store(gemm);
+}
+
+Bf16Gemm activeBf16Gemm() {
+  const Bf16Gemm forced = forcedBf16Gemm().load();
+  if (forced != Bf16Gemm::kAuto) return forced;
+  return bf16GemmSupported() ? Bf16Gemm::kNative : Bf16Gemm::kWiden;
 }
 
 namespace detail {

@@ -16,7 +16,10 @@ bool gemmBf16(char transA, char transB, int64_t m, int64_t n, int64_t k, float a
               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
               int64_t ldc);
 
-/// Whether gemmBf16 works here (probed once with a 1 x 1 product).
-bool bf16GemmAvailable();
+/// C = alpha op(A) op(B) + beta C with A and B both bf16 (gemmBf16; the caller has checked
+/// that it is supported) or both fp32 (sgemm).
+void gemm(bool bf16, char transA, char transB, int64_t m, int64_t n, int64_t k, float alpha,
+          const void* a, int64_t lda, const void* b, int64_t ldb, float beta, float* c,
+          int64_t ldc);
 
 }  // namespace fcp::kernels::detail

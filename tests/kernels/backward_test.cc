@@ -21,7 +21,10 @@ using testing::HostTensor;
 using testing::Layout;
 
 struct PathGuard {
-  ~PathGuard() { setCpuPath(CpuPath::kAuto); }
+  ~PathGuard() {
+    setCpuPath(CpuPath::kAuto);
+    setBf16Gemm(Bf16Gemm::kAuto);
+  }
 };
 
 // ||got - ref|| / max(||ref||, ||scaleRef||), NaN if got has a NaN. The floor matters when the
@@ -54,18 +57,23 @@ void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout) {
         hkv, d, testing::expand(m.q), testing::expand(m.k), m.kind == MaskKind::kCausal);
     for (CpuPath path : {CpuPath::kPortable, CpuPath::kAvx2, CpuPath::kAvx512}) {
       if (!cpuSupports(path)) continue;
-      SCOPED_TRACE(std::string(cpuPathName(path)) + " " + std::string(dtypeName(dtype)));
-      setCpuPath(path);
-      const double tol = dtype == DType::kFp32 ? 1e-5 : 1e-2;
-      std::vector<float> o(q.f32.size()), lse(n * hq), delta(n * hq);
-      forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
-      computeDelta({o.data(), n, hq, d, DType::kFp32}, dO.view(dtype), delta.data());
-      std::vector<float> dq(q.f32.size(), 0.0f), dk(k.f32.size(), 0.0f), dv(k.f32.size(), 0.0f);
-      backward(q.view(dtype), k.view(dtype), v.view(dtype), dO.view(dtype), lse.data(),
-               delta.data(), m.mask(), dq.data(), dk.data(), dv.data());
-      EXPECT_LE(gradientError(dq, ref.dq, ref.dv), tol) << "dq";
-      EXPECT_LE(gradientError(dk, ref.dk, ref.dv), tol) << "dk";
-      EXPECT_LE(gradientError(dv, ref.dv, ref.dv), tol) << "dv";
+      for (Bf16Gemm gemm : testing::bf16GemmsFor(dtype)) {
+        SCOPED_TRACE(std::string(cpuPathName(path)) + " " + std::string(dtypeName(dtype)) +
+                     " gemm " + std::string(bf16GemmName(gemm)));
+        setCpuPath(path);
+        setBf16Gemm(gemm);
+        const double tol = dtype == DType::kFp32 ? 1e-5 : 1e-2;
+        std::vector<float> o(q.f32.size()), lse(n * hq), delta(n * hq);
+        forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
+        computeDelta({o.data(), n, hq, d, DType::kFp32}, dO.view(dtype), delta.data());
+        std::vector<float> dq(q.f32.size(), 0.0f), dk(k.f32.size(), 0.0f),
+            dv(k.f32.size(), 0.0f);
+        backward(q.view(dtype), k.view(dtype), v.view(dtype), dO.view(dtype), lse.data(),
+                 delta.data(), m.mask(), dq.data(), dk.data(), dv.data());
+        EXPECT_LE(gradientError(dq, ref.dq, ref.dv), tol) << "dq";
+        EXPECT_LE(gradientError(dk, ref.dk, ref.dv), tol) << "dk";
+        EXPECT_LE(gradientError(dv, ref.dv, ref.dv), tol) << "dv";
+      }
     }
   }
 }

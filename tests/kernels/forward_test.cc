@@ -33,7 +33,10 @@ std::vector<CpuPath> runnablePaths() {
 
 // Restores automatic dispatch when a test ends, even on failure.
 struct PathGuard {
-  ~PathGuard() { setCpuPath(CpuPath::kAuto); }
+  ~PathGuard() {
+    setCpuPath(CpuPath::kAuto);
+    setBf16Gemm(Bf16Gemm::kAuto);
+  }
 };
 
 struct Problem {
@@ -81,15 +84,19 @@ void checkForward(const Problem& p) {
         q.asDouble(dtype), k.asDouble(dtype), v.asDouble(dtype), p.nq, nk, p.hq, p.hkv, p.d,
         testing::expand(m.q), testing::expand(m.k), m.kind == MaskKind::kCausal, rows);
     for (CpuPath path : runnablePaths()) {
-      SCOPED_TRACE(std::string(cpuPathName(path)) + " " + std::string(dtypeName(dtype)));
-      setCpuPath(path);
-      std::fill(o.begin(), o.end(), kPoison);
-      std::fill(lse.begin(), lse.end(), kPoison);
-      forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
-      for (float x : o) ASSERT_FALSE(std::isnan(x)) << "unwritten or NaN output";
-      for (float x : lse) ASSERT_FALSE(std::isnan(x)) << "unwritten or NaN LSE";
-      EXPECT_LE(testing::relativeL2(o.data(), ref.o), tolerance(dtype));
-      EXPECT_LE(testing::relativeL2(lse.data(), ref.lse), tolerance(dtype));
+      for (Bf16Gemm gemm : testing::bf16GemmsFor(dtype)) {
+        SCOPED_TRACE(std::string(cpuPathName(path)) + " " + std::string(dtypeName(dtype)) +
+                     " gemm " + std::string(bf16GemmName(gemm)));
+        setCpuPath(path);
+        setBf16Gemm(gemm);
+        std::fill(o.begin(), o.end(), kPoison);
+        std::fill(lse.begin(), lse.end(), kPoison);
+        forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
+        for (float x : o) ASSERT_FALSE(std::isnan(x)) << "unwritten or NaN output";
+        for (float x : lse) ASSERT_FALSE(std::isnan(x)) << "unwritten or NaN LSE";
+        EXPECT_LE(testing::relativeL2(o.data(), ref.o), tolerance(dtype));
+        EXPECT_LE(testing::relativeL2(lse.data(), ref.lse), tolerance(dtype));
+      }
     }
   }
 }

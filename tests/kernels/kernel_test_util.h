@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fcp/kernels/attention.h"
+#include "fcp/kernels/cpu_dispatch.h"
 
 namespace fcp::kernels::testing {
 
@@ -24,6 +25,14 @@ inline uint64_t testSeed() {
            static_cast<uint64_t>(std::random_device{}());
   }();
   return seed;
+}
+
+/// The bf16 GEMM paths a test of `dtype` runs: for bf16, the widened (fp32 sgemm) path always
+/// and oneDNN's bf16 GEMM where this CPU runs it; for fp32, just kAuto (the setting is unused).
+inline std::vector<Bf16Gemm> bf16GemmsFor(DType dtype) {
+  if (dtype != DType::kBf16) return {Bf16Gemm::kAuto};
+  if (bf16GemmSupported()) return {Bf16Gemm::kWiden, Bf16Gemm::kNative};
+  return {Bf16Gemm::kWiden};
 }
 
 /// A host tensor [tokens, heads, dim] in fp32 with an optional bf16 copy.
