@@ -6,6 +6,7 @@
 // (rendezvous) message only inside MPI calls: without it a send posted before a kernel would
 // move only when the kernel ends. Every MPI call, from either thread, holds one mutex, so the
 // transport needs MPI_THREAD_SERIALIZED at least.
+#include <algorithm>
 #include <mpi.h>
 
 #include <atomic>
@@ -205,6 +206,7 @@ class MpiTransport final : public Transport {
       check(code, isSend ? "MPI_Isend" : "MPI_Irecv", peer);
       id = nextId_++;
       slots_.emplace(id, std::move(slot));
+      posted_ = true;
     }
     cv_.notify_one();
     return id;
@@ -231,17 +233,28 @@ class MpiTransport final : public Transport {
     return false;
   }
 
+  /// Polls pending requests, sleeping between polls. The sleep starts at pollMicroseconds
+  /// and doubles, up to maxPollMicroseconds, while polls complete nothing; a completion or a
+  /// newly posted request resets it. Each wake-up of this thread takes a core from a kernel
+  /// thread (every core runs one), so a fixed short interval costs compute.
   void progressLoop() {
     std::unique_lock<std::mutex> lock(mu_);
-    const auto pause = std::chrono::duration<double, std::micro>(options_.pollMicroseconds);
+    const double shortest = options_.pollMicroseconds;
+    const double longest = std::max(shortest, options_.maxPollMicroseconds);
+    double pause = shortest;
     while (!stop_) {
       cv_.wait(lock, [this] { return stop_ || anyPending(); });
       if (stop_) break;
+      bool completed = false;
       for (auto& [id, slot] : slots_) {
-        if (!slot.done) pollSlot(slot);
+        if (slot.done) continue;
+        pollSlot(slot);
+        completed |= slot.done;
       }
+      pause = completed || posted_ ? shortest : std::min(2 * pause, longest);
+      posted_ = false;
       lock.unlock();
-      std::this_thread::sleep_for(pause);
+      std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(pause));
       lock.lock();
     }
   }
@@ -255,6 +268,7 @@ class MpiTransport final : public Transport {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool posted_ = false;  ///< a request was posted since the progress thread's last poll
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Slot> slots_;
   std::thread progress_;
