@@ -11,6 +11,7 @@
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -19,12 +20,14 @@
 #include "fcp/core/workload.h"
 #include "fcp/plan/json.h"
 #include "fcp/plan/plan.h"
+#include "fcp/sim/hardware.h"
 
 namespace fcp::app {
 namespace {
 
 struct PlanArgs {
   std::string workload = "lognormal";
+  std::string curve;
   std::string trace;
   int64_t workers = 16;
   std::string tokensPerWorker;  // default 32K for workloads, the trace's share for traces
@@ -197,6 +200,7 @@ void runPlan(const PlanArgs& a) {
   config.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
 
   CostModel costModel{config.attention};
+  if (!a.curve.empty()) std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
   plan::PlanTimings timings;
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
   plan::checkValid(p);
@@ -273,6 +277,9 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--beta", args->beta, "Weight of compute in the distributor's score")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the batch sampler")->capture_default_str();
+  cmd->add_option("--curve", args->curve,
+                  "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
+                  "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU curve");
   cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
   cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
   cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();

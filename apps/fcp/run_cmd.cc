@@ -21,6 +21,7 @@
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -36,6 +37,7 @@
 #include "fcp/runtime/mpi_transport.h"
 #include "fcp/runtime/reference.h"
 #include "fcp/runtime/throttle.h"
+#include "fcp/sim/hardware.h"
 
 namespace fcp::app {
 namespace {
@@ -44,6 +46,7 @@ constexpr int kGatherTag = 5;
 
 struct RunArgs {
   std::string workload = "lognormal";
+  std::string curve;
   std::string trace;
   std::string tokensPerWorker = "8K";
   std::string blockSize = "2K";
@@ -91,6 +94,7 @@ std::vector<std::string> splitStrategies(const std::string& text) {
 struct Setup {
   Batch batch;
   plan::PlanConfig config;  // numWorkers and tokensPerWorker set once the rank count is known
+  EfficiencyCurve forward = EfficiencyCurve::paperDefault(), backward = EfficiencyCurve::paperDefault();
   std::vector<std::string> strategies;
   std::string source;
 };
@@ -98,6 +102,7 @@ struct Setup {
 Setup validate(const RunArgs& a) {
   Setup s;
   s.strategies = splitStrategies(a.strategies);
+  if (!a.curve.empty()) std::tie(s.forward, s.backward) = sim::loadEfficiencyCurves(a.curve);
   if (a.dtype != "fp32") {
     throwInvalidArgument("unsupported --dtype '", a.dtype, "': the runtime executes fp32 (use fp32)");
   }
@@ -259,7 +264,7 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
                                              runtime::Timeline* timeline) {
   auto run = std::make_unique<StrategyRun>();
   run->strategy = strategy;
-  const CostModel costModel{s.config.attention};
+  const CostModel costModel{s.config.attention, s.forward, s.backward};
   run->plan = strategy == "ring" ? baselines::ringPlan(s.batch, s.config, costModel)
                                  : plan::buildPlan(s.batch, s.config, costModel);
   plan::checkValid(run->plan);
@@ -511,6 +516,9 @@ void addRunCommand(CLI::App& app) {
   cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the batch and of the tensors")->capture_default_str();
+  cmd->add_option("--curve", args->curve,
+                  "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
+                  "hardware profile (cpu or a JSON file); default: the paper-shaped GPU curve");
   cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
   cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
   cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();

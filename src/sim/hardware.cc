@@ -25,16 +25,14 @@ double positiveNumber(const json& j, const char* field, const std::string& sourc
   return j[field].get<double>();
 }
 
-EfficiencyCurve curve(const json& j, const char* field, const std::string& source) {
+EfficiencyCurve curve(const json& j, const char* field) {
   if (!j.contains(field) || !j[field].is_array() || j[field].empty()) {
-    throwInvalidArgument("hardware profile ", source, ": field '", field,
-                         "' must be a non-empty list of [tokens, fraction]");
+    throwInvalidArgument("field '", field, "' must be a non-empty list of [tokens, fraction]");
   }
   std::vector<std::pair<int64_t, double>> points;
   for (const json& p : j[field]) {
     if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number()) {
-      throwInvalidArgument("hardware profile ", source, ": '", field, "' entry ", p.dump(),
-                           " is not [tokens, fraction]");
+      throwInvalidArgument("'", field, "' entry ", p.dump(), " is not [tokens, fraction]");
     }
     points.push_back({p[0].get<int64_t>(), p[1].get<double>()});
   }
@@ -75,8 +73,8 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
     throwInvalidArgument("hardware profile ", source, ": latencies must be >= 0");
   }
   try {
-    h.forward = curve(j, "forward", source);
-    h.backward = j.contains("backward") ? curve(j, "backward", source) : h.forward;
+    h.forward = curve(j, "forward");
+    h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;
   } catch (const Error& e) {
     if (e.code() != ErrorCode::kInvalidArgument) throw;
     throwInvalidArgument("hardware profile ", source, ": ", e.what());
@@ -84,12 +82,26 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   return h;
 }
 
+namespace {
+
+bool isProfileName(const std::string& nameOrPath) {
+  return nameOrPath.find('/') == std::string::npos && nameOrPath.find(".json") == std::string::npos;
+}
+
+std::string readText(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  if (!in) throwInvalidArgument("cannot read ", what, " '", path, "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
 HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
   if (nameOrPath.empty()) throwInvalidArgument("empty hardware profile: expected a name or a file");
   std::string path = nameOrPath;
-  const bool isName = nameOrPath.find('/') == std::string::npos &&
-                      nameOrPath.find(".json") == std::string::npos;
-  if (isName) {
+  if (isProfileName(nameOrPath)) {
     const char* env = std::getenv("FCP_DATA_DIR");
     const std::string dir = env && *env ? env : FCP_SOURCE_DATA_DIR;
     path = dir + "/hardware/" + nameOrPath + ".json";
@@ -98,11 +110,38 @@ HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
                            "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path, ")");
     }
   }
-  std::ifstream in(path);
-  if (!in) throwInvalidArgument("cannot read hardware profile '", path, "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parseHardwareProfile(text.str(), path);
+  return parseHardwareProfile(readText(path, "hardware profile"), path);
+}
+
+std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::string& nameOrPath) {
+  if (nameOrPath.empty() || isProfileName(nameOrPath)) {
+    const HardwareProfile h = loadHardwareProfile(nameOrPath);
+    return {h.forward, h.backward};
+  }
+  const std::string text = readText(nameOrPath, "efficiency curve");
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throwInvalidArgument("efficiency curve ", nameOrPath, " is not valid JSON: ", e.what());
+  }
+  const std::string kind = j.is_object() ? j.value("kind", "") : "";
+  if (kind == "fcp-hardware") {
+    const HardwareProfile h = parseHardwareProfile(text, nameOrPath);
+    return {h.forward, h.backward};
+  }
+  if (kind != "fcp-efficiency-curve") {
+    throwInvalidArgument("efficiency curve ", nameOrPath,
+                         ": expected an object with \"kind\": \"fcp-efficiency-curve\" or \"fcp-hardware\"");
+  }
+  try {
+    EfficiencyCurve forward = curve(j, "forward");
+    EfficiencyCurve backward = j.contains("backward") ? curve(j, "backward") : forward;
+    return {std::move(forward), std::move(backward)};
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kInvalidArgument) throw;
+    throwInvalidArgument("efficiency curve ", nameOrPath, ": ", e.what());
+  }
 }
 
 }  // namespace fcp::sim

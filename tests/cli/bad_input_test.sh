@@ -89,5 +89,13 @@ json.dump(p, open(sys.argv[2], "w"))
 PY
 expect invalid_plan_in "is not a matching" --plan-in "$tmp/bad.json"
 
+# --curve: a file that is missing, of another kind, or with a bad point.
+printf '{"kind": "something-else"}\n' > "$tmp/other_kind.json"
+printf '{"kind": "fcp-efficiency-curve", "forward": [[1024, "fast"]]}\n' > "$tmp/bad_point.json"
+expect missing_curve "$tmp/no_curve.json" --curve "$tmp/no_curve.json"
+expect curve_kind "fcp-efficiency-curve" --curve "$tmp/other_kind.json"
+expect curve_point '[1024,"fast"]' --curve "$tmp/bad_point.json"
+expect unknown_curve_profile "'tpu-v9'" --curve tpu-v9
+
 echo "$passed passed, $failures failed"
 [ $failures -eq 0 ]

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "fcp/core/config.h"
 #include "fcp/core/cost_model.h"
@@ -44,5 +45,12 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
 /// else the source tree's data/ directory. Throws Error(kInvalidArgument) for an unknown
 /// name or an unreadable file.
 HardwareProfile loadHardwareProfile(const std::string& nameOrPath);
+
+/// The forward and backward kernel-efficiency curves of a curve file written by `fcp bench
+/// kernel --curve-out` ({"kind": "fcp-efficiency-curve", "forward": [[tokens, fraction], ...],
+/// "backward": [...]}) or of a hardware profile (a built-in name or a file), so that planners
+/// plan with a device's own f(B). Throws Error(kInvalidArgument) naming the file and what was
+/// expected.
+std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::string& nameOrPath);
 
 }  // namespace fcp::sim

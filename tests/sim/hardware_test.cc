@@ -1,0 +1,66 @@
+// Loading kernel-efficiency curves for planning: from `fcp bench kernel --curve-out` files and
+// from hardware profiles, and the errors for anything else.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "fcp/core/error.h"
+#include "fcp/sim/hardware.h"
+
+namespace fcp::sim {
+namespace {
+
+std::string writeTemp(const std::string& name, const std::string& text) {
+  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(EfficiencyCurvesTest, ABenchCurveFileGivesItsPoints) {
+  const std::string path = writeTemp(
+      "fcp_curve_test.json",
+      R"({"kind": "fcp-efficiency-curve", "device": "x", "peak_gflops": 80,)"
+      R"( "forward": [[256, 0.5], [1024, 0.8]], "backward": [[256, 0.4], [1024, 0.9]]})");
+  const auto [forward, backward] = loadEfficiencyCurves(path);
+  EXPECT_DOUBLE_EQ(forward.at(256), 0.5);
+  EXPECT_DOUBLE_EQ(forward.at(1024), 0.8);
+  EXPECT_DOUBLE_EQ(backward.at(256), 0.4);
+  EXPECT_DOUBLE_EQ(backward.at(1024), 0.9);
+  std::filesystem::remove(path);
+}
+
+TEST(EfficiencyCurvesTest, WithoutABackwardCurveTheForwardOneServesBoth) {
+  const std::string path =
+      writeTemp("fcp_curve_fwd_only.json", R"({"kind": "fcp-efficiency-curve", "forward": [[512, 0.6]]})");
+  const auto [forward, backward] = loadEfficiencyCurves(path);
+  EXPECT_DOUBLE_EQ(backward.at(512), forward.at(512));
+  std::filesystem::remove(path);
+}
+
+TEST(EfficiencyCurvesTest, AHardwareProfileGivesItsCurves) {
+  const HardwareProfile cpu = loadHardwareProfile("cpu");
+  const auto [forward, backward] = loadEfficiencyCurves("cpu");
+  for (const int64_t tokens : {256, 1024, 4096}) {
+    EXPECT_DOUBLE_EQ(forward.at(tokens), cpu.forward.at(tokens));
+    EXPECT_DOUBLE_EQ(backward.at(tokens), cpu.backward.at(tokens));
+  }
+}
+
+TEST(EfficiencyCurvesTest, OtherFilesAreRejectedByName) {
+  const std::string other = writeTemp("fcp_curve_other.json", R"({"kind": "fcp-plan"})");
+  try {
+    loadEfficiencyCurves(other);
+    FAIL() << "accepted a file of another kind";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(other), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(other);
+  EXPECT_THROW(loadEfficiencyCurves("/nonexistent/curve.json"), Error);
+  EXPECT_THROW(loadEfficiencyCurves("no-such-profile"), Error);
+}
+
+}  // namespace
+}  // namespace fcp::sim
