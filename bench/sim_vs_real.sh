@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The simulator against the real runtime on this machine (docs/simulator.md, "Simulator vs
+# fcp run"). Calibrates a CPU profile the way `fcp run` computes — two kernel processes at
+# once, one per core, with the run's head shape — and measures MPI bandwidth between two
+# ranks; runs `fcp run` on 2 ranks with plans made from that profile's curve; simulates the
+# same plans on the profile; prints measured, simulated and the error per strategy.
+# Usage: bench/sim_vs_real.sh [OUT_DIR] (after scripts/build.sh; a few minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fcp=${FCP:-build/apps/fcp/fcp}
+bandwidth=${FCP_BANDWIDTH_BENCH:-build/bench/mpi_bandwidth_bench}
+out=${1:-build/sim_vs_real}
+repeats=${FCP_REPEATS:-3}
+mkdir -p "$out"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+shape=(--heads-q 8 --heads-kv 1 --head-dim 64)
+batch=(--workload lognormal --seed 0 --tokens-per-worker 8K --block-size 2K --memory-slack 0.1 --mask causal)
+
+echo "1/4 kernel curve: two fcp bench kernel processes at once" >&2
+for r in 0 1; do
+  "$fcp" bench kernel --mask full --tokens 128 256 512 1K 2K 4K "${shape[@]}" --min-seconds 0.5 \
+    --curve-out "$out/curve$r.json" > "$out/kernel$r.txt" &
+done
+wait
+
+echo "2/4 MPI bandwidth between two ranks" >&2
+mpirun -n 2 "$bandwidth" 1 16 > "$out/bandwidth.txt"
+
+/usr/bin/python3 - "$out" <<'PY'
+import json, re, sys
+out = sys.argv[1]
+curves = [json.load(open(f"{out}/curve{r}.json")) for r in (0, 1)]
+peak = sum(c["peak_gflops"] for c in curves) / 2
+def mean_curve(direction):
+    points = {}
+    for c in curves:
+        for tokens, fraction in c[direction]:
+            points.setdefault(tokens, []).append(fraction * c["peak_gflops"])
+    return [[t, round(sum(g) / len(g) / peak, 4)] for t, g in sorted(points.items())]
+text = open(f"{out}/bandwidth.txt").read()
+gbps = float(re.search(r"1 MiB each way: median ([0-9.]+) GB/s", text).group(1))
+profile = {
+    "kind": "fcp-hardware", "name": "cpu-measured",
+    "note": "made by bench/sim_vs_real.sh: kernel curve from two concurrent `fcp bench kernel "
+            "--mask full --heads-q 8 --heads-kv 1 --head-dim 64` processes (mean GFLOP/s over "
+            "both, as fractions of their mean sgemm peak); network: median GB/s each way of "
+            "1 MiB messages (a 2K block's K and V) between two ranks",
+    "peak_tflops": peak / 1000, "workers_per_node": 2,
+    "intra_node_gbps": gbps, "inter_node_gbps": gbps,
+    "intra_node_latency_us": 20, "inter_node_latency_us": 20,
+    "forward": mean_curve("forward"), "backward": mean_curve("backward")}
+json.dump(profile, open(f"{out}/cpu.json", "w"), indent=1)
+print(f"profile: peak {peak:.1f} GFLOP/s, network {gbps:.2f} GB/s, forward {profile['forward']}",
+      file=sys.stderr)
+PY
+
+echo "3/4 fcp run on 2 ranks (warmup 1, $repeats repeats, medians)" >&2
+mpirun -n 2 "$fcp" run "${batch[@]}" "${shape[@]}" --curve "$out/cpu.json" --strategy fcp,ring \
+  --threads 1 --warmup 1 --repeats "$repeats" --json > "$out/run.jsonl"
+
+echo "4/4 fcp simulate of the same plans" >&2
+"$fcp" simulate --hardware "$out/cpu.json" --workers 2 --strategy fcp,ring "${batch[@]}" "${shape[@]}" \
+  --dtype fp32 --coalesce 16 --buffers 3 --batches 1 --json > "$out/sim.jsonl"
+
+/usr/bin/python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+run = {r["strategy"]: r for r in map(json.loads, open(f"{out}/run.jsonl"))}
+sim = {r["strategy"]: r for r in map(json.loads, open(f"{out}/sim.jsonl"))}
+print("| strategy | measured fwd / bwd / total ms | simulated fwd / bwd / total ms | error |")
+print("|---|---|---|---|")
+worst = 0
+for s in ("fcp", "ring"):
+    m, p = run[s], sim[s]
+    mt, pt = m["fwd_ms"] + m["bwd_ms"], p["forward_ms"] + p["backward_ms"]
+    err = pt / mt - 1
+    worst = max(worst, abs(err))
+    print(f"| {s} | {m['fwd_ms']:.0f} / {m['bwd_ms']:.0f} / {mt:.0f} | "
+          f"{p['forward_ms']:.0f} / {p['backward_ms']:.0f} / {pt:.0f} | {100 * err:+.1f} % |")
+print(f"worst |error| {100 * worst:.1f} % (kernel GFLOP/s in the run: "
+      + ", ".join(f"{s} {run[s]['kernel_gflops']:.1f}" for s in run) + ")")
+PY
