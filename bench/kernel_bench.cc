@@ -2,9 +2,11 @@
 // one run: head_dim 128, GQA 8:1 (8 Q heads, 1 KV head), self pairs of 1K, 2K and 4K tokens,
 // causal and full, fp32 and bf16, 1 and 2 threads. Prints a table; asserts nothing.
 //
-// Columns: kernel useful GFLOP/s (masked-out work not counted), dnnl_sgemm GFLOP/s running the
-// same tile products alone (same tiles, threads and order), their ratio, the same for the
-// backward, then torch's forward and backward useful GFLOP/s and our speed-up over it.
+// Columns: kernel useful GFLOP/s (masked-out work not counted), the GEMM the kernel used
+// (dnnl_sgemm; oneDNN's bf16 GEMM for bf16 where the CPU runs it) running the same tile products
+// alone (same tiles, threads and order, alternating with the kernel), their ratio, the same for
+// the backward, then torch's forward and backward useful GFLOP/s and our speed-up over it, and
+// for bf16 rows oneDNN's bf16 GEMM on the forward's tiles ("unavail." where the CPU cannot).
 //
 // usage: kernel_bench [--tokens N...] [--threads T...] [--torch-tokens N...] [--min-seconds S]
 //                     [--no-torch]
@@ -91,19 +93,25 @@ int main(int argc, char** argv) {
     const double bf16 = measureBf16GemmGflops(256, 128, 128, t, a.minSeconds);
     if (bf16 < 0)
       std::printf("bf16 GEMM (dnnl_gemm_bf16bf16f32), %d thread(s): unavailable on this CPU "
-                  "(oneDNN 2.6 needs AVX-512); bf16 runs convert to fp32 and use sgemm\n", t);
+                  "(oneDNN 2.6 implements it only with AVX-512)\n", t);
     else
       std::printf("bf16 GEMM (256x128x128 per thread), %d thread(s): %.1f GFLOP/s\n", t, bf16);
   }
+  std::printf("gemm columns: the kernel's own tile products alone, through the GEMM it used: "
+              "dnnl_sgemm for fp32 rows; for bf16 rows %s\n",
+              activeBf16Gemm() == Bf16Gemm::kNative
+                  ? "dnnl_gemm_bf16bf16f32 (oneDNN's bf16 GEMM)"
+                  : "dnnl_sgemm on widened tiles (no bf16 GEMM here: bf16GEMM column "
+                    "'unavail.')");
   std::map<Key, std::pair<double, double>> torch;
   if (a.torch) {
     std::printf("running torch 1.13 (this takes minutes)...\n");
     std::fflush(stdout);
     torch = runTorch(a);
   }
-  std::printf("\n%-5s %-6s %6s %3s | %8s %8s %5s | %8s %8s %5s | %8s %8s %7s\n", "dtype", "mask",
-              "tokens", "thr", "fwd", "sgemm", "ratio", "bwd", "sgemm", "ratio", "torchF",
-              "torchB", "x torch");
+  std::printf("\n%-5s %-6s %6s %3s | %8s %8s %5s | %8s %8s %5s | %8s %8s %7s | %9s\n",
+              "dtype", "mask", "tokens", "thr", "fwd", "gemm", "ratio", "bwd", "gemm", "ratio",
+              "torchF", "torchB", "x torch", "bf16GEMMf");
   for (DType dtype : {DType::kFp32, DType::kBf16}) {
     for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
       for (int64_t n : a.tokens) {
@@ -117,14 +125,17 @@ int main(int argc, char** argv) {
                       r.backwardGemmGflops, r.backwardGflops / r.backwardGemmGflops);
           const auto it = torch.find({std::string(dtypeName(dtype)), maskName, n, t});
           if (it == torch.end()) {
-            std::printf(" %8s %8s %7s\n", "-", "-", "-");
+            std::printf(" %8s %8s %7s |", "-", "-", "-");
           } else {
             const auto [tf, tb] = it->second;
-            std::printf(" %8.2f %8.2f %7.1f\n", tf, tb,
+            std::printf(" %8.2f %8.2f %7.1f |", tf, tb,
                         (r.forwardSeconds + r.backwardSeconds) > 0
                             ? (r.forwardGflops / tf + r.backwardGflops / tb) / 2
                             : 0.0);
           }
+          if (dtype == DType::kFp32) std::printf(" %9s\n", "-");
+          else if (r.forwardBf16GemmGflops) std::printf(" %9.1f\n", *r.forwardBf16GemmGflops);
+          else std::printf(" %9s\n", "unavail.");
           std::fflush(stdout);
         }
       }

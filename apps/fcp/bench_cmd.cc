@@ -2,6 +2,10 @@
 // useful GFLOP/s against block length beside the same tile products run through dnnl_sgemm,
 // prints a table (or JSON records), and writes the efficiency curve the cost model loads.
 //
+// bf16 runs say which GEMM the kernel's tile products used (oneDNN's bf16 GEMM where the CPU runs
+// it, else sgemm on widened tiles) and report the bf16 GEMM on the same tiles, or that it is
+// unavailable (JSON: "bf16_gemm_gflops": null).
+//
 // Curve format (fcp::core reads it): {"kind": "fcp-efficiency-curve", "device", "dtype",
 // "threads", "peak_gflops", "forward": [[tokens, fraction], ...], "backward": [...]}, where
 // fraction = kernel GFLOP/s / peak_gflops and peak_gflops is the best sgemm GFLOP/s on large
@@ -12,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -36,6 +41,7 @@ struct KernelBenchArgs {
   int headDim = 128;
   double minSeconds = 0.2;
   std::string path = "auto";
+  std::string bf16Gemm = "auto";
   bool json = false;
   std::string curveOut;
 };
@@ -57,6 +63,32 @@ kernels::CpuPath parsePath(const std::string& text) {
                              kernels::CpuPath::kAvx2, kernels::CpuPath::kAvx512})
     if (text == kernels::cpuPathName(p)) return p;
   throwInvalidArgument("unknown --path '", text, "': expected auto, portable, avx2 or avx512");
+}
+
+kernels::Bf16Gemm parseBf16Gemm(const std::string& text) {
+  for (kernels::Bf16Gemm g :
+       {kernels::Bf16Gemm::kAuto, kernels::Bf16Gemm::kNative, kernels::Bf16Gemm::kWiden})
+    if (text == kernels::bf16GemmName(g)) return g;
+  throwInvalidArgument("unknown --bf16-gemm '", text, "': expected auto, native or widen");
+}
+
+// What the GEMM columns of a run of `dtype` measure, in words.
+std::string gemmDescription(kernels::DType dtype) {
+  if (dtype == kernels::DType::kFp32) return "dnnl_sgemm";
+  if (kernels::activeBf16Gemm() == kernels::Bf16Gemm::kNative)
+    return "dnnl_gemm_bf16bf16f32 (oneDNN's bf16 GEMM)";
+  return std::string("dnnl_sgemm on bf16 tiles widened to fp32; oneDNN's bf16 GEMM ") +
+         (kernels::bf16GemmSupported()
+              ? "is bypassed (--bf16-gemm widen)"
+              : "(dnnl_gemm_bf16bf16f32) is unavailable on this CPU (oneDNN implements it only "
+                "with AVX-512)");
+}
+
+std::string formatOptional(const std::optional<double>& value) {
+  if (!value) return "unavail.";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", *value);
+  return text;
 }
 
 void requirePositive(int64_t value, const char* flag) {
@@ -83,14 +115,21 @@ void runKernelBench(const KernelBenchArgs& a) {
   if (!(a.minSeconds >= 0.0))
     throwInvalidArgument("invalid --min-seconds ", a.minSeconds, ": expected >= 0");
   kernels::setCpuPath(parsePath(a.path));
+  kernels::setBf16Gemm(parseBf16Gemm(a.bf16Gemm));
+  const bool bf16 = dtype == kernels::DType::kBf16;
 
   const std::string device = kernels::cpuModelName();
   if (!a.json) {
     std::printf("fcp bench kernel: %s, vector path %s, %s, %d/%d heads x %d, %d thread(s)\n",
                 device.c_str(), std::string(kernels::cpuPathName(kernels::activeCpuPath())).c_str(),
                 a.dtype.c_str(), a.headsQ, a.headsKv, a.headDim, a.threads);
-    std::printf("%-6s %7s | %8s %8s %6s | %8s %8s %6s\n", "mask", "tokens", "fwd", "gemm",
+    std::printf("gemm columns: %s\n", gemmDescription(dtype).c_str());
+    if (bf16)
+      std::printf("bf16 GEMM columns: dnnl_gemm_bf16bf16f32 on the same tiles%s\n",
+                  kernels::bf16GemmSupported() ? "" : ": unavailable on this CPU");
+    std::printf("%-6s %7s | %8s %8s %6s | %8s %8s %6s", "mask", "tokens", "fwd", "gemm",
                 "ratio", "bwd", "gemm", "ratio");
+    std::printf(bf16 ? " | %9s %9s\n" : "\n", "bf16GEMMf", "bf16GEMMb");
   }
   // Peak: the best GEMM speed seen in this run, on large tiles before and after the kernels
   // and on the kernels' own tiles, so that a disturbed measurement cannot inflate fractions.
@@ -109,10 +148,14 @@ void runKernelBench(const KernelBenchArgs& a) {
       rows.push_back({maskName, n, r});
       peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
       if (a.json) continue;
-      std::printf("%-6s %7s | %8.1f %8.1f %6.2f | %8.1f %8.1f %6.2f\n", maskName.c_str(),
+      std::printf("%-6s %7s | %8.1f %8.1f %6.2f | %8.1f %8.1f %6.2f", maskName.c_str(),
                   formatTokenCount(n).c_str(), r.forwardGflops, r.forwardGemmGflops,
                   r.forwardGflops / r.forwardGemmGflops, r.backwardGflops, r.backwardGemmGflops,
                   r.backwardGflops / r.backwardGemmGflops);
+      if (bf16)
+        std::printf(" | %9s %9s", formatOptional(r.forwardBf16GemmGflops).c_str(),
+                    formatOptional(r.backwardBf16GemmGflops).c_str());
+      std::printf("\n");
       std::fflush(stdout);
     }
   }
@@ -127,7 +170,7 @@ void runKernelBench(const KernelBenchArgs& a) {
       for (const char* direction : {"forward", "backward"}) {
         const bool fwd = direction[0] == 'f';
         const double gflops = fwd ? r.forwardGflops : r.backwardGflops;
-        const nlohmann::json record = {
+        nlohmann::json record = {
             {"dtype", a.dtype},
             {"mask", row.mask},
             {"direction", direction},
@@ -140,7 +183,14 @@ void runKernelBench(const KernelBenchArgs& a) {
             {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
             {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
             {"fraction_of_peak", gflops / peak},
-            {"peak_gflops", peak}};
+            {"peak_gflops", peak},
+            {"gemm", r.usedBf16Gemm ? "dnnl_gemm_bf16bf16f32" : "dnnl_sgemm"}};
+        if (bf16) {
+          // null, not 0, where this CPU cannot run oneDNN's bf16 GEMM.
+          const std::optional<double>& g =
+              fwd ? r.forwardBf16GemmGflops : r.backwardBf16GemmGflops;
+          record["bf16_gemm_gflops"] = g ? nlohmann::json(*g) : nlohmann::json(nullptr);
+        }
         std::cout << record.dump() << '\n';
       }
     }
@@ -181,6 +231,9 @@ void addBenchCommand(CLI::App& app) {
   kernel->add_option("--min-seconds", args->minSeconds, "time per measurement (best of reps)")
       ->capture_default_str();
   kernel->add_option("--path", args->path, "vector path: auto, portable, avx2, avx512")
+      ->capture_default_str();
+  kernel->add_option("--bf16-gemm", args->bf16Gemm,
+                     "bf16 tile products: auto, native (oneDNN's bf16 GEMM), widen (fp32 sgemm)")
       ->capture_default_str();
   kernel->add_flag("--json", args->json,
                    "one JSON record per (dtype, mask, direction, tokens, threads)");

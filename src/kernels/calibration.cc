@@ -7,6 +7,8 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_internal.h"
@@ -28,6 +30,42 @@ double bestSeconds(const std::function<void()>& run, double minSeconds) {
     total += s;
   }
   return best;
+}
+
+// Best times of `a` and `b` run alternately (a, b, a, b, ...), after one untimed warm-up each,
+// until both have run three times and `a` for minSeconds.
+std::pair<double, double> bestSecondsAlternating(const std::function<void()>& a,
+                                                 const std::function<void()>& b,
+                                                 double minSeconds) {
+  using Clock = std::chrono::steady_clock;
+  auto time = [](const std::function<void()>& run) {
+    const auto start = Clock::now();
+    run();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  a();
+  b();
+  double bestA = 1e30, bestB = 1e30, totalA = 0;
+  for (int rep = 0; rep < 3 || totalA < minSeconds; ++rep) {
+    const double sa = time(a);
+    bestA = std::min(bestA, sa);
+    totalA += sa;
+    bestB = std::min(bestB, time(b));
+  }
+  return {bestA, bestB};
+}
+
+// Runs `body` with the bf16 GEMM path forced to `gemm`, restoring the previous setting.
+void withBf16Gemm(Bf16Gemm gemm, const std::function<void()>& body) {
+  const Bf16Gemm before = activeBf16Gemm();
+  setBf16Gemm(gemm);
+  try {
+    body();
+  } catch (...) {
+    setBf16Gemm(before);
+    throw;
+  }
+  setBf16Gemm(before);
 }
 
 struct Tensor {
@@ -69,33 +107,45 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   CalibrationResult r;
   r.usefulForwardFlops = 4.0 * static_cast<double>(countVisiblePairs(mask)) * c.numHeadsQ *
                          c.headDim;
-  r.forwardSeconds = bestSeconds(
-      [&] { detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, false); },
-      minSeconds);
+  r.usedBf16Gemm = c.dtype == DType::kBf16 && activeBf16Gemm() == Bf16Gemm::kNative;
+  double fwdGemmFlops = 0, bwdGemmFlops = 0;
+  auto forwardKernel = [&] {
+    detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, false);
+  };
+  auto forwardGemm = [&] {
+    fwdGemmFlops =
+        detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, true);
+  };
+  auto backwardKernel = [&] {
+    detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(), mask,
+                        dq.data(), dk.data(), dv.data(), options, false);
+  };
+  auto backwardGemm = [&] {
+    bwdGemmFlops = detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(),
+                                       mask, dq.data(), dk.data(), dv.data(), options, true);
+  };
+  double fwdGemmSeconds = 0, bwdGemmSeconds = 0;
+  std::tie(r.forwardSeconds, fwdGemmSeconds) =
+      bestSecondsAlternating(forwardKernel, forwardGemm, minSeconds);
+  // The backward needs the forward's LSE (the GEMM-only runs leave it unwritten).
+  forwardKernel();
   computeDelta({o.data(), n, c.numHeadsQ, c.headDim, DType::kFp32}, dO.view, delta.data());
-  r.backwardSeconds = bestSeconds(
-      [&] {
-        detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(), mask,
-                            dq.data(), dk.data(), dv.data(), options, false);
-      },
-      minSeconds);
-  double gemmFlops = 0;
-  const double fwdGemmSeconds = bestSeconds(
-      [&] {
-        gemmFlops = detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options,
-                                       true);
-      },
-      minSeconds);
-  r.forwardGemmGflops = gemmFlops / fwdGemmSeconds * 1e-9;
-  const double bwdGemmSeconds = bestSeconds(
-      [&] {
-        gemmFlops = detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(),
-                                        mask, dq.data(), dk.data(), dv.data(), options, true);
-      },
-      minSeconds);
-  r.backwardGemmGflops = gemmFlops / bwdGemmSeconds * 1e-9;
+  std::tie(r.backwardSeconds, bwdGemmSeconds) =
+      bestSecondsAlternating(backwardKernel, backwardGemm, minSeconds);
+  r.forwardGemmGflops = fwdGemmFlops / fwdGemmSeconds * 1e-9;
+  r.backwardGemmGflops = bwdGemmFlops / bwdGemmSeconds * 1e-9;
   r.forwardGflops = r.usefulForwardFlops / r.forwardSeconds * 1e-9;
   r.backwardGflops = 2.5 * r.usefulForwardFlops / r.backwardSeconds * 1e-9;
+  if (r.usedBf16Gemm) {
+    r.forwardBf16GemmGflops = r.forwardGemmGflops;
+    r.backwardBf16GemmGflops = r.backwardGemmGflops;
+  } else if (c.dtype == DType::kBf16 && bf16GemmSupported()) {
+    // The kernel was forced onto the widened path; time the bf16 GEMM on the same tiles anyway.
+    withBf16Gemm(Bf16Gemm::kNative, [&] {
+      r.forwardBf16GemmGflops = fwdGemmFlops / bestSeconds(forwardGemm, minSeconds) * 1e-9;
+      r.backwardBf16GemmGflops = bwdGemmFlops / bestSeconds(backwardGemm, minSeconds) * 1e-9;
+    });
+  }
   return r;
 }
 

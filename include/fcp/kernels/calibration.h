@@ -4,6 +4,7 @@
 /// `fcp bench kernel` and bench/kernel_bench print, and what the efficiency curve is made of.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "fcp/kernels/attention.h"
@@ -23,19 +24,27 @@ struct CalibrationCase {
 };
 
 /// Speeds of one case. Kernel GFLOP/s count useful FLOPs only (DESIGN.md); GEMM GFLOP/s count
-/// the FLOPs the same tile products execute (diagonal tiles in full), run alone.
+/// the FLOPs the same tile products execute (diagonal tiles' visible column spans), run alone.
 struct CalibrationResult {
   double forwardGflops = 0;
   double backwardGflops = 0;
-  double forwardGemmGflops = 0;   ///< the kernel's forward tile products through dnnl_sgemm
-  double backwardGemmGflops = 0;  ///< the kernel's backward tile products through dnnl_sgemm
+  /// The kernel's forward tile products alone, through the GEMM the kernel used: dnnl_sgemm
+  /// for fp32 and for bf16 widened to fp32, dnnl_gemm_bf16bf16f32 for bf16 on the native path.
+  double forwardGemmGflops = 0;
+  double backwardGemmGflops = 0;  ///< the same for the backward's tile products
+  /// bf16 cases: oneDNN's bf16 GEMM on the same tile products; empty where this CPU cannot run
+  /// it (and for fp32 cases).
+  std::optional<double> forwardBf16GemmGflops;
+  std::optional<double> backwardBf16GemmGflops;
+  bool usedBf16Gemm = false;      ///< the kernel's tile products went through the bf16 GEMM
   double forwardSeconds = 0;      ///< best time of one forward call
   double backwardSeconds = 0;     ///< best time of one backward call (computeDelta excluded)
   double usefulForwardFlops = 0;  ///< 4 * visible pairs * heads_q * head_dim
 };
 
-/// Runs `c` repeatedly (at least twice, and for at least minSeconds per measurement) and keeps
-/// the best time of each measurement.
+/// Runs `c` repeatedly (at least three times, and for at least minSeconds per measurement) and
+/// keeps the best time of each measurement. The kernel and its GEMM reference alternate, rep by
+/// rep, so that a shared machine's slow spells hit both alike.
 CalibrationResult calibrate(const CalibrationCase& c, double minSeconds = 0.3);
 
 /// Best dnnl_sgemm GFLOP/s on large square tiles, one sequential GEMM per thread, all threads

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# `fcp bench kernel --json` on tiny blocks: every record carries the documented fields; bf16
+# records say which GEMM the kernel used and report oneDNN's bf16 GEMM as a positive number
+# exactly when the kernel used it (auto picks it wherever it runs) and as null, never 0, where
+# it is unavailable; forcing the native bf16 GEMM either runs on it or fails with one line that
+# says it is unavailable on this CPU. Timing values are only checked to be positive.
+set -u
+fcp=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+run() {
+  local name=$1
+  shift
+  if ! "$fcp" bench kernel --tokens 64 --mask causal full --min-seconds 0 --json "$@" \
+      > "$tmp/$name.json" 2> "$tmp/$name.err"; then
+    echo "FAIL $name: exit code nonzero"
+    sed 's/^/    stderr: /' "$tmp/$name.err"
+    failures=$((failures + 1))
+    return 1
+  fi
+}
+
+check() {
+  /usr/bin/python3 - "$@" <<'PY' || failures=$((failures + 1))
+import json, sys
+path, dtype, expect_gemm = sys.argv[1], sys.argv[2], sys.argv[3]
+records = [json.loads(line) for line in open(path)]
+problems = []
+if len(records) != 4:  # {causal, full} x {forward, backward}
+    problems.append(f"{len(records)} records, expected 4")
+for r in records:
+    for key in ("gflops", "gemm_gflops", "seconds", "peak_gflops"):
+        if not (isinstance(r.get(key), (int, float)) and r[key] > 0):
+            problems.append(f"{key} = {r.get(key)!r}, expected a positive number")
+    if r.get("dtype") != dtype:
+        problems.append(f"dtype {r.get('dtype')!r}, expected {dtype}")
+    if dtype == "fp32":
+        if r.get("gemm") != "dnnl_sgemm" or "bf16_gemm_gflops" in r:
+            problems.append(f"fp32 record with gemm {r.get('gemm')!r} / a bf16 GEMM field")
+        continue
+    if "bf16_gemm_gflops" not in r:
+        problems.append("bf16 record without bf16_gemm_gflops")
+        continue
+    g = r["bf16_gemm_gflops"]
+    if r.get("gemm") == "dnnl_gemm_bf16bf16f32":
+        if not (isinstance(g, (int, float)) and g > 0):
+            problems.append(f"kernel used the bf16 GEMM but bf16_gemm_gflops = {g!r}")
+    elif r.get("gemm") == "dnnl_sgemm":
+        if g is not None:
+            problems.append(f"bf16 GEMM unused under auto but bf16_gemm_gflops = {g!r}, expected null")
+    else:
+        problems.append(f"gemm = {r.get('gemm')!r}")
+    if expect_gemm != "any" and r.get("gemm") != expect_gemm:
+        problems.append(f"gemm = {r.get('gemm')!r}, expected {expect_gemm}")
+for p in problems:
+    print(f"FAIL {path}: {p}")
+sys.exit(1 if problems else 0)
+PY
+}
+
+run fp32 --dtype fp32 && check "$tmp/fp32.json" fp32 any
+run bf16 --dtype bf16 && check "$tmp/bf16.json" bf16 any
+
+# Forcing the native bf16 GEMM: it runs (and the records say so) or is refused in one line.
+if "$fcp" bench kernel --tokens 64 --mask full --min-seconds 0 --json --dtype bf16 \
+    --bf16-gemm native > "$tmp/native.json" 2> "$tmp/native.err"; then
+  /usr/bin/python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    assert r["gemm"] == "dnnl_gemm_bf16bf16f32" and r["bf16_gemm_gflops"] > 0, r
+' "$tmp/native.json" || { echo "FAIL native: records do not show the bf16 GEMM"; failures=$((failures + 1)); }
+else
+  if [ -s "$tmp/native.json" ] || [ "$(wc -l < "$tmp/native.err")" -ne 1 ] ||
+      ! grep -q "unavailable on this CPU" "$tmp/native.err"; then
+    echo "FAIL native: refused without one line saying the bf16 GEMM is unavailable"
+    sed 's/^/    stderr: /' "$tmp/native.err"
+    failures=$((failures + 1))
+  fi
+fi
+
+if [ $failures -ne 0 ]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "bench kernel checks passed"
