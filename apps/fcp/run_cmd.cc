@@ -204,48 +204,6 @@ struct StrategyResult {
   double errOut = 0, errDq = 0, errDk = 0, errDv = 0;
 };
 
-/// Rank 0 gathers every rank's outputs and compares them with the float64 reference; the
-/// other ranks send theirs. Errors are returned on rank 0 only.
-void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs& a,
-                           const std::vector<int64_t>& userStart, const std::vector<float>* outs[4],
-                           StrategyResult& r) {
-  const auto& att = s.config.attention;
-  const int64_t qRow = att.numHeadsQ * att.headDim, kRow = att.numHeadsKv * att.headDim;
-  std::vector<float> mine;
-  for (int i = 0; i < 4; ++i) mine.insert(mine.end(), outs[i]->begin(), outs[i]->end());
-  if (t.rank() != 0) {
-    if (!mine.empty()) t.wait(t.isend(0, kGatherTag, runtime::asBytes(mine)));
-    return;
-  }
-  const int64_t total = s.batch.numTokens();
-  Tensors all;
-  std::vector<float> o, dq, dk, dv;
-  for (int rank = 0; rank < t.size(); ++rank) {
-    const int64_t n = userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)];
-    const Tensors in = makeInputs(a.seed, rank, n, att);
-    for (auto [dst, src] : {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
-      dst->insert(dst->end(), src->begin(), src->end());
-    }
-    std::vector<float> got = mine;
-    if (rank != 0) {
-      got.assign(static_cast<size_t>(n * (2 * qRow + 2 * kRow)), 0.f);
-      if (!got.empty()) t.wait(t.irecv(rank, kGatherTag, runtime::asWritableBytes(got)));
-    }
-    const float* p = got.data();
-    for (auto [dst, width] : {std::pair{&o, qRow}, {&dq, qRow}, {&dk, kRow}, {&dv, kRow}}) {
-      dst->insert(dst->end(), p, p + n * width);
-      p += n * width;
-    }
-  }
-  FCP_CHECK_EQ(static_cast<int64_t>(o.size()), total * qRow);
-  const runtime::ReferenceResult ref = runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
-  r.checked = true;
-  r.errOut = runtime::relativeL2(o, ref.o);
-  r.errDq = runtime::relativeL2(dq, ref.dq);
-  r.errDk = runtime::relativeL2(dk, ref.dk);
-  r.errDv = runtime::relativeL2(dv, ref.dv);
-}
-
 /// One strategy's plan, executors, outputs and measurements. The strategies' repeats are
 /// interleaved (fcp, ring, fcp, ring, ...) so that a slow spell of this shared machine hits
 /// both alike.
@@ -258,6 +216,89 @@ struct StrategyRun {
   double kernelMs = 0, flops = 0;
   int64_t sent = 0, kv = 0;
 };
+
+/// The FLOPs of the float64 reference (forward and backward) of `batch`: how long rank 0 may
+/// keep the other ranks waiting for the check's verdict.
+double referenceFlops(const Batch& batch, const AttentionConfig& att) {
+  double visible = 0;
+  for (const int64_t length : batch.sequenceLengths) {
+    const auto l = static_cast<double>(length);
+    visible += att.mask == MaskKind::kCausal ? l * (l + 1) / 2 : l * l;
+  }
+  return 3.5 * 4.0 * visible * static_cast<double>(att.numHeadsQ * att.headDim);
+}
+
+/// Rank 0 gathers every rank's outputs of every strategy first (so no rank waits on a message
+/// while it computes), then computes the float64 reference once and compares each strategy
+/// with it. The other ranks only send. Errors land in `results` on rank 0.
+void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs& a,
+                           const std::vector<std::unique_ptr<StrategyRun>>& runs,
+                           std::vector<StrategyResult>& results) {
+  const auto& att = s.config.attention;
+  const int64_t qRow = att.numHeadsQ * att.headDim, kRow = att.numHeadsKv * att.headDim;
+  const std::vector<int64_t> userStart = plan::userLayoutStarts(s.batch.numTokens(), t.size());
+  const auto tokensOf = [&](int rank) {
+    return userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)];
+  };
+  // Per strategy, this rank's O, dQ, dK, dV back to back.
+  std::vector<std::vector<float>> mine;
+  for (const auto& run : runs) {
+    std::vector<float>& m = mine.emplace_back();
+    for (const std::vector<float>* x : {&run->o, &run->dq, &run->dk, &run->dv}) m.insert(m.end(), x->begin(), x->end());
+  }
+  if (t.rank() != 0) {
+    std::vector<runtime::RequestId> sends;
+    for (const auto& m : mine) {
+      if (!m.empty()) sends.push_back(t.isend(0, kGatherTag, runtime::asBytes(m)));
+    }
+    runtime::waitAll(t, sends);
+    return;
+  }
+  // got[strategy][rank]
+  std::vector<std::vector<std::vector<float>>> got(runs.size(), std::vector<std::vector<float>>(static_cast<size_t>(t.size())));
+  std::vector<runtime::RequestId> recvs;
+  for (int rank = 1; rank < t.size(); ++rank) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      auto& g = got[i][static_cast<size_t>(rank)];
+      g.assign(static_cast<size_t>(tokensOf(rank) * (2 * qRow + 2 * kRow)), 0.f);
+      if (!g.empty()) recvs.push_back(t.irecv(rank, kGatherTag, runtime::asWritableBytes(g)));
+    }
+  }
+  runtime::waitAll(t, recvs);
+  for (size_t i = 0; i < runs.size(); ++i) got[i][0] = std::move(mine[i]);
+
+  Tensors all;
+  for (int rank = 0; rank < t.size(); ++rank) {
+    const Tensors in = makeInputs(a.seed, rank, tokensOf(rank), att);
+    for (auto [dst, src] : {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
+      dst->insert(dst->end(), src->begin(), src->end());
+    }
+  }
+  // Fault injection for the tests: a reference slower than --timeout.
+  if (const char* delay = std::getenv("FCP_FAULT_CHECK_DELAY_SECONDS")) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(delay)));
+  }
+  const runtime::ReferenceResult ref = runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    std::vector<float> o, dq, dk, dv;
+    for (int rank = 0; rank < t.size(); ++rank) {
+      const int64_t n = tokensOf(rank);
+      const float* p = got[i][static_cast<size_t>(rank)].data();
+      for (auto [dst, width] : {std::pair{&o, qRow}, {&dq, qRow}, {&dk, kRow}, {&dv, kRow}}) {
+        dst->insert(dst->end(), p, p + n * width);
+        p += n * width;
+      }
+    }
+    FCP_CHECK_EQ(static_cast<int64_t>(o.size()), s.batch.numTokens() * qRow);
+    StrategyResult& r = results[i];
+    r.checked = true;
+    r.errOut = runtime::relativeL2(o, ref.o);
+    r.errDq = runtime::relativeL2(dq, ref.dq);
+    r.errDk = runtime::relativeL2(dk, ref.dk);
+    r.errDv = runtime::relativeL2(dv, ref.dv);
+  }
+}
+
 
 std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data, const Setup& s,
                                              const RunArgs& a, const std::string& strategy, const Tensors& in,
@@ -310,7 +351,7 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in
   run.kv = e.forwardStats().kvBytes + e.backwardStats().kvBytes;
 }
 
-StrategyResult summarize(runtime::Transport& net, const Setup& s, const RunArgs& a, StrategyRun& run) {
+StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun& run) {
   StrategyResult r;
   r.strategy = run.strategy;
   r.fwdMs = median(run.fwd);
@@ -326,10 +367,6 @@ StrategyResult summarize(runtime::Transport& net, const Setup& s, const RunArgs&
   r.idealMs = r.kernelGflops > 0 ? totalFlops / ranks / (r.kernelGflops * 1e6) : 0;
   r.commBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.sent), 1.0));
   r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.kv), 1.0));
-  if (a.check) {
-    const std::vector<float>* outs[4] = {&run.o, &run.dq, &run.dk, &run.dv};
-    checkAgainstReference(net, s, a, plan::userLayoutStarts(s.batch.numTokens(), net.size()), outs, r);
-  }
   return r;
 }
 
@@ -450,17 +487,24 @@ void runRun(const RunArgs& a) {
       for (auto& run : runs) repeatStrategy(*net, *run, in, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
     }
     std::vector<StrategyResult> results;
-    for (auto& run : runs) results.push_back(summarize(*net, s, a, *run));
+    for (auto& run : runs) results.push_back(summarize(*net, a, *run));
     std::string trace;
     if (!a.timeline.empty()) trace = runtime::gatherChromeTrace(*net, timeline);
-    // Rank 0 judges the check; every rank returns the same verdict.
+    // Rank 0 judges the check; every rank returns the same verdict. The others wait for it as
+    // long as the reference may take at a slow 0.1 GFLOP/s (float64, one core), on top of
+    // --timeout.
     int64_t failed = 0;
-    if (rank == 0 && a.check) {
-      for (const auto& r : results) {
-        for (double e : {r.errOut, r.errDq, r.errDk, r.errDv}) failed |= !(e <= a.tolerance);
+    double verdictTimeout = 0;
+    if (a.check) {
+      checkAgainstReference(*net, s, a, runs, results);
+      verdictTimeout = a.timeoutSeconds + referenceFlops(s.batch, c.attention) / 1e8;
+      if (rank == 0) {
+        for (const auto& r : results) {
+          for (double e : {r.errOut, r.errDq, r.errDk, r.errDv}) failed |= !(e <= a.tolerance);
+        }
       }
     }
-    net->allreduce({&failed, 1}, runtime::ReduceOp::kMax);
+    net->allreduce({&failed, 1}, runtime::ReduceOp::kMax, verdictTimeout);
     if (rank == 0) {
       if (!a.timeline.empty()) writeFileAtomically(a.timeline, trace);
       if (a.json) {
@@ -537,7 +581,7 @@ void addRunCommand(CLI::App& app) {
                   "0 = uncapped)")
       ->capture_default_str();
   cmd->add_flag("--check", args->check,
-                "Compare outputs and dQ/dK/dV with a float64 single-process reference (small batches)");
+                "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the default batch: minutes)");
   cmd->add_option("--tolerance", args->tolerance, "Largest relative L2 error --check accepts")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object per strategy");

@@ -118,7 +118,10 @@ class ThrottledTransport final : public Transport {
     }
   }
 
-  void allreduce(std::span<int64_t> values, ReduceOp op) override { inner_.allreduce(values, op); }
+  using Transport::allreduce;
+  void allreduce(std::span<int64_t> values, ReduceOp op, double timeoutSeconds) override {
+    inner_.allreduce(values, op, timeoutSeconds);
+  }
   [[noreturn]] void abort(int exitCode) noexcept override {
     inner_.abort(exitCode);
     std::_Exit(exitCode);

@@ -64,6 +64,15 @@ else
   echo "ok: 2-rank --check --json"
 fi
 
+# A reference slower than --timeout (rank 0 made 4 s slower, --timeout 1): the other ranks
+# wait for the verdict as long as the reference may take, so the check still passes.
+if ! env FCP_FAULT_CHECK_DELAY_SECONDS=4 "$mpirun" -x FCP_FAULT_CHECK_DELAY_SECONDS -n 2 "$fcp" "${tiny[@]}" \
+     --check --timeout 1 --json >"$dir/out" 2>"$dir/err"; then
+  fail "--check slower than --timeout"; cat "$dir/err"
+else
+  echo "ok: --check slower than --timeout"
+fi
+
 # A check that fails (an impossible tolerance) is a nonzero exit on every rank, not a hang.
 expect_error "check above tolerance" "relative L2 error above --tolerance" 30 \
   "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15

@@ -66,7 +66,8 @@ class ThreadTransport final : public Transport {
       throw Error(ErrorCode::kTransport, "thread transport: receive timed out");
     }
   }
-  void allreduce(std::span<int64_t> values, ReduceOp op) override {
+  using Transport::allreduce;
+  void allreduce(std::span<int64_t> values, ReduceOp op, double /*timeoutSeconds*/) override {
     std::unique_lock<std::mutex> lock(world_.mu);
     const int64_t gen = world_.generation;
     if (world_.arrived == 0) {

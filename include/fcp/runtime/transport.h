@@ -45,7 +45,11 @@ class Transport {
   virtual void wait(RequestId request) = 0;
 
   /// Element-wise reduction of `values` over every rank, result on every rank (blocking).
-  virtual void allreduce(std::span<int64_t> values, ReduceOp op) = 0;
+  /// `timeoutSeconds` > 0 replaces the transport's timeout for this call: for a collective
+  /// that some ranks reach much later on purpose (after rank 0's reference check, say); 0
+  /// keeps the transport's own.
+  virtual void allreduce(std::span<int64_t> values, ReduceOp op, double timeoutSeconds) = 0;
+  void allreduce(std::span<int64_t> values, ReduceOp op) { allreduce(values, op, 0); }
   /// Ends every process of the job with `exitCode` (used after an error that the other
   /// ranks cannot know about, so that none of them waits forever).
   [[noreturn]] virtual void abort(int exitCode) noexcept = 0;

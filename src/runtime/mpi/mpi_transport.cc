@@ -123,7 +123,9 @@ class MpiTransport final : public Transport {
 
   // Non-blocking, tested under the same deadline as wait: a rank that stops answering makes
   // the others fail with a message instead of blocking inside a collective forever.
-  void allreduce(std::span<int64_t> values, ReduceOp op) override {
+  using Transport::allreduce;
+  void allreduce(std::span<int64_t> values, ReduceOp op, double timeoutSeconds) override {
+    const double seconds = timeoutSeconds > 0 ? timeoutSeconds : options_.timeoutSeconds;
     const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
     MPI_Request request = MPI_REQUEST_NULL;
     {
@@ -132,7 +134,7 @@ class MpiTransport final : public Transport {
                            mpiOp, comm_, &request),
             "MPI_Iallreduce", -1);
     }
-    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeoutSeconds);
+    const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
     for (int spins = 0;; ++spins) {
       int flag = 0;
       {
@@ -143,7 +145,7 @@ class MpiTransport final : public Transport {
       if (Clock::now() > deadline) {
         throw Error(ErrorCode::kTransport,
                     "rank " + std::to_string(rank_) + ": timed out after " +
-                        std::to_string(static_cast<int>(options_.timeoutSeconds)) +
+                        std::to_string(static_cast<int>(seconds)) +
                         " s waiting for an allreduce with every rank (did a rank die or stop?)");
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
