@@ -6,11 +6,13 @@
 // (qTile * g) x d matrix and every tile product is one plain GEMM. (With Hkv = 1 this layout is
 // the input itself and nothing is copied, unless bf16 input is widened.) The layout holds fp32,
 // or bf16 when the tile products go through oneDNN's bf16 GEMM (Bf16Gemm::kNative); then the
-// fp32 P and dS tiles are rounded to bf16 before the products that read them. A *task* is the unit of the
-// parallel loop: in the forward one (KV head, Q tile) that walks its non-empty K tiles with an
-// online softmax; in the backward one (KV head, K tile) that owns its dK, dV rows and walks its
-// non-empty Q tiles, adding dQ under a per-Q-tile lock. Tasks are sorted by their number of
-// non-empty tiles, largest first, so that causal work stays balanced over the workers.
+// fp32 P and dS tiles are rounded to bf16 before the products that read them. A *task* is the
+// unit of the parallel loop: in the forward one (KV head, Q tile) that walks its non-empty K
+// tiles with an online softmax; in the backward one (KV head, K tile) that owns its dK, dV rows
+// and walks its non-empty Q tiles, adding dQ under a per-Q-tile lock. Each tile product covers
+// only the pair's column span (the keys some query of the Q tile can see). Tasks are sorted by
+// the key columns they execute, largest first, so that causal work stays balanced over the
+// workers.
 //
 // Scores are kept in the log2 domain: S2 = log2(e) / sqrt(d) * Q K^T, so the softmax uses exp2.
 #include "fcp/kernels/attention.h"
@@ -180,9 +182,11 @@ struct Task {
   int kvHead;
   int64_t tile;                   // Q tile (forward) or K tile (backward)
   std::vector<int64_t> partners;  // the non-empty tiles of the other side
+  int64_t columns = 0;            // key columns its tile products execute (the partners' spans)
 };
 
-// Tasks in decreasing order of work (ties by index, so the order is deterministic).
+// Tasks in decreasing order of work, measured in executed key columns (a causal diagonal tile
+// counts its span only), ties by index so that the order is deterministic.
 std::vector<Task> makeTasks(const TileMap& map, int numKvHeads, bool perQTile) {
   std::vector<Task> tasks;
   const int64_t own = perQTile ? map.numQTiles : map.numKTiles;
@@ -191,15 +195,16 @@ std::vector<Task> makeTasks(const TileMap& map, int numKvHeads, bool perQTile) {
     for (int64_t t = 0; t < own; ++t) {
       Task task{h, t, {}};
       for (int64_t u = 0; u < other; ++u) {
-        const TileClass c = perQTile ? map.at(t, u) : map.at(u, t);
-        if (c != TileClass::kEmpty) task.partners.push_back(u);
+        const int64_t qt = perQTile ? t : u, kt = perQTile ? u : t;
+        if (map.at(qt, kt) == TileClass::kEmpty) continue;
+        task.partners.push_back(u);
+        task.columns += map.span(qt, kt).end - map.span(qt, kt).begin;
       }
       if (!task.partners.empty()) tasks.push_back(std::move(task));
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return a.partners.size() > b.partners.size();
-  });
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.columns > b.columns; });
   return tasks;
 }
 

@@ -49,7 +49,8 @@ for r in records:
             problems.append(f"kernel used the bf16 GEMM but bf16_gemm_gflops = {g!r}")
     elif r.get("gemm") == "dnnl_sgemm":
         if g is not None:
-            problems.append(f"bf16 GEMM unused under auto but bf16_gemm_gflops = {g!r}, expected null")
+            problems.append(f"bf16 GEMM unused under auto but bf16_gemm_gflops = {g!r}, "
+                            "expected null")
     else:
         problems.append(f"gemm = {r.get('gemm')!r}")
     if expect_gemm != "any" and r.get("gemm") != expect_gemm:
@@ -71,7 +72,10 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     assert r["gemm"] == "dnnl_gemm_bf16bf16f32" and r["bf16_gemm_gflops"] > 0, r
-' "$tmp/native.json" || { echo "FAIL native: records do not show the bf16 GEMM"; failures=$((failures + 1)); }
+' "$tmp/native.json" || {
+    echo "FAIL native: records do not show the bf16 GEMM"
+    failures=$((failures + 1))
+  }
 else
   if [ -s "$tmp/native.json" ] || [ "$(wc -l < "$tmp/native.err")" -ne 1 ] ||
       ! grep -q "unavailable on this CPU" "$tmp/native.err"; then
