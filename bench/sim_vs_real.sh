@@ -6,17 +6,17 @@
 # same plans on the profile; prints measured, simulated and the error per strategy.
 # Usage: bench/sim_vs_real.sh [OUT_DIR] (after scripts/build.sh; a few minutes).
 #
-# The curve comes from causal self pairs (FCP_CURVE_MASK=full for full ones): every block of
-# the run's batch is a Zig-Zag block of a long sequence (two chunks), and a pair of them runs
-# as a half-height full product or a causal diagonal, which times like a causal self pair of
-# the block's length, not like a full one (docs/simulator.md).
+# The curve comes from Zig-Zag pairs (`fcp bench kernel --mask zigzag`: every pair of a causal
+# sequence cut into 4 Zig-Zag blocks; FCP_CURVE_MASK=causal or full for self pairs): every
+# block of the run's batch is a Zig-Zag block of a long sequence, and its pairs are what the
+# runtime times (docs/simulator.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fcp=${FCP:-build/apps/fcp/fcp}
 bandwidth=${FCP_BANDWIDTH_BENCH:-build/bench/mpi_bandwidth_bench}
 out=${1:-build/sim_vs_real}
 repeats=${FCP_REPEATS:-3}
-curve_mask=${FCP_CURVE_MASK:-causal}
+curve_mask=${FCP_CURVE_MASK:-zigzag}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 shape=(--heads-q 8 --heads-kv 1 --head-dim 64)

@@ -52,10 +52,13 @@ kernels::DType parseDtype(const std::string& text) {
   throwInvalidArgument("unknown --dtype '", text, "': expected fp32 or bf16");
 }
 
+/// Zig-Zag cases: the pairs of a causal sequence cut into this many blocks.
+constexpr int kZigzagBlocks = 4;
+
 kernels::MaskKind parseMask(const std::string& text) {
-  if (text == "causal") return kernels::MaskKind::kCausal;
+  if (text == "causal" || text == "zigzag") return kernels::MaskKind::kCausal;
   if (text == "full") return kernels::MaskKind::kFull;
-  throwInvalidArgument("unknown --mask '", text, "': expected causal or full");
+  throwInvalidArgument("unknown --mask '", text, "': expected causal, full or zigzag");
 }
 
 kernels::CpuPath parsePath(const std::string& text) {
@@ -97,14 +100,18 @@ void requirePositive(int64_t value, const char* flag) {
 
 void runKernelBench(const KernelBenchArgs& a) {
   const kernels::DType dtype = parseDtype(a.dtype);
-  std::vector<kernels::MaskKind> masks;
-  for (const std::string& m : a.masks) masks.push_back(parseMask(m));
+  for (const std::string& m : a.masks) parseMask(m);
   std::vector<int64_t> tokens;
   for (const std::string& t : a.tokens) {
     tokens.push_back(parseTokenCount(t, "--tokens"));
     requirePositive(tokens.back(), "--tokens");
   }
   std::sort(tokens.begin(), tokens.end());
+  if (std::find(a.masks.begin(), a.masks.end(), "zigzag") != a.masks.end()) {
+    for (const int64_t n : tokens) {
+      if (n % 2 != 0) throwInvalidArgument("invalid --tokens ", n, " with --mask zigzag: expected an even block length");
+    }
+  }
   requirePositive(a.threads, "--threads");
   requirePositive(a.headsQ, "--heads-q");
   requirePositive(a.headsKv, "--heads-kv");
@@ -140,11 +147,12 @@ void runKernelBench(const KernelBenchArgs& a) {
     kernels::CalibrationResult r;
   };
   std::vector<Row> rows;
-  for (kernels::MaskKind mask : masks) {
-    const std::string maskName = mask == kernels::MaskKind::kCausal ? "causal" : "full";
+  for (const std::string& maskName : a.masks) {
+    const kernels::MaskKind mask = parseMask(maskName);
+    const int zigzag = maskName == "zigzag" ? kZigzagBlocks : 0;
     for (int64_t n : tokens) {
       const kernels::CalibrationResult r = kernels::calibrate(
-          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads}, a.minSeconds);
+          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag}, a.minSeconds);
       rows.push_back({maskName, n, r});
       peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
       if (a.json) continue;
@@ -163,7 +171,10 @@ void runKernelBench(const KernelBenchArgs& a) {
   if (!a.json) std::printf("peak (best dnnl_sgemm GFLOP/s of this run): %.1f\n", peak);
 
   nlohmann::json forwardCurve = nlohmann::json::array(), backwardCurve = nlohmann::json::array();
-  const bool curveFromFull = std::find(a.masks.begin(), a.masks.end(), "full") != a.masks.end();
+  // The curve: from the Zig-Zag cases if measured (what a plan's long sequences run), else the
+  // full ones (a causal plan's pairs are mostly off-diagonal), else the causal ones.
+  const auto measured = [&](const char* m) { return std::find(a.masks.begin(), a.masks.end(), m) != a.masks.end(); };
+  const std::string curveMask = measured("zigzag") ? "zigzag" : measured("full") ? "full" : "causal";
   for (const Row& row : rows) {
     const kernels::CalibrationResult& r = row.r;
     if (a.json) {
@@ -194,7 +205,7 @@ void runKernelBench(const KernelBenchArgs& a) {
         std::cout << record.dump() << '\n';
       }
     }
-    if (row.mask == "full" || !curveFromFull) {
+    if (row.mask == curveMask) {
       forwardCurve.push_back({row.tokens, r.forwardGflops / peak});
       backwardCurve.push_back({row.tokens, r.backwardGflops / peak});
     }
@@ -220,7 +231,9 @@ void addBenchCommand(CLI::App& app) {
       "kernel", "Block-attention kernels: GFLOP/s vs block length, beside dnnl_sgemm on the same "
                 "tiles; writes the efficiency curve");
   kernel->add_option("--dtype", args->dtype, "fp32 or bf16")->capture_default_str();
-  kernel->add_option("--mask", args->masks, "causal and/or full (self pairs of one sequence)")
+  kernel->add_option("--mask", args->masks,
+                     "causal, full (self pairs of one sequence) and/or zigzag (every pair of a causal "
+                     "sequence cut into 4 Zig-Zag blocks of this length)")
       ->capture_default_str();
   kernel->add_option("--tokens", args->tokens, "block lengths (e.g. 256 1K 8K)")
       ->capture_default_str();

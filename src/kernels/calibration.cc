@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention_internal.h"
+#include "fcp/core/error.h"
 #include "fcp/kernels/cpu_dispatch.h"
 #include "gemm.h"
 #include "parallel.h"
@@ -92,44 +93,87 @@ Tensor randomTensor(int64_t tokens, int heads, int dim, DType dtype, std::mt1993
 }  // namespace
 
 CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
+  if (c.zigzagBlocks < 0 || (c.zigzagBlocks > 0 && (c.blockTokens % 2 != 0 || c.mask != MaskKind::kCausal))) {
+    throwInvalidArgument("Zig-Zag calibration of ", c.zigzagBlocks, " blocks of ", c.blockTokens,
+                         " tokens: expected a causal mask and an even block length");
+  }
   std::mt19937 rng(12345);
   const int64_t n = c.blockTokens;
-  const Tensor q = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
-  const Tensor k = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
-  const Tensor v = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
-  const Tensor dO = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
-  const Segment seg{n, 0, 0};
-  const BlockMask mask{c.mask, {&seg, 1}, {&seg, 1}};
-  const KernelOptions options{c.numThreads};
-  const size_t qn = q.f32.size(), kn = k.f32.size();
-  std::vector<float> o(qn), lse(n * c.numHeadsQ), delta(n * c.numHeadsQ), dq(qn), dk(kn), dv(kn);
-
+  // The blocks, each with its own tensors, and the pairs to time.
+  const int numBlocks = std::max(c.zigzagBlocks, 1);
+  std::vector<std::vector<Segment>> segments(static_cast<size_t>(numBlocks));
+  if (c.zigzagBlocks == 0) {
+    segments[0] = {Segment{n, 0, 0}};
+  } else {
+    const int64_t chunk = n / 2, k = c.zigzagBlocks;
+    for (int64_t i = 0; i < k; ++i) {
+      segments[static_cast<size_t>(i)] = {Segment{chunk, 0, i * chunk}, Segment{chunk, 0, (2 * k - 1 - i) * chunk}};
+    }
+  }
+  struct Block {
+    Tensor q, k, v, dO;
+  };
+  std::vector<Block> blocks;
+  for (int b = 0; b < numBlocks; ++b) {
+    Block& blk = blocks.emplace_back();
+    blk.q = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
+    blk.k = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
+    blk.v = randomTensor(n, c.numHeadsKv, c.headDim, c.dtype, rng);
+    blk.dO = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);
+  }
+  struct Pair {
+    size_t q, kv;
+    BlockMask mask;
+    std::vector<float> lse, delta;  // the pair's own forward statistics, for its backward
+  };
+  std::vector<Pair> pairs;
   CalibrationResult r;
-  r.usefulForwardFlops = 4.0 * static_cast<double>(countVisiblePairs(mask)) * c.numHeadsQ *
-                         c.headDim;
+  for (size_t qb = 0; qb < segments.size(); ++qb) {
+    for (size_t kb = 0; kb < segments.size(); ++kb) {
+      const BlockMask mask{c.mask, segments[qb], segments[kb]};
+      const int64_t visible = countVisiblePairs(mask);
+      if (visible == 0) continue;
+      r.usefulForwardFlops += 4.0 * static_cast<double>(visible) * c.numHeadsQ * c.headDim;
+      pairs.push_back({qb, kb, mask, std::vector<float>(static_cast<size_t>(n * c.numHeadsQ)),
+                       std::vector<float>(static_cast<size_t>(n * c.numHeadsQ))});
+    }
+  }
+  const KernelOptions options{c.numThreads};
+  const size_t qn = blocks[0].q.f32.size(), kn = blocks[0].k.f32.size();
+  std::vector<float> o(qn), lse(n * c.numHeadsQ), dq(qn), dk(kn), dv(kn);
+
   r.usedBf16Gemm = c.dtype == DType::kBf16 && activeBf16Gemm() == Bf16Gemm::kNative;
   double fwdGemmFlops = 0, bwdGemmFlops = 0;
-  auto forwardKernel = [&] {
-    detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, false);
+  auto forward = [&](bool gemmOnly) {
+    double flops = 0;
+    for (const Pair& p : pairs) {
+      const Block &qb = blocks[p.q], &kb = blocks[p.kv];
+      flops += detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), lse.data(), options, gemmOnly);
+    }
+    return flops;
   };
-  auto forwardGemm = [&] {
-    fwdGemmFlops =
-        detail::runForward(q.view, k.view, v.view, mask, o.data(), lse.data(), options, true);
+  auto backward = [&](bool gemmOnly) {
+    double flops = 0;
+    for (const Pair& p : pairs) {
+      const Block &qb = blocks[p.q], &kb = blocks[p.kv];
+      flops += detail::runBackward(qb.q.view, kb.k.view, kb.v.view, qb.dO.view, p.lse.data(), p.delta.data(),
+                                   p.mask, dq.data(), dk.data(), dv.data(), options, gemmOnly);
+    }
+    return flops;
   };
-  auto backwardKernel = [&] {
-    detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(), mask,
-                        dq.data(), dk.data(), dv.data(), options, false);
-  };
-  auto backwardGemm = [&] {
-    bwdGemmFlops = detail::runBackward(q.view, k.view, v.view, dO.view, lse.data(), delta.data(),
-                                       mask, dq.data(), dk.data(), dv.data(), options, true);
-  };
+  auto forwardKernel = [&] { forward(false); };
+  auto forwardGemm = [&] { fwdGemmFlops = forward(true); };
+  auto backwardKernel = [&] { backward(false); };
+  auto backwardGemm = [&] { bwdGemmFlops = backward(true); };
   double fwdGemmSeconds = 0, bwdGemmSeconds = 0;
   std::tie(r.forwardSeconds, fwdGemmSeconds) =
       bestSecondsAlternating(forwardKernel, forwardGemm, minSeconds);
-  // The backward needs the forward's LSE (the GEMM-only runs leave it unwritten).
-  forwardKernel();
-  computeDelta({o.data(), n, c.numHeadsQ, c.headDim, DType::kFp32}, dO.view, delta.data());
+  // The backward needs each pair's forward LSE and D (the GEMM-only runs leave them unwritten).
+  for (Pair& p : pairs) {
+    const Block &qb = blocks[p.q], &kb = blocks[p.kv];
+    detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), p.lse.data(), options, false);
+    computeDelta({o.data(), n, c.numHeadsQ, c.headDim, DType::kFp32}, qb.dO.view, p.delta.data());
+  }
   std::tie(r.backwardSeconds, bwdGemmSeconds) =
       bestSecondsAlternating(backwardKernel, backwardGemm, minSeconds);
   r.forwardGemmGflops = fwdGemmFlops / fwdGemmSeconds * 1e-9;

@@ -85,6 +85,31 @@ else
   fi
 fi
 
+# Zig-Zag cases: records named zigzag, and the curve made from them when they are measured.
+if "$fcp" bench kernel --tokens 64 128 --mask causal zigzag --min-seconds 0 --json \
+    --curve-out "$tmp/zigzag_curve.json" > "$tmp/zigzag.json" 2> "$tmp/zigzag.err"; then
+  /usr/bin/python3 - "$tmp/zigzag.json" "$tmp/zigzag_curve.json" <<'PY' || failures=$((failures + 1))
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+masks = sorted({r["mask"] for r in records})
+assert masks == ["causal", "zigzag"], masks
+curve = json.load(open(sys.argv[2]))
+zig = {r["tokens"]: r["gflops"] / r["peak_gflops"] for r in records
+       if r["mask"] == "zigzag" and r["direction"] == "forward"}
+assert [t for t, _ in curve["forward"]] == [64, 128], curve
+for t, f in curve["forward"]:
+    assert abs(f - zig[t]) < 1e-9, (t, f, zig[t])
+PY
+else
+  echo "FAIL zigzag: exit code nonzero"; sed 's/^/    stderr: /' "$tmp/zigzag.err"; failures=$((failures + 1))
+fi
+"$fcp" bench kernel --tokens 63 --mask zigzag --min-seconds 0 > "$tmp/odd.out" 2> "$tmp/odd.err"
+if [ $? -eq 0 ] || [ -s "$tmp/odd.out" ] || [ "$(wc -l < "$tmp/odd.err")" -ne 1 ] || ! grep -q "63" "$tmp/odd.err"; then
+  echo "FAIL odd zigzag block: expected one line naming 63 and a nonzero exit"
+  sed 's/^/    stderr: /' "$tmp/odd.err"
+  failures=$((failures + 1))
+fi
+
 if [ $failures -ne 0 ]; then
   echo "$failures check(s) failed"
   exit 1

@@ -12,7 +12,10 @@
 namespace fcp::kernels {
 
 /// One measured configuration: a self pair of `blockTokens` tokens of one sequence (causal: the
-/// diagonal pair, about half the pairs visible; full: all visible).
+/// diagonal pair, about half the pairs visible; full: all visible); or, with zigzagBlocks = k
+/// > 0, every visible pair of a causal sequence of k × blockTokens tokens cut into k Zig-Zag
+/// blocks (block i holds chunks i and 2k − 1 − i of blockTokens / 2 tokens), each block in
+/// its own buffers, timed together: the pairs a plan's long sequences give the runtime.
 struct CalibrationCase {
   DType dtype = DType::kFp32;
   MaskKind mask = MaskKind::kCausal;
@@ -21,6 +24,7 @@ struct CalibrationCase {
   int numHeadsKv = 1;
   int headDim = 128;
   int numThreads = 1;
+  int zigzagBlocks = 0;
 };
 
 /// Speeds of one case. Kernel GFLOP/s count useful FLOPs only (DESIGN.md); GEMM GFLOP/s count
@@ -37,11 +41,12 @@ struct CalibrationResult {
   std::optional<double> forwardBf16GemmGflops;
   std::optional<double> backwardBf16GemmGflops;
   bool usedBf16Gemm = false;      ///< the kernel's tile products went through the bf16 GEMM
-  double forwardSeconds = 0;      ///< best time of one forward call
+  double forwardSeconds = 0;      ///< best time of one forward call (of every pair, Zig-Zag)
   double backwardSeconds = 0;     ///< best time of one backward call (computeDelta excluded)
   double usefulForwardFlops = 0;  ///< 4 * visible pairs * heads_q * head_dim
 };
 
+/// Throws Error(kInvalidArgument) for a Zig-Zag case with an odd blockTokens or a full mask.
 /// Runs `c` repeatedly (at least three times, and for at least minSeconds per measurement) and
 /// keeps the best time of each measurement. The kernel and its GEMM reference alternate, rep by
 /// rep, so that a shared machine's slow spells hit both alike.
