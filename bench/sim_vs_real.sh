@@ -23,11 +23,13 @@ shape=(--heads-q 8 --heads-kv 1 --head-dim 64)
 batch=(--workload lognormal --seed 0 --tokens-per-worker 8K --block-size 2K --memory-slack 0.1 --mask causal)
 
 echo "1/4 kernel curve: two fcp bench kernel processes at once" >&2
+pids=()
 for r in 0 1; do
   "$fcp" bench kernel --mask "$curve_mask" --tokens 128 256 512 1K 2K 4K "${shape[@]}" --min-seconds 0.5 \
     --curve-out "$out/curve$r.json" > "$out/kernel$r.txt" &
+  pids+=($!)
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid"; done
 
 echo "2/4 MPI bandwidth between two ranks" >&2
 mpirun -n 2 "$bandwidth" 1 16 > "$out/bandwidth.txt"

@@ -68,7 +68,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     k = 1 if a.quick else 2
-    figures = set(a.figures.split(","))
+    figures = set(f for f in a.figures.split(",") if f)
     unknown = figures - {"weak", "ablation", "block", "tokens"}
     if unknown:
         ap.error(f"unknown --figures {','.join(sorted(unknown))}: expected weak, ablation, block, tokens")
@@ -146,6 +146,7 @@ def tokens_per_gpu(a):
         for r in simulate(a.fcp, strategy=ALL, workers=128, hardware="gpu-x", tokens_per_worker=t,
                           memory_slack=slack, batches=1):
             r["tokens_per_gpu"] = int(t[:-1]) * 1024
+            r["memory_slack"] = slack
             rows.append(r)
     save(rows, "tokens_per_gpu")
     plot_lines(rows, "tokens_per_gpu", "mfu", "strategy", "Tokens per GPU, 128 GPU-X",

@@ -72,6 +72,7 @@ class ThrottledTransport final : public Transport {
     r.inner = innerId;
     r.bytes = data.size();
     pendingRecvs_.push_back(id);
+    freshRecv_ = true;
     cv_.notify_all();
     return id;
   }
@@ -146,21 +147,32 @@ class ThrottledTransport final : public Transport {
         std::chrono::duration<double>(static_cast<double>(bytes) / rate_));
   }
 
-  // Posts sends at their release times and polls pending receives every kPoll, so that a
-  // receive's link time counts from when its data arrived, not from when someone asked.
+  // Posts sends at their release times and polls pending receives, so that a receive's link
+  // time counts from when its data arrived, not from when someone asked. The poll interval
+  // starts at 50 us and doubles up to 1 ms while polls find nothing (an arrival or a new
+  // receive resets it): every wake-up takes a core from a kernel thread, and polling every
+  // 50 us throughout slowed the kernels by a third (docs/runtime.md). An arrival is noticed
+  // at most 1 ms late, against link times of tens of ms per block at GPU-X's ratio.
   void paceLoop() {
-    constexpr auto kPoll = std::chrono::microseconds(50);
+    constexpr auto kShortest = std::chrono::microseconds(50), kLongest = std::chrono::microseconds(1000);
+    auto poll = std::chrono::duration_cast<Clock::duration>(kShortest);
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       if (queue_.empty() && pendingRecvs_.empty()) {
         cv_.wait(lock);
         continue;
       }
-      auto wake = Clock::now() + kPoll;
+      if (freshRecv_) poll = kShortest;
+      freshRecv_ = false;
+      auto wake = Clock::now() + poll;
       if (!queue_.empty()) wake = pendingRecvs_.empty() ? queue_.begin()->first : std::min(wake, queue_.begin()->first);
       if (Clock::now() < wake) cv_.wait_until(lock, wake);
       if (stop_) break;
+      const size_t pending = pendingRecvs_.size();
       pollReceives(lock);
+      const bool arrived = pendingRecvs_.size() < pending;
+      poll = arrived ? std::chrono::duration_cast<Clock::duration>(kShortest)
+                     : std::min<Clock::duration>(2 * poll, kLongest);
       while (!queue_.empty() && queue_.begin()->first <= Clock::now()) postSend(lock);
     }
   }
@@ -215,6 +227,7 @@ class ThrottledTransport final : public Transport {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool freshRecv_ = false;  ///< a receive was posted since the pacer last looked
   Clock::time_point sendFree_, recvFree_;
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Request> requests_;

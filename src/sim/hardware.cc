@@ -52,7 +52,7 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   } catch (const json::parse_error& e) {
     throwInvalidArgument("hardware profile ", source, " is not valid JSON: ", e.what());
   }
-  if (!j.is_object() || j.value("kind", "") != "fcp-hardware") {
+  if (!j.is_object() || !j.contains("kind") || !j["kind"].is_string() || j["kind"] != "fcp-hardware") {
     throwInvalidArgument("hardware profile ", source, ": expected an object with \"kind\": \"fcp-hardware\"");
   }
   HardwareProfile h;
@@ -84,8 +84,10 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
 
 namespace {
 
+/// A built-in profile's name, not a file: no '/', no ".json", and no such file here.
 bool isProfileName(const std::string& nameOrPath) {
-  return nameOrPath.find('/') == std::string::npos && nameOrPath.find(".json") == std::string::npos;
+  return nameOrPath.find('/') == std::string::npos && nameOrPath.find(".json") == std::string::npos &&
+         !std::filesystem::is_regular_file(nameOrPath);
 }
 
 std::string readText(const std::string& path, const char* what) {
@@ -125,7 +127,8 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
   } catch (const json::parse_error& e) {
     throwInvalidArgument("efficiency curve ", nameOrPath, " is not valid JSON: ", e.what());
   }
-  const std::string kind = j.is_object() ? j.value("kind", "") : "";
+  const std::string kind =
+      j.is_object() && j.contains("kind") && j["kind"].is_string() ? j["kind"].get<std::string>() : "";
   if (kind == "fcp-hardware") {
     const HardwareProfile h = parseHardwareProfile(text, nameOrPath);
     return {h.forward, h.backward};

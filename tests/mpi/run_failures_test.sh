@@ -66,9 +66,12 @@ fi
 
 # A reference slower than --timeout (rank 0 made 4 s slower, --timeout 1): the other ranks
 # wait for the verdict as long as the reference may take, so the check still passes.
-if ! env FCP_FAULT_CHECK_DELAY_SECONDS=4 "$mpirun" -x FCP_FAULT_CHECK_DELAY_SECONDS -n 2 "$fcp" "${tiny[@]}" \
-     --check --timeout 1 --json >"$dir/out" 2>"$dir/err"; then
+start=$SECONDS
+if ! timeout 60 env FCP_FAULT_CHECK_DELAY_SECONDS=4 "$mpirun" -x FCP_FAULT_CHECK_DELAY_SECONDS -n 2 "$fcp" \
+     "${tiny[@]}" --check --timeout 1 --json >"$dir/out" 2>"$dir/err"; then
   fail "--check slower than --timeout"; cat "$dir/err"
+elif [ "$(grep -c '"rel_error"' "$dir/out")" -ne 2 ] || [ $((SECONDS - start)) -lt 4 ]; then
+  fail "--check slower than --timeout: no rel_error per strategy, or the delay did not happen"; cat "$dir/out"
 else
   echo "ok: --check slower than --timeout"
 fi

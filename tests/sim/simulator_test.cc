@@ -121,6 +121,28 @@ TEST(SimulatorTest, ManySendersIntoOneNicFinishAsUnderProcessorSharing) {
   }
 }
 
+// The mirror case: one sender to k receivers of distinct sizes, so flows leave the sender's
+// out port from the middle of its list; each receiver finishes as under processor sharing.
+TEST(SimulatorTest, OneSenderToManyReceiversFinishAsUnderProcessorSharing) {
+  constexpr int32_t k = 40;
+  std::vector<int64_t> bytes(k);
+  for (int32_t i = 0; i < k; ++i) bytes[static_cast<size_t>(i)] = int64_t{10'000'000} * (1 + (i * 23) % k);
+  plan::Plan p = barePlan(k + 1, 1);
+  for (int32_t i = 0; i < k; ++i) addTransfer(p, k, i, bytes[static_cast<size_t>(i)], 0);
+  const SimResult r = simulate(p, unitHardware(), forwardOnly());
+  std::vector<int64_t> sorted = bytes;
+  std::sort(sorted.begin(), sorted.end());
+  for (int32_t i = 0; i < k; ++i) {
+    double expectSeconds = 0;
+    int64_t previous = 0;
+    for (int32_t j = 0; j < k && sorted[static_cast<size_t>(j)] <= bytes[static_cast<size_t>(i)]; ++j) {
+      expectSeconds += static_cast<double>(sorted[static_cast<size_t>(j)] - previous) * (k - j) / 1e9;
+      previous = sorted[static_cast<size_t>(j)];
+    }
+    EXPECT_NEAR(r.forward.finishMs[static_cast<size_t>(i)], expectSeconds * 1e3, 1e-6) << "receiver " << i;
+  }
+}
+
 TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
   // Worker 1 receives a block per stage (0.5 s each) while computing 1 s per stage on what
   // arrived before: four stages of 1 s, the transfers entirely hidden.

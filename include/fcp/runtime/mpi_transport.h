@@ -20,6 +20,7 @@ struct MpiOptions {
   /// and back to the first after a completion or a new request. Polling every 50 us throughout
   /// took 30 % of the kernels' speed with every core busy (docs/runtime.md).
   double pollMicroseconds = 50;
+  /// The longest sleep between polls (see pollMicroseconds).
   double maxPollMicroseconds = 1000;
 };
 

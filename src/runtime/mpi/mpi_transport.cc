@@ -148,7 +148,8 @@ class MpiTransport final : public Transport {
                         std::to_string(static_cast<int>(seconds)) +
                         " s waiting for an allreduce with every rank (did a rank die or stop?)");
       }
-      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      // Back off from 20 us to 1 ms: some ranks wait here long on purpose (rank 0's --check).
+      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(std::min(20 << std::min((spins - 64) / 64, 6), 1000)));
     }
   }
 
@@ -255,9 +256,8 @@ class MpiTransport final : public Transport {
       }
       pause = completed || posted_ ? shortest : std::min(2 * pause, longest);
       posted_ = false;
-      lock.unlock();
-      std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(pause));
-      lock.lock();
+      // A request posted meanwhile ends the pause at once (post() notifies).
+      cv_.wait_for(lock, std::chrono::duration<double, std::micro>(pause), [this] { return stop_ || posted_; });
     }
   }
 
