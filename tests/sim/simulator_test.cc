@@ -98,49 +98,54 @@ TEST(SimulatorTest, ShareIsRecomputedWhenAFlowEnds) {
   EXPECT_NEAR(r.forward.finishMs[1], 4000.0, 1e-6);
 }
 
-// Processor sharing into one NIC: k senders of distinct sizes, listed in shuffled order, so
-// flows leave the receiver's port from the middle of its list. Sorted by size, the i-th
-// finishes at Σ_{j ≤ i} (b_j − b_{j−1}) (k − j + 1) / capacity.
+/// Finish times, in ms, of flows of `bytes` sharing one port of `capacity` bytes/s equally
+/// (processor sharing): sorted by size, the i-th ends at Σ_{j ≤ i} (b_j − b_{j−1}) (k − j + 1)
+/// / capacity.
+std::vector<double> processorSharingFinishMs(const std::vector<int64_t>& bytes, double capacity) {
+  std::vector<int64_t> sorted = bytes;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<double> finish;
+  for (const int64_t b : bytes) {
+    double seconds = 0;
+    int64_t previous = 0;
+    for (size_t j = 0; j < sorted.size() && sorted[j] <= b; ++j) {
+      seconds += static_cast<double>(sorted[j] - previous) * static_cast<double>(sorted.size() - j) / capacity;
+      previous = sorted[j];
+    }
+    finish.push_back(seconds * 1e3);
+  }
+  return finish;
+}
+
+/// k distinct sizes in a shuffled order.
+std::vector<int64_t> shuffledSizes(int32_t k, int32_t stride) {
+  std::vector<int64_t> bytes;
+  for (int32_t i = 0; i < k; ++i) bytes.push_back(int64_t{10'000'000} * (1 + (i * stride) % k));
+  return bytes;
+}
+
+// k senders of distinct sizes into one NIC, listed in shuffled order, so flows leave the
+// receiver's port from the middle of its list.
 TEST(SimulatorTest, ManySendersIntoOneNicFinishAsUnderProcessorSharing) {
   constexpr int32_t k = 40;
-  std::vector<int64_t> bytes(k);
-  for (int32_t i = 0; i < k; ++i) bytes[static_cast<size_t>(i)] = int64_t{10'000'000} * (1 + (i * 17) % k);
+  const std::vector<int64_t> bytes = shuffledSizes(k, 17);
   plan::Plan p = barePlan(k + 1, 1);
   for (int32_t i = 0; i < k; ++i) addTransfer(p, i, k, bytes[static_cast<size_t>(i)], 0);
   const SimResult r = simulate(p, unitHardware(), forwardOnly());
-  std::vector<int64_t> sorted = bytes;
-  std::sort(sorted.begin(), sorted.end());
-  for (int32_t i = 0; i < k; ++i) {
-    double expectSeconds = 0;
-    int64_t previous = 0;
-    for (int32_t j = 0; j < k && sorted[static_cast<size_t>(j)] <= bytes[static_cast<size_t>(i)]; ++j) {
-      expectSeconds += static_cast<double>(sorted[static_cast<size_t>(j)] - previous) * (k - j) / 1e9;
-      previous = sorted[static_cast<size_t>(j)];
-    }
-    EXPECT_NEAR(r.forward.finishMs[static_cast<size_t>(i)], expectSeconds * 1e3, 1e-6) << "sender " << i;
-  }
+  const std::vector<double> expect = processorSharingFinishMs(bytes, 1e9);
+  for (size_t i = 0; i < bytes.size(); ++i) EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "sender " << i;
 }
 
-// The mirror case: one sender to k receivers of distinct sizes, so flows leave the sender's
-// out port from the middle of its list; each receiver finishes as under processor sharing.
+// The mirror case: one sender to k receivers, so flows leave the sender's out port from the
+// middle of its list.
 TEST(SimulatorTest, OneSenderToManyReceiversFinishAsUnderProcessorSharing) {
   constexpr int32_t k = 40;
-  std::vector<int64_t> bytes(k);
-  for (int32_t i = 0; i < k; ++i) bytes[static_cast<size_t>(i)] = int64_t{10'000'000} * (1 + (i * 23) % k);
+  const std::vector<int64_t> bytes = shuffledSizes(k, 23);
   plan::Plan p = barePlan(k + 1, 1);
   for (int32_t i = 0; i < k; ++i) addTransfer(p, k, i, bytes[static_cast<size_t>(i)], 0);
   const SimResult r = simulate(p, unitHardware(), forwardOnly());
-  std::vector<int64_t> sorted = bytes;
-  std::sort(sorted.begin(), sorted.end());
-  for (int32_t i = 0; i < k; ++i) {
-    double expectSeconds = 0;
-    int64_t previous = 0;
-    for (int32_t j = 0; j < k && sorted[static_cast<size_t>(j)] <= bytes[static_cast<size_t>(i)]; ++j) {
-      expectSeconds += static_cast<double>(sorted[static_cast<size_t>(j)] - previous) * (k - j) / 1e9;
-      previous = sorted[static_cast<size_t>(j)];
-    }
-    EXPECT_NEAR(r.forward.finishMs[static_cast<size_t>(i)], expectSeconds * 1e3, 1e-6) << "receiver " << i;
-  }
+  const std::vector<double> expect = processorSharingFinishMs(bytes, 1e9);
+  for (size_t i = 0; i < bytes.size(); ++i) EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "receiver " << i;
 }
 
 TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
