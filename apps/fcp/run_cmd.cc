@@ -26,6 +26,7 @@
 
 #include "commands.h"
 #include "fcp/baselines/ring.h"
+#include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/core/units.h"
@@ -220,12 +221,12 @@ struct StrategyRun {
 /// The FLOPs of the float64 reference (forward and backward) of `batch`: how long rank 0 may
 /// keep the other ranks waiting for the check's verdict.
 double referenceFlops(const Batch& batch, const AttentionConfig& att) {
-  double visible = 0;
+  double flops = 0;
   for (const int64_t length : batch.sequenceLengths) {
-    const auto l = static_cast<double>(length);
-    visible += att.mask == MaskKind::kCausal ? l * (l + 1) / 2 : l * l;
+    const int64_t visible = visibleEntries(att.mask, 0, length, 0, length);
+    flops += forwardFlops(att, visible) + backwardFlops(att, visible);
   }
-  return 3.5 * 4.0 * visible * static_cast<double>(att.numHeadsQ * att.headDim);
+  return flops;
 }
 
 /// Rank 0 gathers every rank's outputs of every strategy first (so no rank waits on a message

@@ -114,6 +114,7 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
     Tensor q, k, v, dO;
   };
   std::vector<Block> blocks;
+  blocks.reserve(static_cast<size_t>(numBlocks));  // views point into the blocks' vectors
   for (int b = 0; b < numBlocks; ++b) {
     Block& blk = blocks.emplace_back();
     blk.q = randomTensor(n, c.numHeadsQ, c.headDim, c.dtype, rng);

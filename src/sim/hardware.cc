@@ -17,6 +17,11 @@ namespace {
 
 using nlohmann::json;
 
+/// The "kind" of a JSON object, or "" when it has none (or it is not a string).
+std::string kindOf(const json& j) {
+  return j.is_object() && j.contains("kind") && j["kind"].is_string() ? j["kind"].get<std::string>() : "";
+}
+
 double positiveNumber(const json& j, const char* field, const std::string& source) {
   if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() > 0)) {
     throwInvalidArgument("hardware profile ", source, ": field '", field,
@@ -52,7 +57,7 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   } catch (const json::parse_error& e) {
     throwInvalidArgument("hardware profile ", source, " is not valid JSON: ", e.what());
   }
-  if (!j.is_object() || !j.contains("kind") || !j["kind"].is_string() || j["kind"] != "fcp-hardware") {
+  if (kindOf(j) != "fcp-hardware") {
     throwInvalidArgument("hardware profile ", source, ": expected an object with \"kind\": \"fcp-hardware\"");
   }
   HardwareProfile h;
@@ -127,8 +132,7 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
   } catch (const json::parse_error& e) {
     throwInvalidArgument("efficiency curve ", nameOrPath, " is not valid JSON: ", e.what());
   }
-  const std::string kind =
-      j.is_object() && j.contains("kind") && j["kind"].is_string() ? j["kind"].get<std::string>() : "";
+  const std::string kind = kindOf(j);
   if (kind == "fcp-hardware") {
     const HardwareProfile h = parseHardwareProfile(text, nameOrPath);
     return {h.forward, h.backward};
