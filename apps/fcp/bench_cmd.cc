@@ -43,6 +43,7 @@ struct KernelBenchArgs {
   std::string path = "auto";
   std::string bf16Gemm = "auto";
   bool json = false;
+  bool sustained = false;
   std::string curveOut;
 };
 
@@ -127,9 +128,10 @@ void runKernelBench(const KernelBenchArgs& a) {
 
   const std::string device = kernels::cpuModelName();
   if (!a.json) {
-    std::printf("fcp bench kernel: %s, vector path %s, %s, %d/%d heads x %d, %d thread(s)\n",
+    std::printf("fcp bench kernel: %s, vector path %s, %s, %d/%d heads x %d, %d thread(s), %s\n",
                 device.c_str(), std::string(kernels::cpuPathName(kernels::activeCpuPath())).c_str(),
-                a.dtype.c_str(), a.headsQ, a.headsKv, a.headDim, a.threads);
+                a.dtype.c_str(), a.headsQ, a.headsKv, a.headDim, a.threads,
+                a.sustained ? "sustained (mean, forward with merges)" : "best of repeats");
     std::printf("gemm columns: %s\n", gemmDescription(dtype).c_str());
     if (bf16)
       std::printf("bf16 GEMM columns: dnnl_gemm_bf16bf16f32 on the same tiles%s\n",
@@ -152,7 +154,7 @@ void runKernelBench(const KernelBenchArgs& a) {
     const int zigzag = maskName == "zigzag" ? kZigzagBlocks : 0;
     for (int64_t n : tokens) {
       const kernels::CalibrationResult r = kernels::calibrate(
-          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag}, a.minSeconds);
+          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag, a.sustained}, a.minSeconds);
       rows.push_back({maskName, n, r});
       peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
       if (a.json) continue;
@@ -193,6 +195,7 @@ void runKernelBench(const KernelBenchArgs& a) {
             {"gflops", gflops},
             {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
             {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
+            {"timing", a.sustained ? "sustained" : "best"},
             {"fraction_of_peak", gflops / peak},
             {"peak_gflops", peak},
             {"gemm", r.usedBf16Gemm ? "dnnl_gemm_bf16bf16f32" : "dnnl_sgemm"}};
@@ -213,7 +216,8 @@ void runKernelBench(const KernelBenchArgs& a) {
   if (a.curveOut.empty()) return;
   const nlohmann::json curve = {{"kind", "fcp-efficiency-curve"}, {"device", device},
                                 {"dtype", a.dtype},               {"threads", a.threads},
-                                {"peak_gflops", peak},            {"forward", forwardCurve},
+                                {"peak_gflops", peak},            {"timing", a.sustained ? "sustained" : "best"},
+                                {"forward", forwardCurve},
                                 {"backward", backwardCurve}};
   std::ofstream out(a.curveOut);
   out << curve.dump(2) << '\n';
@@ -241,13 +245,17 @@ void addBenchCommand(CLI::App& app) {
   kernel->add_option("--heads-q", args->headsQ, "query heads")->capture_default_str();
   kernel->add_option("--heads-kv", args->headsKv, "key/value heads")->capture_default_str();
   kernel->add_option("--head-dim", args->headDim, "head dimension")->capture_default_str();
-  kernel->add_option("--min-seconds", args->minSeconds, "time per measurement (best of reps)")
+  kernel->add_option("--min-seconds", args->minSeconds, "time per measurement")
       ->capture_default_str();
   kernel->add_option("--path", args->path, "vector path: auto, portable, avx2, avx512")
       ->capture_default_str();
   kernel->add_option("--bf16-gemm", args->bf16Gemm,
                      "bf16 tile products: auto, native (oneDNN's bf16 GEMM), widen (fp32 sgemm)")
       ->capture_default_str();
+  kernel->add_flag("--sustained", args->sustained,
+                   "time the kernels as a run does: back to back, each forward pair with the merge of "
+                   "its partial output, mean of the repeats (default: best of the repeats, alternating "
+                   "with the GEMM)");
   kernel->add_flag("--json", args->json,
                    "one JSON record per (dtype, mask, direction, tokens, threads)");
   kernel->add_option("--curve-out", args->curveOut, "write the efficiency curve (JSON) here");

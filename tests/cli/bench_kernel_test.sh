@@ -97,11 +97,24 @@ curve = json.load(open(sys.argv[2]))
 zig = {r["tokens"]: r["gflops"] / r["peak_gflops"] for r in records
        if r["mask"] == "zigzag" and r["direction"] == "forward"}
 assert [t for t, _ in curve["forward"]] == [64, 128], curve
+assert curve["timing"] == "best" and all(r["timing"] == "best" for r in records), curve
 for t, f in curve["forward"]:
     assert abs(f - zig[t]) < 1e-9, (t, f, zig[t])
 PY
 else
   echo "FAIL zigzag: exit code nonzero"; sed 's/^/    stderr: /' "$tmp/zigzag.err"; failures=$((failures + 1))
+fi
+# --sustained: the records and the curve say how they were timed.
+if "$fcp" bench kernel --tokens 64 --mask zigzag --min-seconds 0 --json --sustained \
+    --curve-out "$tmp/sustained_curve.json" > "$tmp/sustained.json" 2> "$tmp/sustained.err"; then
+  /usr/bin/python3 - "$tmp/sustained.json" "$tmp/sustained_curve.json" <<'PY' || failures=$((failures + 1))
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+assert len(records) == 2 and all(r["timing"] == "sustained" and r["gflops"] > 0 for r in records), records
+assert json.load(open(sys.argv[2]))["timing"] == "sustained"
+PY
+else
+  echo "FAIL sustained: exit code nonzero"; sed 's/^/    stderr: /' "$tmp/sustained.err"; failures=$((failures + 1))
 fi
 "$fcp" bench kernel --tokens 63 --mask zigzag --min-seconds 0 > "$tmp/odd.out" 2> "$tmp/odd.err"
 if [ $? -eq 0 ] || [ -s "$tmp/odd.out" ] || [ "$(wc -l < "$tmp/odd.err")" -ne 1 ] || ! grep -q "63" "$tmp/odd.err"; then

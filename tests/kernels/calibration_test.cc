@@ -32,9 +32,28 @@ TEST(CalibrationTest, ZigzagPairsCoverTheSequenceOnce) {
     const CalibrationResult r = calibrate(c, 0);
     EXPECT_DOUBLE_EQ(r.usefulForwardFlops, causalTriangleFlops(64 * blocks, c.numHeadsQ, c.headDim))
         << blocks << " blocks";
+    // Zig-Zag blocks see each other both ways (block i's tail chunk follows block j's head
+    // chunk for every i, j): all k^2 pairs, where k contiguous pieces would give k(k+1)/2.
+    EXPECT_EQ(r.blockPairs, blocks * blocks) << blocks << " blocks";
     EXPECT_GT(r.forwardGflops, 0);
     EXPECT_GT(r.backwardGflops, 0);
   }
+}
+
+TEST(CalibrationTest, SustainedTimingTimesTheSameWork) {
+  CalibrationCase c;
+  c.blockTokens = 64;
+  c.headDim = 16;
+  c.zigzagBlocks = 2;
+  const CalibrationResult best = calibrate(c, 0);
+  c.sustained = true;
+  const CalibrationResult sustained = calibrate(c, 0);
+  EXPECT_DOUBLE_EQ(sustained.usefulForwardFlops, best.usefulForwardFlops);
+  EXPECT_EQ(sustained.blockPairs, best.blockPairs);
+  EXPECT_GT(sustained.forwardSeconds, 0);
+  EXPECT_GT(sustained.backwardSeconds, 0);
+  EXPECT_DOUBLE_EQ(sustained.forwardGflops, sustained.usefulForwardFlops / sustained.forwardSeconds * 1e-9);
+  EXPECT_GT(sustained.forwardGemmGflops, 0);
 }
 
 TEST(CalibrationTest, ZigzagNeedsEvenBlocksAndACausalMask) {

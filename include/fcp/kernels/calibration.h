@@ -25,6 +25,12 @@ struct CalibrationCase {
   int headDim = 128;
   int numThreads = 1;
   int zigzagBlocks = 0;
+  /// Time the kernels as the runtime runs them instead of at their best: repetitions back to
+  /// back, each forward pair followed by the merge of its partial output into the block's
+  /// accumulator (the runtime does both per pair), the mean over the repetitions kept. The
+  /// GEMM reference is still timed at its best, apart. For profiles a simulator predicts a run
+  /// with (bench/sim_vs_real.sh); kernel-versus-GEMM comparisons use the default.
+  bool sustained = false;
 };
 
 /// Speeds of one case. Kernel GFLOP/s count useful FLOPs only (DESIGN.md); GEMM GFLOP/s count
@@ -41,15 +47,17 @@ struct CalibrationResult {
   std::optional<double> forwardBf16GemmGflops;
   std::optional<double> backwardBf16GemmGflops;
   bool usedBf16Gemm = false;      ///< the kernel's tile products went through the bf16 GEMM
-  double forwardSeconds = 0;      ///< best time of one forward call (of every pair, Zig-Zag)
-  double backwardSeconds = 0;     ///< best time of one backward call (computeDelta excluded)
+  double forwardSeconds = 0;      ///< best (sustained: mean) time of one forward call (of every pair, Zig-Zag)
+  double backwardSeconds = 0;     ///< the same of one backward call (computeDelta excluded)
   double usefulForwardFlops = 0;  ///< 4 * visible pairs * heads_q * head_dim
+  int64_t blockPairs = 0;         ///< block pairs with a visible entry, each timed once per call
 };
 
 /// Throws Error(kInvalidArgument) for a Zig-Zag case with an odd blockTokens or a full mask.
 /// Runs `c` repeatedly (at least three times, and for at least minSeconds per measurement) and
 /// keeps the best time of each measurement. The kernel and its GEMM reference alternate, rep by
-/// rep, so that a shared machine's slow spells hit both alike.
+/// rep, so that a shared machine's slow spells hit both alike. A sustained case keeps the
+/// kernel's mean time instead (CalibrationCase::sustained).
 CalibrationResult calibrate(const CalibrationCase& c, double minSeconds = 0.3);
 
 /// Best dnnl_sgemm GFLOP/s on large square tiles, one sequential GEMM per thread, all threads
