@@ -1,7 +1,6 @@
 #include "fcp/sim/simulator.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <map>
 #include <queue>
@@ -340,12 +339,32 @@ std::map<std::pair<int32_t, int32_t>, double> reshuffleMessages(const Plan& plan
   return bytes;
 }
 
-/// Geometric mean over the forward curve's points of backward / forward efficiency.
-double backwardEfficiencyRatio(const HardwareProfile& hw) {
-  double logSum = 0;
-  const auto& points = hw.forward.points();
-  for (const auto& [tokens, fraction] : points) logSum += std::log(hw.backward.at(tokens) / fraction);
-  return std::exp(logSum / static_cast<double>(points.size()));
+/// Seconds each of the plan's pairs computes for on `hw` in one direction: its visible entries
+/// at the hardware's own efficiency, f(tokens of each sequence in the Q block), from the
+/// hardware's forward or backward curve (plan::blockPairs, as the planner costs pairs). The
+/// plan's own pair costs are not used: they are forward costs, at whatever curve the planner
+/// was given.
+std::vector<double> pairSeconds(const Plan& plan, const HardwareProfile& hw, bool backward) {
+  const EfficiencyCurve& curve = backward ? hw.backward : hw.forward;
+  const AttentionConfig& attention = plan.config.attention;
+  const std::vector<plan::BlockPair> pairs =
+      plan::blockPairs(plan.blocks, CostModel{attention, curve, curve});
+  // blockPairs' costs are forward FLOPs / f; the backward does more FLOPs per entry.
+  const double flopScale = backward ? backwardFlops(attention, 1) / forwardFlops(attention, 1) : 1.0;
+  const auto byBlocks = [](const plan::BlockPair& a, const plan::BlockPair& b) {
+    return std::tie(a.qBlock, a.kvBlock) < std::tie(b.qBlock, b.kvBlock);
+  };
+  std::vector<double> seconds(plan.pairs.size());
+  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+    const plan::BlockPair& want = plan.pairs[p];
+    const auto it = std::lower_bound(pairs.begin(), pairs.end(), want, byBlocks);
+    FCP_CHECK(it != pairs.end() && it->qBlock == want.qBlock && it->kvBlock == want.kvBlock &&
+                  it->visible == want.visible,
+              "plan pair ", p, " (", want.qBlock, "x", want.kvBlock, ", ", want.visible,
+              " visible) is not a pair of its blocks");
+    seconds[p] = it->cost * flopScale / hw.peakFlops;
+  }
+  return seconds;
 }
 
 /// Merges the flows one sender sends one receiver in one stage into one message, as an
@@ -422,7 +441,7 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       flows.push_back({t.receiver, t.sender, static_cast<double>(t.bytes)});
     }
   }
-  const double bwdScale = 2.5 / backwardEfficiencyRatio(hw);
+  const std::vector<double> seconds = pairSeconds(plan, hw, backward);
   std::vector<std::vector<SimStage>> stages(n);
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
@@ -431,9 +450,7 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       const Stage& st = ws[s];
       SimStage& out = stages[w][s];
       out.planStage = static_cast<int32_t>(s);
-      double cost = 0;
-      for (int32_t p : st.compute) cost += plan.pairs[static_cast<size_t>(p)].cost;
-      out.computeSeconds = cost * (backward ? bwdScale : 1.0) / hw.peakFlops;
+      for (int32_t p : st.compute) out.computeSeconds += seconds[static_cast<size_t>(p)];
       out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
       out.flows.insert(out.flows.end(), st.recv.begin(), st.recv.end());
       for (int32_t t : st.sendGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);

@@ -13,11 +13,13 @@
 namespace fcp::sim {
 namespace {
 
-/// 1 TFLOP/s, 1 GB/s everywhere, no latency, every worker its own node unless told.
+/// 1 TFLOP/s at every block size, 1 GB/s everywhere, no latency, every worker its own node
+/// unless told.
 HardwareProfile unitHardware(int64_t perNode = 1) {
   HardwareProfile h;
   h.name = "unit";
   h.peakFlops = 1e12;
+  h.forward = h.backward = EfficiencyCurve({{1, 1.0}});
   h.workersPerNode = perNode;
   h.intraNodeBytesPerSecond = 4e9;
   h.interNodeBytesPerSecond = 1e9;
@@ -26,10 +28,14 @@ HardwareProfile unitHardware(int64_t perNode = 1) {
   return h;
 }
 
-/// A bare plan: `workers` workers with `stages` empty forward stages each.
+/// A bare plan: `workers` workers with `stages` empty forward stages each; one head of one
+/// dimension under a full mask, so that a visible entry is 4 forward FLOPs.
 plan::Plan barePlan(int64_t workers, size_t stages) {
   plan::Plan p;
   p.config.numWorkers = workers;
+  p.config.attention.numHeadsQ = p.config.attention.numHeadsKv = 1;
+  p.config.attention.headDim = 1;
+  p.config.attention.mask = MaskKind::kFull;
   p.forward.assign(static_cast<size_t>(workers), std::vector<plan::Stage>(stages));
   p.backward = p.forward;
   return p;
@@ -43,11 +49,25 @@ void addTransfer(plan::Plan& p, int32_t from, int32_t to, int64_t bytes, size_t 
   p.forward[static_cast<size_t>(to)][stage].recv.push_back(id);
 }
 
-/// Adds a pair costing `seconds` at 1 TFLOP/s to `worker`'s forward stage `stage`.
-void addCompute(plan::Plan& p, int32_t worker, double seconds, size_t stage) {
-  const auto id = static_cast<int32_t>(p.pairs.size());
-  p.pairs.push_back({0, 0, 0, seconds * 1e12});
+/// Adds a pair of `qTokens` x `kvTokens` visible entries, two new blocks of a new sequence,
+/// to `worker`'s stage `stage` of both passes; returns its forward FLOPs.
+double addPair(plan::Plan& p, int32_t worker, int64_t qTokens, int64_t kvTokens, size_t stage) {
+  const auto sequence = static_cast<int32_t>(p.blocks.size() / 2);
+  const auto q = static_cast<int32_t>(p.blocks.size());
+  p.blocks.push_back({{{sequence, 0, qTokens}}});
+  p.blocks.push_back({{{sequence, qTokens, qTokens + kvTokens}}});
+  const double flops = forwardFlops(p.config.attention, qTokens * kvTokens);
+  p.pairs.push_back({q, q + 1, qTokens * kvTokens, flops});
+  const auto id = static_cast<int32_t>(p.pairs.size() - 1);
   p.forward[static_cast<size_t>(worker)][stage].compute.push_back(id);
+  p.backward[static_cast<size_t>(worker)][stage].compute.push_back(id);
+  return flops;
+}
+
+/// Adds a pair computing for `seconds` at 1 TFLOP/s (unitHardware) to `worker`'s stage `stage`:
+/// one query against seconds x 1e12 / 4 keys.
+void addCompute(plan::Plan& p, int32_t worker, double seconds, size_t stage) {
+  addPair(p, worker, 1, static_cast<int64_t>(seconds * 1e12 / 4), stage);
 }
 
 SimOptions forwardOnly() {
@@ -175,6 +195,31 @@ TEST(SimulatorTest, ATransferWaitsForBothSidesToPostIt) {
   EXPECT_NEAR(simulate(p, unitHardware(), forwardOnly()).forward.timeMs, 2000.0, 1e-6);
 }
 
+TEST(SimulatorTest, EachPassTimesPairsOnItsOwnCurveAtThePairsBlockLength) {
+  // Forward at 0.5 of peak throughout; backward at 0.25 of peak on 1K-token Q blocks rising to
+  // 1.0 on 4K ones (log-linear between): a pair's backward takes 2.5 x its forward FLOPs at
+  // f_bwd(its Q tokens), not at one ratio for the whole curve.
+  HardwareProfile h = unitHardware();
+  h.forward = EfficiencyCurve({{1, 0.5}});
+  h.backward = EfficiencyCurve({{1024, 0.25}, {4096, 1.0}});
+  SimOptions o = forwardOnly();
+  o.backward = true;
+  for (const auto& [tokens, fBwd] : {std::pair{1024, 0.25}, {2048, 0.625}, {4096, 1.0}}) {
+    plan::Plan p = barePlan(1, 1);
+    const double flops = addPair(p, 0, tokens, 1000, 0);
+    const SimResult r = simulate(p, h, o);
+    EXPECT_NEAR(r.forward.timeMs, flops / (1e12 * 0.5) * 1e3, 1e-9) << tokens;
+    EXPECT_NEAR(r.backward.timeMs, 2.5 * flops / (1e12 * fBwd) * 1e3, 1e-9) << tokens;
+  }
+}
+
+TEST(SimulatorTest, APairNotMadeOfItsBlocksIsRefused) {
+  plan::Plan p = barePlan(1, 1);
+  addPair(p, 0, 10, 10, 0);
+  p.pairs[0].visible = 99;  // the blocks give 100
+  EXPECT_THROW(simulate(p, unitHardware(), forwardOnly()), Error);
+}
+
 TEST(SimulatorTest, RingOfNStepsTakesNMinusOneHops) {
   // Communication-bound ring: compute is free, each of the P − 1 rounds moves one block per
   // rank over its own NIC, so the forward takes (P − 1) · block bytes / bandwidth.
@@ -199,11 +244,12 @@ TEST(SimulatorTest, MfuCountsUsefulFlopsOverWorkersPeakAndTime) {
   c.numWorkers = 4;
   c.tokensPerWorker = 4096;
   HardwareProfile h = unitHardware(8);
+  h.forward = h.backward = EfficiencyCurve({{1, 0.5}});
   const plan::Plan p = baselines::ringPlan(Batch{{16384}}, c, h.costModel(c.attention));
   SimOptions o = forwardOnly();
   const SimResult r = simulate(p, h, o);
   EXPECT_GT(r.forward.mfu, 0);
-  EXPECT_LE(r.forward.mfu, 1.0);
+  EXPECT_LE(r.forward.mfu, 0.5 + 1e-12);  // never above the kernels' own efficiency
   EXPECT_NEAR(r.forward.mfu, r.forward.usefulFlops / (4 * 1e12 * r.forward.timeMs * 1e-3), 1e-12);
   o.backward = true;
   const SimResult both = simulate(p, h, o);
