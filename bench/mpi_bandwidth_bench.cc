@@ -8,14 +8,18 @@
 #include <span>
 #include <vector>
 
+#include "fcp/core/error.h"
 #include "fcp/runtime/mpi_transport.h"
 #include "fcp/runtime/timeline.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   std::vector<size_t> mebibytes;
   for (int i = 1; i < argc; ++i) {
-    const long m = std::strtol(argv[i], nullptr, 10);
-    if (m <= 0 || m > 1024) {
+    char* end = nullptr;
+    const long m = std::strtol(argv[i], &end, 10);
+    if (end == argv[i] || *end != '\0' || m <= 0 || m > 1024) {
       std::fprintf(stderr, "mpi_bandwidth_bench: invalid size '%s': expected MiB in [1, 1024]\n", argv[i]);
       return 1;
     }
@@ -54,4 +58,15 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const fcp::Error& e) {
+    std::fprintf(stderr, "mpi_bandwidth_bench: %s\n", e.what());
+    return 1;
+  }
 }

@@ -41,7 +41,13 @@ EfficiencyCurve curve(const json& j, const char* field) {
     }
     points.push_back({p[0].get<int64_t>(), p[1].get<double>()});
   }
-  return EfficiencyCurve(std::move(points));
+  try {
+    return EfficiencyCurve(std::move(points));
+  } catch (const Error& e) {
+    // Say which of the two curves is wrong.
+    if (e.code() != ErrorCode::kInvalidArgument) throw;
+    throwInvalidArgument("'", field, "' curve: ", e.what());
+  }
 }
 
 }  // namespace

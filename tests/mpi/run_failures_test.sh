@@ -29,7 +29,8 @@ expect_error() {
 
 # Bad input, without mpirun (one line, exit 1, no timeline written).
 for args in "--strategy magic" "--dtype bf16" "--repeats 0" "--block-size 0" "--workload nope" \
-            "--trace $dir/missing.txt" "--comm-ratio -1" "--heads-q 3 --heads-kv 2" "--buffers 1"; do
+            "--trace $dir/missing.txt" "--comm-ratio -1" "--heads-q 3 --heads-kv 2" "--buffers 1" \
+            "--curve $dir/missing_curve.json" "--curve tpu-v9"; do
   # shellcheck disable=SC2086
   "$fcp" run $args --timeline "$dir/trace.json" >"$dir/out" 2>"$dir/err"
   rc=$?

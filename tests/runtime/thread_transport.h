@@ -3,6 +3,7 @@
 // (gloo's habit: many ranks as threads, so executor tests need no mpirun). Sends are buffered
 // (complete at once); a receive completes when a message from its peer with its tag is there,
 // in posting order.
+#include <array>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -25,10 +26,14 @@ class ThreadWorld {
   std::mutex mu;
   std::condition_variable cv;
   std::map<std::tuple<int, int, int>, std::deque<std::vector<std::byte>>> mailboxes;  // (src, dst, tag)
-  // allreduce: generation counter and per-generation accumulation
+  // allreduce: generation counter, the accumulation of the current generation, and the results
+  // of the last two by parity. A rank that finishes generation g may start g + 1 (and reset
+  // `acc`) before the others have copied g's result; g + 2 cannot complete before every rank
+  // has returned from g, so two result slots suffice.
   int64_t generation = 0;
   int arrived = 0;
   std::vector<int64_t> acc;
+  std::array<std::vector<int64_t>, 2> results;
 
  private:
   int size_;
@@ -78,15 +83,16 @@ class ThreadTransport final : public Transport {
         a = op == ReduceOp::kSum ? a + values[i] : op == ReduceOp::kMin ? std::min(a, values[i]) : std::max(a, values[i]);
       }
     }
+    std::vector<int64_t>& result = world_.results[static_cast<size_t>(gen & 1)];
     if (++world_.arrived == world_.size()) {
       world_.arrived = 0;
+      result = world_.acc;
       ++world_.generation;
-      result_ = world_.acc;
       world_.cv.notify_all();
     } else {
       world_.cv.wait(lock, [&] { return world_.generation != gen; });
     }
-    std::copy(world_.acc.begin(), world_.acc.begin() + static_cast<std::ptrdiff_t>(values.size()), values.begin());
+    std::copy(result.begin(), result.begin() + static_cast<std::ptrdiff_t>(values.size()), values.begin());
   }
   [[noreturn]] void abort(int) noexcept override { std::abort(); }
 
@@ -118,7 +124,6 @@ class ThreadTransport final : public Transport {
   RequestId next_ = 1;
   std::map<RequestId, Pending> pending_;
   std::map<std::pair<int, int>, std::deque<RequestId>> order_;
-  std::vector<int64_t> result_;
 };
 
 /// Runs `body(transport)` on `size` thread ranks; rethrows the first exception of any rank.

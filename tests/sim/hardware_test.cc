@@ -6,14 +6,19 @@
 #include <fstream>
 #include <string>
 
+#include <unistd.h>
+
 #include "fcp/core/error.h"
 #include "fcp/sim/hardware.h"
 
 namespace fcp::sim {
 namespace {
 
+// A file in the temp directory, named for this process so that concurrent test runs (ctest -j,
+// two checkouts on one machine) do not share it.
 std::string writeTemp(const std::string& name, const std::string& text) {
-  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  const std::string unique = std::to_string(::getpid()) + "_" + name;
+  const std::string path = (std::filesystem::temp_directory_path() / unique).string();
   std::ofstream(path) << text;
   return path;
 }
@@ -60,6 +65,22 @@ TEST(EfficiencyCurvesTest, OtherFilesAreRejectedByName) {
   std::filesystem::remove(other);
   EXPECT_THROW(loadEfficiencyCurves("/nonexistent/curve.json"), Error);
   EXPECT_THROW(loadEfficiencyCurves("no-such-profile"), Error);
+}
+
+TEST(EfficiencyCurvesTest, ABadPointNamesItsCurve) {
+  const std::string path = writeTemp(
+      "fcp_curve_bad_backward.json",
+      R"({"kind": "fcp-efficiency-curve", "forward": [[512, 0.6]], "backward": [[512, 1.7]]})");
+  try {
+    loadEfficiencyCurves(path);
+    FAIL() << "accepted an efficiency of 1.7";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    const std::string message = e.what();
+    EXPECT_NE(message.find("'backward' curve"), std::string::npos) << message;
+    EXPECT_NE(message.find("1.7"), std::string::npos) << message;
+  }
+  std::filesystem::remove(path);
 }
 
 }  // namespace
