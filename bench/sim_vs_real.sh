@@ -8,7 +8,7 @@
 # measured, simulated and the error per strategy. The whole trial repeats FCP_TRIALS times
 # (default 3; the machine is shared and a run's speed drifts) and the median error is the
 # result.
-# Usage: bench/sim_vs_real.sh [OUT_DIR] (after scripts/build.sh; about a minute per trial).
+# Usage: bench/sim_vs_real.sh [OUT_DIR] (after scripts/build.sh; about 3 minutes per trial).
 #
 # The curve comes from Zig-Zag pairs (`fcp bench kernel --mask zigzag`: every pair of a causal
 # sequence cut into 4 Zig-Zag blocks; FCP_CURVE_MASK=causal or full for self pairs): every
@@ -23,6 +23,9 @@ repeats=${FCP_REPEATS:-3}
 trials=${FCP_TRIALS:-3}
 curve_mask=${FCP_CURVE_MASK:-zigzag}
 timing=${FCP_TIMING:-sustained}
+if ! [[ $trials =~ ^[1-9][0-9]*$ ]]; then
+  echo "sim_vs_real.sh: invalid FCP_TRIALS '$trials': expected a positive integer" >&2; exit 2
+fi
 case "$timing" in
   sustained) timing_flag=(--sustained) ;;
   best) timing_flag=() ;;
@@ -38,7 +41,7 @@ mkdir -p "$out"
 echo "trial $trial of $trials" >&2
 echo "1/4 kernel curve: fcp bench kernel on both cores at once, bound as the run's ranks" >&2
 # Each rank writes its own curve and table (the rank's number from Open MPI's environment).
-mpirun -n 2 bash -c 'out=$1; shift; r=$OMPI_COMM_WORLD_RANK; "$@" --curve-out "$out/curve$r.json" > "$out/kernel$r.txt"' \
+mpirun -n 2 bash -c 'out=$1; shift; r=${OMPI_COMM_WORLD_RANK:?needs Open MPI}; "$@" --curve-out "$out/curve$r.json" > "$out/kernel$r.txt"' \
   _ "$out" "$fcp" bench kernel "${timing_flag[@]}" --mask "$curve_mask" --tokens 128 256 512 1K 2K 4K "${shape[@]}" \
   --min-seconds 0.5
 

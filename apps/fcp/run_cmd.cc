@@ -191,6 +191,12 @@ double maxOverRanks(runtime::Transport& t, double value, double unit) {
   t.allreduce({&v, 1}, runtime::ReduceOp::kMax);
   return static_cast<double>(v) * unit;
 }
+/// Returns once every rank has called it (an allreduce; its waits back off to 1 ms, so ranks
+/// leave within about a millisecond of each other).
+void barrier(runtime::Transport& t) {
+  int64_t token = 0;
+  t.allreduce({&token, 1}, runtime::ReduceOp::kMax);
+}
 double sumOverRanks(runtime::Transport& t, double value, double unit) {
   int64_t v = std::llround(value / unit);
   t.allreduce({&v, 1}, runtime::ReduceOp::kSum);
@@ -339,11 +345,11 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in
   runtime::Executor& e = last && run.traced ? *run.traced : *run.executor;
   // Each pass starts together on every rank: in a model, other layers run between attention's
   // forward and backward, so one pass's imbalance does not carry into the other's time (the
-  // simulator times each pass from a common start, too).
-  maxOverRanks(net, 0.0, 1.0);
+  // simulator times each pass from a common start, too). The traced span includes the wait.
+  barrier(net);
   const double start = runtime::Timeline::nowUs();
   e.forward(in.q, in.k, in.v, run.o, run.lse);
-  maxOverRanks(net, 0.0, 1.0);
+  barrier(net);
   e.backward(in.dO, run.dq, run.dk, run.dv);
   if (timeline && last) timeline->add(run.strategy, 2, start, runtime::Timeline::nowUs());
   const double f = maxOverRanks(net, e.forwardStats().wallMs, 1e-6);

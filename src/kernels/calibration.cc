@@ -58,20 +58,6 @@ std::pair<double, double> bestSecondsAlternating(const std::function<void()>& a,
   return {bestA, bestB};
 }
 
-// Mean time of `run` repeated back to back, after one untimed warm-up, at least three times and
-// for at least minSeconds.
-double meanSeconds(const std::function<void()>& run, double minSeconds) {
-  using Clock = std::chrono::steady_clock;
-  run();
-  double total = 0;
-  int reps = 0;
-  for (; reps < 3 || total < minSeconds; ++reps) {
-    const auto start = Clock::now();
-    run();
-    total += std::chrono::duration<double>(Clock::now() - start).count();
-  }
-  return total / reps;
-}
 
 // Runs `body` with the bf16 GEMM path forced to `gemm`, restoring the previous setting.
 void withBf16Gemm(Bf16Gemm gemm, const std::function<void()>& body) {
@@ -108,6 +94,19 @@ Tensor randomTensor(int64_t tokens, int heads, int dim, DType dtype, std::mt1993
 }
 
 }  // namespace
+
+double detail::meanSeconds(const std::function<void()>& run, double minSeconds) {
+  using Clock = std::chrono::steady_clock;
+  run();
+  double total = 0;
+  int reps = 0;
+  for (; reps < 3 || total < minSeconds; ++reps) {
+    const auto start = Clock::now();
+    run();
+    total += std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return total / reps;
+}
 
 CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   if (c.zigzagBlocks < 0 || (c.zigzagBlocks > 0 && (c.blockTokens % 2 != 0 || c.mask != MaskKind::kCausal))) {
@@ -196,7 +195,7 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   double fwdGemmSeconds = 0, bwdGemmSeconds = 0;
   auto timeBoth = [&](const std::function<void()>& kernel, const std::function<void()>& gemm) {
     if (!c.sustained) return bestSecondsAlternating(kernel, gemm, minSeconds);
-    const double kernelSeconds = meanSeconds(kernel, minSeconds);
+    const double kernelSeconds = detail::meanSeconds(kernel, minSeconds);
     return std::pair{kernelSeconds, bestSeconds(gemm, minSeconds)};
   };
   std::tie(r.forwardSeconds, fwdGemmSeconds) = timeBoth(forwardKernel, forwardGemm);

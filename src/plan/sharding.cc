@@ -107,7 +107,13 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   // Index chunks by sequence: (block, chunk) for every chunk of each sequence, in block order.
   int32_t numSequences = 0;
   for (const Block& b : blocks) {
-    for (const Chunk& c : b.chunks) numSequences = std::max(numSequences, c.sequence + 1);
+    for (const Chunk& c : b.chunks) {
+      if (c.sequence < 0 || c.begin < 0 || c.end < c.begin) {
+        throwInvalidArgument("chunk of sequence ", c.sequence, " [", c.begin, ", ", c.end,
+                             "): expected a sequence >= 0 and 0 <= begin <= end");
+      }
+      numSequences = std::max(numSequences, c.sequence + 1);
+    }
   }
   std::vector<std::vector<std::pair<int32_t, Chunk>>> bySequence(
       static_cast<size_t>(numSequences));

@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <queue>
+#include <sstream>
 #include <tuple>
 
 #include "fcp/core/error.h"
@@ -358,10 +359,14 @@ std::vector<double> pairSeconds(const Plan& plan, const HardwareProfile& hw, boo
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const plan::BlockPair& want = plan.pairs[p];
     const auto it = std::lower_bound(pairs.begin(), pairs.end(), want, byBlocks);
-    FCP_CHECK(it != pairs.end() && it->qBlock == want.qBlock && it->kvBlock == want.kvBlock &&
-                  it->visible == want.visible,
-              "plan pair ", p, " (", want.qBlock, "x", want.kvBlock, ", ", want.visible,
-              " visible) is not a pair of its blocks");
+    const bool found = it != pairs.end() && it->qBlock == want.qBlock && it->kvBlock == want.kvBlock;
+    if (!found || it->visible != want.visible) {
+      std::ostringstream message;
+      message << "plan pair " << p << " (Q block " << want.qBlock << ", KV block " << want.kvBlock
+              << ") says " << want.visible << " visible entries; its blocks give "
+              << (found ? it->visible : 0);
+      throw Error(ErrorCode::kInvalidPlan, message.str());
+    }
     seconds[p] = it->cost * flopScale / hw.peakFlops;
   }
   return seconds;

@@ -3,6 +3,9 @@
 // pairs together must cover the sequence's causal triangle exactly once.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "fcp/core/error.h"
 #include "fcp/kernels/calibration.h"
 
@@ -54,6 +57,22 @@ TEST(CalibrationTest, SustainedTimingTimesTheSameWork) {
   EXPECT_GT(sustained.backwardSeconds, 0);
   EXPECT_DOUBLE_EQ(sustained.forwardGflops, sustained.usefulForwardFlops / sustained.forwardSeconds * 1e-9);
   EXPECT_GT(sustained.forwardGemmGflops, 0);
+}
+
+TEST(CalibrationTest, SustainedTimingIsTheMeanAfterAnUntimedWarmUp) {
+  // A warm-up of 200 ms, then 2 ms calls: the mean of the three timed calls stays far below
+  // the ~68 ms it would be with the warm-up counted.
+  int calls = 0;
+  const double mean = detail::meanSeconds(
+      [&] { std::this_thread::sleep_for(std::chrono::milliseconds(calls++ == 0 ? 200 : 2)); }, 0);
+  EXPECT_EQ(calls, 4);
+  EXPECT_GE(mean, 0.002);
+  EXPECT_LT(mean, 0.04);
+  // And it keeps going until minSeconds of timed calls have passed.
+  calls = 0;
+  detail::meanSeconds([&] { ++calls; std::this_thread::sleep_for(std::chrono::milliseconds(5)); }, 0.05);
+  EXPECT_GE(calls, 1 + 3);
+  EXPECT_LE(calls, 1 + 10);
 }
 
 TEST(CalibrationTest, ZigzagNeedsEvenBlocksAndACausalMask) {

@@ -75,6 +75,7 @@ class ThreadTransport final : public Transport {
   void allreduce(std::span<int64_t> values, ReduceOp op, double /*timeoutSeconds*/) override {
     std::unique_lock<std::mutex> lock(world_.mu);
     const int64_t gen = world_.generation;
+    if (world_.arrived > 0) FCP_CHECK_EQ(values.size(), world_.acc.size());
     if (world_.arrived == 0) {
       world_.acc.assign(values.begin(), values.end());
     } else {

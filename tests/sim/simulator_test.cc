@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "fcp/baselines/ring.h"
@@ -217,7 +218,15 @@ TEST(SimulatorTest, APairNotMadeOfItsBlocksIsRefused) {
   plan::Plan p = barePlan(1, 1);
   addPair(p, 0, 10, 10, 0);
   p.pairs[0].visible = 99;  // the blocks give 100
-  EXPECT_THROW(simulate(p, unitHardware(), forwardOnly()), Error);
+  try {
+    simulate(p, unitHardware(), forwardOnly());
+    FAIL() << "timed a pair its blocks do not make";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
+    const std::string message = e.what();
+    EXPECT_NE(message.find("says 99"), std::string::npos) << message;
+    EXPECT_NE(message.find("give 100"), std::string::npos) << message;
+  }
 }
 
 TEST(SimulatorTest, RingOfNStepsTakesNMinusOneHops) {

@@ -4,6 +4,7 @@
 /// `fcp bench kernel` and bench/kernel_bench print, and what the efficiency curve is made of.
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -47,7 +48,8 @@ struct CalibrationResult {
   std::optional<double> forwardBf16GemmGflops;
   std::optional<double> backwardBf16GemmGflops;
   bool usedBf16Gemm = false;      ///< the kernel's tile products went through the bf16 GEMM
-  double forwardSeconds = 0;      ///< best (sustained: mean) time of one forward call (of every pair, Zig-Zag)
+  /// Best (sustained: mean) time of one forward call (of every pair, for Zig-Zag).
+  double forwardSeconds = 0;
   double backwardSeconds = 0;     ///< the same of one backward call (computeDelta excluded)
   double usefulForwardFlops = 0;  ///< 4 * visible pairs * heads_q * head_dim
   int64_t blockPairs = 0;         ///< block pairs with a visible entry, each timed once per call
@@ -71,5 +73,11 @@ double measureBf16GemmGflops(int64_t m, int64_t n, int64_t k, int numThreads,
 
 /// The CPU's model name (lscpu's "Model name", from /proc/cpuinfo), or "unknown".
 std::string cpuModelName();
+
+namespace detail {
+/// Mean seconds of `run` repeated back to back after one untimed warm-up, over at least three
+/// timed repetitions and at least minSeconds in all: a sustained case's kernel timing.
+double meanSeconds(const std::function<void()>& run, double minSeconds);
+}  // namespace detail
 
 }  // namespace fcp::kernels
