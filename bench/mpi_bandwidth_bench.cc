@@ -20,7 +20,8 @@ int run(int argc, char** argv) {
     char* end = nullptr;
     const long m = std::strtol(argv[i], &end, 10);
     if (end == argv[i] || *end != '\0' || m <= 0 || m > 1024) {
-      std::fprintf(stderr, "mpi_bandwidth_bench: invalid size '%s': expected MiB in [1, 1024]\n", argv[i]);
+      std::fprintf(stderr, "mpi_bandwidth_bench: invalid size '%s': expected MiB in [1, 1024]\n",
+                   argv[i]);
       return 1;
     }
     mebibytes.push_back(static_cast<size_t>(m));
@@ -49,12 +50,14 @@ int run(int argc, char** argv) {
       // The slower rank's time: both directions must be done.
       auto micros = static_cast<int64_t>(seconds * 1e6);
       t->allreduce({&micros, 1}, fcp::runtime::ReduceOp::kMax);
-      if (rep > 0) gbps.push_back(static_cast<double>(bytes) / (static_cast<double>(micros) * 1e-6) * 1e-9);
+      if (rep > 0)
+        gbps.push_back(static_cast<double>(bytes) / (static_cast<double>(micros) * 1e-6) * 1e-9);
     }
     std::sort(gbps.begin(), gbps.end());
     if (t->rank() == 0) {
-      std::printf("%5zu MiB each way: median %.2f GB/s, best %.2f GB/s (%d repeats, first dropped)\n", mib,
-                  gbps[gbps.size() / 2], gbps.back(), kRepeats);
+      std::printf(
+          "%5zu MiB each way: median %.2f GB/s, best %.2f GB/s (%d repeats, first dropped)\n", mib,
+          gbps[gbps.size() / 2], gbps.back(), kRepeats);
     }
   }
   return 0;

@@ -16,8 +16,8 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,7 +96,8 @@ std::string formatOptional(const std::optional<double>& value) {
 }
 
 void requirePositive(int64_t value, const char* flag) {
-  if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
+  if (value <= 0)
+    throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
 }
 
 void runKernelBench(const KernelBenchArgs& a) {
@@ -110,7 +111,9 @@ void runKernelBench(const KernelBenchArgs& a) {
   std::sort(tokens.begin(), tokens.end());
   if (std::find(a.masks.begin(), a.masks.end(), "zigzag") != a.masks.end()) {
     for (const int64_t n : tokens) {
-      if (n % 2 != 0) throwInvalidArgument("invalid --tokens ", n, " with --mask zigzag: expected an even block length");
+      if (n % 2 != 0)
+        throwInvalidArgument("invalid --tokens ", n,
+                             " with --mask zigzag: expected an even block length");
     }
   }
   requirePositive(a.threads, "--threads");
@@ -136,8 +139,8 @@ void runKernelBench(const KernelBenchArgs& a) {
     if (bf16)
       std::printf("bf16 GEMM columns: dnnl_gemm_bf16bf16f32 on the same tiles%s\n",
                   kernels::bf16GemmSupported() ? "" : ": unavailable on this CPU");
-    std::printf("%-6s %7s | %8s %8s %6s | %8s %8s %6s", "mask", "tokens", "fwd", "gemm",
-                "ratio", "bwd", "gemm", "ratio");
+    std::printf("%-6s %7s | %8s %8s %6s | %8s %8s %6s", "mask", "tokens", "fwd", "gemm", "ratio",
+                "bwd", "gemm", "ratio");
     std::printf(bf16 ? " | %9s %9s\n" : "\n", "bf16GEMMf", "bf16GEMMb");
   }
   // Peak: the best GEMM speed seen in this run, on large tiles before and after the kernels
@@ -154,7 +157,8 @@ void runKernelBench(const KernelBenchArgs& a) {
     const int zigzag = maskName == "zigzag" ? kZigzagBlocks : 0;
     for (int64_t n : tokens) {
       const kernels::CalibrationResult r = kernels::calibrate(
-          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag, a.sustained}, a.minSeconds);
+          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag, a.sustained},
+          a.minSeconds);
       rows.push_back({maskName, n, r});
       peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
       if (a.json) continue;
@@ -175,34 +179,36 @@ void runKernelBench(const KernelBenchArgs& a) {
   nlohmann::json forwardCurve = nlohmann::json::array(), backwardCurve = nlohmann::json::array();
   // The curve: from the Zig-Zag cases if measured (what a plan's long sequences run), else the
   // full ones (a causal plan's pairs are mostly off-diagonal), else the causal ones.
-  const auto measured = [&](const char* m) { return std::find(a.masks.begin(), a.masks.end(), m) != a.masks.end(); };
-  const std::string curveMask = measured("zigzag") ? "zigzag" : measured("full") ? "full" : "causal";
+  const auto measured = [&](const char* m) {
+    return std::find(a.masks.begin(), a.masks.end(), m) != a.masks.end();
+  };
+  const std::string curveMask = measured("zigzag") ? "zigzag"
+                                : measured("full") ? "full"
+                                                   : "causal";
   for (const Row& row : rows) {
     const kernels::CalibrationResult& r = row.r;
     if (a.json) {
       for (const char* direction : {"forward", "backward"}) {
         const bool fwd = direction[0] == 'f';
         const double gflops = fwd ? r.forwardGflops : r.backwardGflops;
-        nlohmann::json record = {
-            {"dtype", a.dtype},
-            {"mask", row.mask},
-            {"direction", direction},
-            {"tokens", row.tokens},
-            {"threads", a.threads},
-            {"heads_q", a.headsQ},
-            {"heads_kv", a.headsKv},
-            {"head_dim", a.headDim},
-            {"gflops", gflops},
-            {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
-            {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
-            {"timing", a.sustained ? "sustained" : "best"},
-            {"fraction_of_peak", gflops / peak},
-            {"peak_gflops", peak},
-            {"gemm", r.usedBf16Gemm ? "dnnl_gemm_bf16bf16f32" : "dnnl_sgemm"}};
+        nlohmann::json record = {{"dtype", a.dtype},
+                                 {"mask", row.mask},
+                                 {"direction", direction},
+                                 {"tokens", row.tokens},
+                                 {"threads", a.threads},
+                                 {"heads_q", a.headsQ},
+                                 {"heads_kv", a.headsKv},
+                                 {"head_dim", a.headDim},
+                                 {"gflops", gflops},
+                                 {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
+                                 {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
+                                 {"timing", a.sustained ? "sustained" : "best"},
+                                 {"fraction_of_peak", gflops / peak},
+                                 {"peak_gflops", peak},
+                                 {"gemm", r.usedBf16Gemm ? "dnnl_gemm_bf16bf16f32" : "dnnl_sgemm"}};
         if (bf16) {
           // null, not 0, where this CPU cannot run oneDNN's bf16 GEMM.
-          const std::optional<double>& g =
-              fwd ? r.forwardBf16GemmGflops : r.backwardBf16GemmGflops;
+          const std::optional<double>& g = fwd ? r.forwardBf16GemmGflops : r.backwardBf16GemmGflops;
           record["bf16_gemm_gflops"] = g ? nlohmann::json(*g) : nlohmann::json(nullptr);
         }
         std::cout << record.dump() << '\n';
@@ -214,9 +220,12 @@ void runKernelBench(const KernelBenchArgs& a) {
     }
   }
   if (a.curveOut.empty()) return;
-  const nlohmann::json curve = {{"kind", "fcp-efficiency-curve"}, {"device", device},
-                                {"dtype", a.dtype},               {"threads", a.threads},
-                                {"peak_gflops", peak},            {"timing", a.sustained ? "sustained" : "best"},
+  const nlohmann::json curve = {{"kind", "fcp-efficiency-curve"},
+                                {"device", device},
+                                {"dtype", a.dtype},
+                                {"threads", a.threads},
+                                {"peak_gflops", peak},
+                                {"timing", a.sustained ? "sustained" : "best"},
                                 {"forward", forwardCurve},
                                 {"backward", backwardCurve}};
   std::ofstream out(a.curveOut);
@@ -232,12 +241,15 @@ void addBenchCommand(CLI::App& app) {
   bench->require_subcommand(1);
   auto args = std::make_shared<KernelBenchArgs>();
   CLI::App* kernel = bench->add_subcommand(
-      "kernel", "Block-attention kernels: GFLOP/s vs block length, beside dnnl_sgemm on the same "
-                "tiles; writes the efficiency curve");
+      "kernel",
+      "Block-attention kernels: GFLOP/s vs block length, beside dnnl_sgemm on the same "
+      "tiles; writes the efficiency curve");
   kernel->add_option("--dtype", args->dtype, "fp32 or bf16")->capture_default_str();
-  kernel->add_option("--mask", args->masks,
-                     "causal, full (self pairs of one sequence) and/or zigzag (every pair of a causal "
-                     "sequence cut into 4 Zig-Zag blocks of this length)")
+  kernel
+      ->add_option(
+          "--mask", args->masks,
+          "causal, full (self pairs of one sequence) and/or zigzag (every pair of a causal "
+          "sequence cut into 4 Zig-Zag blocks of this length)")
       ->capture_default_str();
   kernel->add_option("--tokens", args->tokens, "block lengths (e.g. 256 1K 8K)")
       ->capture_default_str();
@@ -249,13 +261,15 @@ void addBenchCommand(CLI::App& app) {
       ->capture_default_str();
   kernel->add_option("--path", args->path, "vector path: auto, portable, avx2, avx512")
       ->capture_default_str();
-  kernel->add_option("--bf16-gemm", args->bf16Gemm,
-                     "bf16 tile products: auto, native (oneDNN's bf16 GEMM), widen (fp32 sgemm)")
+  kernel
+      ->add_option("--bf16-gemm", args->bf16Gemm,
+                   "bf16 tile products: auto, native (oneDNN's bf16 GEMM), widen (fp32 sgemm)")
       ->capture_default_str();
-  kernel->add_flag("--sustained", args->sustained,
-                   "time the kernels as a run does: back to back, each forward pair with the merge of "
-                   "its partial output, mean of the repeats (default: best of the repeats, alternating "
-                   "with the GEMM)");
+  kernel->add_flag(
+      "--sustained", args->sustained,
+      "time the kernels as a run does: back to back, each forward pair with the merge of "
+      "its partial output, mean of the repeats (default: best of the repeats, alternating "
+      "with the GEMM)");
   kernel->add_flag("--json", args->json,
                    "one JSON record per (dtype, mask, direction, tokens, threads)");
   kernel->add_option("--curve-out", args->curveOut, "write the efficiency curve (JSON) here");

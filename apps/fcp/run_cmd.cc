@@ -7,12 +7,12 @@
 // *Kernel time* is time inside attention kernels; η = wall time / the busiest rank's kernel
 // time. *Ideal* = the batch's useful FLOPs / ranks / the kernel's FLOP/s measured in the same
 // run (all ranks' FLOPs over all ranks' kernel time).
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
-#include <csignal>
-#include <thread>
-#include <unistd.h>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,9 +20,10 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <sstream>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+#include <tuple>
 
 #include "commands.h"
 #include "fcp/baselines/ring.h"
@@ -83,7 +84,8 @@ std::vector<std::string> splitStrategies(const std::string& text) {
   std::string item;
   while (std::getline(in, item, ',')) {
     if (item != "fcp" && item != "ring") {
-      throwInvalidArgument("unknown --strategy '", item, "': expected fcp, ring or a list like fcp,ring");
+      throwInvalidArgument("unknown --strategy '", item,
+                           "': expected fcp, ring or a list like fcp,ring");
     }
     out.push_back(item);
   }
@@ -95,7 +97,8 @@ std::vector<std::string> splitStrategies(const std::string& text) {
 struct Setup {
   Batch batch;
   plan::PlanConfig config;  // numWorkers and tokensPerWorker set once the rank count is known
-  EfficiencyCurve forward = EfficiencyCurve::paperDefault(), backward = EfficiencyCurve::paperDefault();
+  EfficiencyCurve forward = EfficiencyCurve::paperDefault(),
+                  backward = EfficiencyCurve::paperDefault();
   std::vector<std::string> strategies;
   std::string source;
 };
@@ -105,18 +108,26 @@ Setup validate(const RunArgs& a) {
   s.strategies = splitStrategies(a.strategies);
   if (!a.curve.empty()) std::tie(s.forward, s.backward) = sim::loadEfficiencyCurves(a.curve);
   if (a.dtype != "fp32") {
-    throwInvalidArgument("unsupported --dtype '", a.dtype, "': the runtime executes fp32 (use fp32)");
+    throwInvalidArgument("unsupported --dtype '", a.dtype,
+                         "': the runtime executes fp32 (use fp32)");
   }
-  for (auto [value, flag] : {std::pair{a.headsQ, "--heads-q"}, {a.headsKv, "--heads-kv"},
-                             {a.headDim, "--head-dim"}, {a.repeats, "--repeats"}, {a.threads, "--threads"},
+  for (auto [value, flag] : {std::pair{a.headsQ, "--heads-q"},
+                             {a.headsKv, "--heads-kv"},
+                             {a.headDim, "--head-dim"},
+                             {a.repeats, "--repeats"},
+                             {a.threads, "--threads"},
                              {a.coalesce, "--coalesce"}}) {
-    if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
+    if (value <= 0)
+      throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
   }
   if (a.warmup < 0) throwInvalidArgument("invalid --warmup ", a.warmup, ": expected 0 or more");
   if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
-  if (!(a.commRatio >= 0)) throwInvalidArgument("invalid --comm-ratio ", a.commRatio, ": expected FLOP per byte >= 0");
-  if (!(a.timeoutSeconds > 0)) throwInvalidArgument("invalid --timeout ", a.timeoutSeconds, ": expected seconds > 0");
-  if (!(a.tolerance > 0)) throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
+  if (!(a.commRatio >= 0))
+    throwInvalidArgument("invalid --comm-ratio ", a.commRatio, ": expected FLOP per byte >= 0");
+  if (!(a.timeoutSeconds > 0))
+    throwInvalidArgument("invalid --timeout ", a.timeoutSeconds, ": expected seconds > 0");
+  if (!(a.tolerance > 0))
+    throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
   auto& c = s.config;
   c.blockSize = parseTokenCount(a.blockSize, "--block-size");
   c.memorySlack = a.memorySlack;
@@ -124,7 +135,8 @@ Setup validate(const RunArgs& a) {
   c.bufferDepth = a.buffers;
   c.attention = {a.headsQ, a.headsKv, a.headDim, 4, parseMask(a.mask)};
   checkAttentionConfig(c.attention);
-  c.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
+  c.memoryLimitTokens =
+      a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
   if (!a.trace.empty()) {
     s.batch = readTrace(a.trace);
     s.source = "trace " + a.trace;
@@ -168,14 +180,16 @@ double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threa
   std::vector<float> o(t.q.size()), lse(static_cast<size_t>(b * a.numHeadsQ));
   const kernels::Segment seg{b, 0, 0};
   const kernels::BlockMask mask{kernels::MaskKind::kFull, {&seg, 1}, {&seg, 1}};
-  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv), d = static_cast<int>(a.headDim);
+  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv),
+             d = static_cast<int>(a.headDim);
   double best = 0;
   for (int i = 0; i < 3; ++i) {
     const double start = runtime::Timeline::nowUs();
-    kernels::forward({t.q.data(), b, h, d}, {t.k.data(), b, hk, d}, {t.v.data(), b, hk, d}, mask, o.data(),
-                     lse.data(), {threads});
+    kernels::forward({t.q.data(), b, h, d}, {t.k.data(), b, hk, d}, {t.v.data(), b, hk, d}, mask,
+                     o.data(), lse.data(), {threads});
     const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
-    best = std::max(best, 4.0 * static_cast<double>(b * b) * static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
+    best = std::max(best, 4.0 * static_cast<double>(b * b) *
+                              static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
   }
   return best;
 }
@@ -251,7 +265,8 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   std::vector<std::vector<float>> mine;
   for (const auto& run : runs) {
     std::vector<float>& m = mine.emplace_back();
-    for (const std::vector<float>* x : {&run->o, &run->dq, &run->dk, &run->dv}) m.insert(m.end(), x->begin(), x->end());
+    for (const std::vector<float>* x : {&run->o, &run->dq, &run->dk, &run->dv})
+      m.insert(m.end(), x->begin(), x->end());
   }
   if (t.rank() != 0) {
     std::vector<runtime::RequestId> sends;
@@ -262,7 +277,8 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
     return;
   }
   // got[strategy][rank]
-  std::vector<std::vector<std::vector<float>>> got(runs.size(), std::vector<std::vector<float>>(static_cast<size_t>(t.size())));
+  std::vector<std::vector<std::vector<float>>> got(
+      runs.size(), std::vector<std::vector<float>>(static_cast<size_t>(t.size())));
   std::vector<runtime::RequestId> recvs;
   for (int rank = 1; rank < t.size(); ++rank) {
     for (size_t i = 0; i < runs.size(); ++i) {
@@ -277,7 +293,8 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   Tensors all;
   for (int rank = 0; rank < t.size(); ++rank) {
     const Tensors in = makeInputs(a.seed, rank, tokensOf(rank), att);
-    for (auto [dst, src] : {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
+    for (auto [dst, src] :
+         {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
       dst->insert(dst->end(), src->begin(), src->end());
     }
   }
@@ -285,7 +302,8 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   if (const char* delay = std::getenv("FCP_FAULT_CHECK_DELAY_SECONDS")) {
     std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(delay)));
   }
-  const runtime::ReferenceResult ref = runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
+  const runtime::ReferenceResult ref =
+      runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
   for (size_t i = 0; i < runs.size(); ++i) {
     std::vector<float> o, dq, dk, dv;
     for (int rank = 0; rank < t.size(); ++rank) {
@@ -306,9 +324,9 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   }
 }
 
-
-std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data, const Setup& s,
-                                             const RunArgs& a, const std::string& strategy, const Tensors& in,
+std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data,
+                                             const Setup& s, const RunArgs& a,
+                                             const std::string& strategy, const Tensors& in,
                                              runtime::Timeline* timeline) {
   auto run = std::make_unique<StrategyRun>();
   run->strategy = strategy;
@@ -326,10 +344,12 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
     if (std::atoi(stallRank) == net.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
   }
   const auto threads = static_cast<int>(a.threads);
-  run->executor = std::make_unique<runtime::Executor>(run->plan, data, runtime::ExecutorOptions{threads, nullptr});
+  run->executor = std::make_unique<runtime::Executor>(run->plan, data,
+                                                      runtime::ExecutorOptions{threads, nullptr});
   // The last repeat runs on a second executor that records the timeline.
   if (timeline) {
-    run->traced = std::make_unique<runtime::Executor>(run->plan, data, runtime::ExecutorOptions{threads, timeline});
+    run->traced = std::make_unique<runtime::Executor>(run->plan, data,
+                                                      runtime::ExecutorOptions{threads, timeline});
   }
   const int64_t n = run->executor->userTokens();
   run->o.resize(in.q.size());
@@ -340,8 +360,8 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
   return run;
 }
 
-void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in, bool measured, bool last,
-                    runtime::Timeline* timeline) {
+void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in, bool measured,
+                    bool last, runtime::Timeline* timeline) {
   runtime::Executor& e = last && run.traced ? *run.traced : *run.executor;
   // Each pass starts together on every rank: in a model, other layers run between attention's
   // forward and backward, so one pass's imbalance does not carry into the other's time (the
@@ -396,31 +416,32 @@ void writeFileAtomically(const std::string& path, const std::string& text) {
   if (ec) throwInvalidArgument("cannot write --timeline file '", path, "': ", ec.message());
 }
 
-void printTable(const std::vector<StrategyResult>& results, const Setup& s, const RunArgs& a, int ranks,
-                double capBytesPerSecond) {
+void printTable(const std::vector<StrategyResult>& results, const Setup& s, const RunArgs& a,
+                int ranks, double capBytesPerSecond) {
   const auto& att = s.config.attention;
-  std::printf("fcp run: %s, %lld sequences, %lld tokens on %d ranks x %lld thread(s)\n", s.source.c_str(),
-              static_cast<long long>(s.batch.numSequences()), static_cast<long long>(s.batch.numTokens()),
-              ranks, static_cast<long long>(a.threads));
+  std::printf("fcp run: %s, %lld sequences, %lld tokens on %d ranks x %lld thread(s)\n",
+              s.source.c_str(), static_cast<long long>(s.batch.numSequences()),
+              static_cast<long long>(s.batch.numTokens()), ranks,
+              static_cast<long long>(a.threads));
   std::printf("  model: %lld/%lld heads x %lld, fp32, %s mask, %s blocks; bandwidth %s\n",
               static_cast<long long>(att.numHeadsQ), static_cast<long long>(att.numHeadsKv),
               static_cast<long long>(att.headDim), std::string(maskName(att.mask)).c_str(),
               formatTokenCount(s.config.blockSize).c_str(),
-              capBytesPerSecond > 0
-                  ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) + " GB/s per rank (--comm-ratio " +
-                     std::to_string(static_cast<int64_t>(a.commRatio)) + ")")
-                        .c_str()
-                  : "uncapped (shared memory)");
+              capBytesPerSecond > 0 ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) +
+                                       " GB/s per rank (--comm-ratio " +
+                                       std::to_string(static_cast<int64_t>(a.commRatio)) + ")")
+                                          .c_str()
+                                    : "uncapped (shared memory)");
   std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
               static_cast<long long>(a.warmup));
-  std::printf("  %-8s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms", "GFLOP/s/rank",
-              "eta", "ideal ms", "x ideal", "comm MB");
+  std::printf("  %-8s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms",
+              "GFLOP/s/rank", "eta", "ideal ms", "x ideal", "comm MB");
   if (a.check) std::printf(" %9s %9s %9s %9s", "err out", "err dq", "err dk", "err dv");
   std::printf("\n");
   for (const StrategyResult& r : results) {
-    std::printf("  %-8s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(), r.fwdMs, r.bwdMs,
-                r.gflopsPerRank, r.eta, r.idealMs, (r.fwdMs + r.bwdMs) / r.idealMs,
-                static_cast<double>(r.commBytes) / 1e6);
+    std::printf("  %-8s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(),
+                r.fwdMs, r.bwdMs, r.gflopsPerRank, r.eta, r.idealMs,
+                (r.fwdMs + r.bwdMs) / r.idealMs, static_cast<double>(r.commBytes) / 1e6);
     if (r.checked) std::printf(" %9.2e %9.2e %9.2e %9.2e", r.errOut, r.errDq, r.errDk, r.errDv);
     std::printf("\n");
   }
@@ -433,12 +454,17 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
 }
 
 nlohmann::json toJson(const StrategyResult& r) {
-  nlohmann::json j = {{"strategy", r.strategy},   {"fwd_ms", r.fwdMs},
-                      {"bwd_ms", r.bwdMs},         {"gflops_per_rank", r.gflopsPerRank},
-                      {"eta", r.eta},              {"ideal_ms", r.idealMs},
-                      {"kernel_gflops", r.kernelGflops}, {"comm_bytes", r.commBytes},
+  nlohmann::json j = {{"strategy", r.strategy},
+                      {"fwd_ms", r.fwdMs},
+                      {"bwd_ms", r.bwdMs},
+                      {"gflops_per_rank", r.gflopsPerRank},
+                      {"eta", r.eta},
+                      {"ideal_ms", r.idealMs},
+                      {"kernel_gflops", r.kernelGflops},
+                      {"comm_bytes", r.commBytes},
                       {"kv_bytes", r.kvBytes}};
-  if (r.checked) j["rel_error"] = {{"out", r.errOut}, {"dq", r.errDq}, {"dk", r.errDk}, {"dv", r.errDv}};
+  if (r.checked)
+    j["rel_error"] = {{"out", r.errOut}, {"dq", r.errDq}, {"dk", r.errDk}, {"dv", r.errDv}};
   return j;
 }
 
@@ -479,7 +505,8 @@ void runRun(const RunArgs& a) {
     double cap = 0;
     std::unique_ptr<runtime::Transport> throttled;
     if (a.commRatio > 0) {
-      int64_t flops = std::llround(measureKernelFlops(c.attention, c.blockSize, static_cast<int>(a.threads)));
+      int64_t flops =
+          std::llround(measureKernelFlops(c.attention, c.blockSize, static_cast<int>(a.threads)));
       net->allreduce({&flops, 1}, runtime::ReduceOp::kMin);
       cap = static_cast<double>(flops) / a.commRatio;
       throttled = runtime::makeThrottledTransport(*net, cap, a.timeoutSeconds);
@@ -487,8 +514,9 @@ void runRun(const RunArgs& a) {
     runtime::Transport& data = throttled ? *throttled : *net;
     const auto starts = plan::userLayoutStarts(s.batch.numTokens(), ranks);
     const int rank = net->rank();
-    const Tensors in = makeInputs(a.seed, rank, starts[static_cast<size_t>(rank) + 1] - starts[static_cast<size_t>(rank)],
-                                  c.attention);
+    const Tensors in = makeInputs(
+        a.seed, rank, starts[static_cast<size_t>(rank) + 1] - starts[static_cast<size_t>(rank)],
+        c.attention);
     runtime::Timeline timeline;
     runtime::Timeline* recorder = a.timeline.empty() ? nullptr : &timeline;
     std::vector<std::unique_ptr<StrategyRun>> runs;
@@ -496,7 +524,8 @@ void runRun(const RunArgs& a) {
       runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, recorder));
     }
     for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
-      for (auto& run : runs) repeatStrategy(*net, *run, in, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
+      for (auto& run : runs)
+        repeatStrategy(*net, *run, in, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
     }
     std::vector<StrategyResult> results;
     for (auto& run : runs) results.push_back(summarize(*net, a, *run));
@@ -512,7 +541,8 @@ void runRun(const RunArgs& a) {
       try {
         checkAgainstReference(*net, s, a, runs, results);
       } catch (const Error& e) {
-        throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) + "'s reference check failed: " + e.what());
+        throw Error(ErrorCode::kInternal,
+                    "rank " + std::to_string(rank) + "'s reference check failed: " + e.what());
       }
       verdictTimeout = a.timeoutSeconds + referenceFlops(s.batch, c.attention) / 5e8;
       if (rank == 0) {
@@ -540,7 +570,8 @@ void runRun(const RunArgs& a) {
   } catch (const Error& e) {
     // Errors every rank meets together (bad batch, plan disagreement, check verdict) end
     // normally; anything else may leave peers waiting, so it ends the whole job.
-    const bool shared = e.code() == ErrorCode::kInvalidPlan || e.code() == ErrorCode::kInvalidArgument ||
+    const bool shared = e.code() == ErrorCode::kInvalidPlan ||
+                        e.code() == ErrorCode::kInvalidArgument ||
                         std::string(e.what()).rfind("--check", 0) == 0;
     if (shared) {
       // Every rank prints its line before any exits: the launcher kills the others as soon
@@ -576,34 +607,43 @@ void addRunCommand(CLI::App& app) {
   cmd->add_option("--memory-limit", args->memoryLimit, "Per-rank memory budget in tokens");
   cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
       ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of the batch and of the tensors")->capture_default_str();
-  cmd->add_option("--curve", args->curve,
-                  "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
-                  "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU curve");
+  cmd->add_option("--seed", args->seed, "Seed of the batch and of the tensors")
+      ->capture_default_str();
+  cmd->add_option(
+      "--curve", args->curve,
+      "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
+      "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU "
+      "curve");
   cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
   cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
   cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
   cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Element type (the runtime runs fp32)")->capture_default_str();
-  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one stage (FCP)")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "Element type (the runtime runs fp32)")
+      ->capture_default_str();
+  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one stage (FCP)")
+      ->capture_default_str();
   cmd->add_option("--buffers", args->buffers, "Stages of remote KV a rank may hold (FCP, >= 2)")
       ->capture_default_str();
   cmd->add_option("--strategy", args->strategies, "Strategies to run: fcp, ring or fcp,ring")
       ->capture_default_str();
   cmd->add_option("--warmup", args->warmup, "Untimed repeats first")->capture_default_str();
-  cmd->add_option("--repeats", args->repeats, "Timed forward+backward repeats")->capture_default_str();
+  cmd->add_option("--repeats", args->repeats, "Timed forward+backward repeats")
+      ->capture_default_str();
   cmd->add_option("--threads", args->threads, "Kernel threads per rank")->capture_default_str();
-  cmd->add_option("--comm-ratio", args->commRatio,
-                  "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y 2500; "
-                  "0 = uncapped)")
+  cmd->add_option(
+         "--comm-ratio", args->commRatio,
+         "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y 2500; "
+         "0 = uncapped)")
       ->capture_default_str();
   cmd->add_flag("--check", args->check,
-                "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the default batch: minutes)");
+                "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the "
+                "default batch: minutes)");
   cmd->add_option("--tolerance", args->tolerance, "Largest relative L2 error --check accepts")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object per strategy");
   cmd->add_option("--timeline", args->timeline, "Write a Chrome-trace JSON of the last repeat");
-  cmd->add_option("--timeout", args->timeoutSeconds, "Seconds a rank waits for a message before failing")
+  cmd->add_option("--timeout", args->timeoutSeconds,
+                  "Seconds a rank waits for a message before failing")
       ->capture_default_str();
   cmd->callback([args] { runRun(*args); });
 }

@@ -58,7 +58,6 @@ std::pair<double, double> bestSecondsAlternating(const std::function<void()>& a,
   return {bestA, bestB};
 }
 
-
 // Runs `body` with the bf16 GEMM path forced to `gemm`, restoring the previous setting.
 void withBf16Gemm(Bf16Gemm gemm, const std::function<void()>& body) {
   const Bf16Gemm before = activeBf16Gemm();
@@ -109,7 +108,8 @@ double detail::meanSeconds(const std::function<void()>& run, double minSeconds) 
 }
 
 CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
-  if (c.zigzagBlocks < 0 || (c.zigzagBlocks > 0 && (c.blockTokens % 2 != 0 || c.mask != MaskKind::kCausal))) {
+  if (c.zigzagBlocks < 0 ||
+      (c.zigzagBlocks > 0 && (c.blockTokens % 2 != 0 || c.mask != MaskKind::kCausal))) {
     throwInvalidArgument("Zig-Zag calibration of ", c.zigzagBlocks, " blocks of ", c.blockTokens,
                          " tokens: expected a causal mask and an even block length");
   }
@@ -123,7 +123,8 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   } else {
     const int64_t chunk = n / 2, k = c.zigzagBlocks;
     for (int64_t i = 0; i < k; ++i) {
-      segments[static_cast<size_t>(i)] = {Segment{chunk, 0, i * chunk}, Segment{chunk, 0, (2 * k - 1 - i) * chunk}};
+      segments[static_cast<size_t>(i)] = {Segment{chunk, 0, i * chunk},
+                                          Segment{chunk, 0, (2 * k - 1 - i) * chunk}};
     }
   }
   struct Block {
@@ -163,7 +164,8 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   std::vector<std::vector<float>> accO, accLse;
   if (c.sustained) {
     accO.assign(blocks.size(), std::vector<float>(qn, 0.f));
-    accLse.assign(blocks.size(), std::vector<float>(lse.size(), -std::numeric_limits<float>::infinity()));
+    accLse.assign(blocks.size(),
+                  std::vector<float>(lse.size(), -std::numeric_limits<float>::infinity()));
   }
 
   r.usedBf16Gemm = c.dtype == DType::kBf16 && activeBf16Gemm() == Bf16Gemm::kNative;
@@ -172,9 +174,11 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
     double flops = 0;
     for (const Pair& p : pairs) {
       const Block &qb = blocks[p.q], &kb = blocks[p.kv];
-      flops += detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), lse.data(), options, gemmOnly);
+      flops += detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), lse.data(),
+                                  options, gemmOnly);
       if (c.sustained && !gemmOnly) {
-        mergePartials(n, c.numHeadsQ, c.headDim, accO[p.q].data(), accLse[p.q].data(), o.data(), lse.data());
+        mergePartials(n, c.numHeadsQ, c.headDim, accO[p.q].data(), accLse[p.q].data(), o.data(),
+                      lse.data());
       }
     }
     return flops;
@@ -183,8 +187,9 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
     double flops = 0;
     for (const Pair& p : pairs) {
       const Block &qb = blocks[p.q], &kb = blocks[p.kv];
-      flops += detail::runBackward(qb.q.view, kb.k.view, kb.v.view, qb.dO.view, p.lse.data(), p.delta.data(),
-                                   p.mask, dq.data(), dk.data(), dv.data(), options, gemmOnly);
+      flops += detail::runBackward(qb.q.view, kb.k.view, kb.v.view, qb.dO.view, p.lse.data(),
+                                   p.delta.data(), p.mask, dq.data(), dk.data(), dv.data(), options,
+                                   gemmOnly);
     }
     return flops;
   };
@@ -202,7 +207,8 @@ CalibrationResult calibrate(const CalibrationCase& c, double minSeconds) {
   // The backward needs each pair's forward LSE and D (the GEMM-only runs leave them unwritten).
   for (Pair& p : pairs) {
     const Block &qb = blocks[p.q], &kb = blocks[p.kv];
-    detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), p.lse.data(), options, false);
+    detail::runForward(qb.q.view, kb.k.view, kb.v.view, p.mask, o.data(), p.lse.data(), options,
+                       false);
     computeDelta({o.data(), n, c.numHeadsQ, c.headDim, DType::kFp32}, qb.dO.view, p.delta.data());
   }
   std::tie(r.backwardSeconds, bwdGemmSeconds) = timeBoth(backwardKernel, backwardGemm);
@@ -247,8 +253,8 @@ double measureBf16GemmGflops(int64_t m, int64_t n, int64_t k, int numThreads, do
   const double seconds = bestSeconds(
       [&] {
         detail::parallelFor(threads, threads, [&](int64_t t, int) {
-          detail::gemmBf16('N', 'T', m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f,
-                           cs[t].data(), n);
+          detail::gemmBf16('N', 'T', m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, cs[t].data(),
+                           n);
         });
       },
       minSeconds);

@@ -36,8 +36,8 @@ void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, Mas
   }
   const std::vector<Chunk> chunks = splitEvenly(sequence, length, 2 * k);
   for (int64_t j = 0; j < k; ++j) {
-    blocks.push_back(Block{{chunks[static_cast<size_t>(j)],
-                            chunks[static_cast<size_t>(2 * k - 1 - j)]}});
+    blocks.push_back(
+        Block{{chunks[static_cast<size_t>(j)], chunks[static_cast<size_t>(2 * k - 1 - j)]}});
   }
 }
 
@@ -66,7 +66,8 @@ void appendPackedSequences(const Batch& batch, int64_t blockSize, std::vector<Bl
     if (slot == bins.size()) bins.emplace_back();
     bins[slot].chunks.push_back({s, 0, len});
     freeMax[node] -= len;
-    for (node /= 2; node >= 1; node /= 2) freeMax[node] = std::max(freeMax[2 * node], freeMax[2 * node + 1]);
+    for (node /= 2; node >= 1; node /= 2)
+      freeMax[node] = std::max(freeMax[2 * node], freeMax[2 * node + 1]);
   }
   for (Block& bin : bins) {
     // Order a packed block's sequences by index so the token layout inside it is canonical.
@@ -115,8 +116,7 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       numSequences = std::max(numSequences, c.sequence + 1);
     }
   }
-  std::vector<std::vector<std::pair<int32_t, Chunk>>> bySequence(
-      static_cast<size_t>(numSequences));
+  std::vector<std::vector<std::pair<int32_t, Chunk>>> bySequence(static_cast<size_t>(numSequences));
   for (int32_t b = 0; b < static_cast<int32_t>(blocks.size()); ++b) {
     for (const Chunk& c : blocks[static_cast<size_t>(b)].chunks) {
       bySequence[static_cast<size_t>(c.sequence)].push_back({b, c});

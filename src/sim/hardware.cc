@@ -3,8 +3,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "fcp/core/error.h"
 
@@ -19,7 +19,8 @@ using nlohmann::json;
 
 /// The "kind" of a JSON object, or "" when it has none (or it is not a string).
 std::string kindOf(const json& j) {
-  return j.is_object() && j.contains("kind") && j["kind"].is_string() ? j["kind"].get<std::string>() : "";
+  return j.is_object() && j.contains("kind") && j["kind"].is_string() ? j["kind"].get<std::string>()
+                                                                      : "";
 }
 
 double positiveNumber(const json& j, const char* field, const std::string& source) {
@@ -64,7 +65,8 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
     throwInvalidArgument("hardware profile ", source, " is not valid JSON: ", e.what());
   }
   if (kindOf(j) != "fcp-hardware") {
-    throwInvalidArgument("hardware profile ", source, ": expected an object with \"kind\": \"fcp-hardware\"");
+    throwInvalidArgument("hardware profile ", source,
+                         ": expected an object with \"kind\": \"fcp-hardware\"");
   }
   HardwareProfile h;
   h.name = j.value("name", source);
@@ -97,7 +99,8 @@ namespace {
 
 /// A built-in profile's name, not a file: no '/', no ".json", and no such file here.
 bool isProfileName(const std::string& nameOrPath) {
-  return nameOrPath.find('/') == std::string::npos && nameOrPath.find(".json") == std::string::npos &&
+  return nameOrPath.find('/') == std::string::npos &&
+         nameOrPath.find(".json") == std::string::npos &&
          !std::filesystem::is_regular_file(nameOrPath);
 }
 
@@ -120,7 +123,8 @@ HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
     path = dir + "/hardware/" + nameOrPath + ".json";
     if (!std::filesystem::exists(path)) {
       throwInvalidArgument("unknown hardware profile '", nameOrPath,
-                           "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path, ")");
+                           "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path,
+                           ")");
     }
   }
   return parseHardwareProfile(readText(path, "hardware profile"), path);
@@ -144,8 +148,9 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
     return {h.forward, h.backward};
   }
   if (kind != "fcp-efficiency-curve") {
-    throwInvalidArgument("efficiency curve ", nameOrPath,
-                         ": expected an object with \"kind\": \"fcp-efficiency-curve\" or \"fcp-hardware\"");
+    throwInvalidArgument(
+        "efficiency curve ", nameOrPath,
+        ": expected an object with \"kind\": \"fcp-efficiency-curve\" or \"fcp-hardware\"");
   }
   try {
     EfficiencyCurve forward = curve(j, "forward");

@@ -56,7 +56,10 @@ class Engine {
  public:
   Engine(const HardwareProfile& hw, int64_t numWorkers, const std::vector<Flow>& flows,
          std::vector<std::vector<SimStage>> stages, bool keepTimelines)
-      : hw_(hw), n_(static_cast<size_t>(numWorkers)), stages_(std::move(stages)), keep_(keepTimelines) {
+      : hw_(hw),
+        n_(static_cast<size_t>(numWorkers)),
+        stages_(std::move(stages)),
+        keep_(keepTimelines) {
     flow_.resize(flows.size());
     for (size_t i = 0; i < flows.size(); ++i) {
       FlowState& s = flow_[i];
@@ -109,9 +112,9 @@ class Engine {
     }
     for (size_t w = 0; w < n_; ++w) {
       if (stageIdx_[w] < stages_[w].size()) {
-        throw Error(ErrorCode::kInvalidPlan, "simulation stalls: worker " + std::to_string(w) +
-                                                 " waits forever in stage " +
-                                                 std::to_string(stages_[w][stageIdx_[w]].planStage));
+        throw Error(ErrorCode::kInvalidPlan,
+                    "simulation stalls: worker " + std::to_string(w) + " waits forever in stage " +
+                        std::to_string(stages_[w][stageIdx_[w]].planStage));
       }
       result_.timeMs = std::max(result_.timeMs, result_.finishMs[w]);
     }
@@ -132,7 +135,7 @@ class Engine {
     double remaining = 0;  ///< bytes left as of `last`
     double rate = 0;       ///< bytes per second since `last`
     double last = 0;
-    int32_t outPort = 0, inPort = 0;  ///< port indices, 4 × worker + kind
+    int32_t outPort = 0, inPort = 0;    ///< port indices, 4 × worker + kind
     int32_t outSlot = -1, inSlot = -1;  ///< index in active_[outPort] / active_[inPort]
     int32_t heapPos = -1;               ///< index in heap_, −1 when not draining
     int32_t src = 0, dst = 0;
@@ -351,7 +354,8 @@ std::vector<double> pairSeconds(const Plan& plan, const HardwareProfile& hw, boo
   const std::vector<plan::BlockPair> pairs =
       plan::blockPairs(plan.blocks, CostModel{attention, curve, curve});
   // blockPairs' costs are forward FLOPs / f; the backward does more FLOPs per entry.
-  const double flopScale = backward ? backwardFlops(attention, 1) / forwardFlops(attention, 1) : 1.0;
+  const double flopScale =
+      backward ? backwardFlops(attention, 1) / forwardFlops(attention, 1) : 1.0;
   const auto byBlocks = [](const plan::BlockPair& a, const plan::BlockPair& b) {
     return std::tie(a.qBlock, a.kvBlock) < std::tie(b.qBlock, b.kvBlock);
   };
@@ -359,7 +363,8 @@ std::vector<double> pairSeconds(const Plan& plan, const HardwareProfile& hw, boo
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const plan::BlockPair& want = plan.pairs[p];
     const auto it = std::lower_bound(pairs.begin(), pairs.end(), want, byBlocks);
-    const bool found = it != pairs.end() && it->qBlock == want.qBlock && it->kvBlock == want.kvBlock;
+    const bool found =
+        it != pairs.end() && it->qBlock == want.qBlock && it->kvBlock == want.kvBlock;
     if (!found || it->visible != want.visible) {
       std::ostringstream message;
       message << "plan pair " << p << " (Q block " << want.qBlock << ", KV block " << want.kvBlock
@@ -397,14 +402,16 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
       local.clear();
       for (int32_t f : st.flows) {
         const Flow& flow = flows[static_cast<size_t>(f)];
-        if (flow.src == static_cast<int32_t>(w)) local.emplace_back(flow.dst, recvStage[static_cast<size_t>(f)], f);
+        if (flow.src == static_cast<int32_t>(w))
+          local.emplace_back(flow.dst, recvStage[static_cast<size_t>(f)], f);
       }
       std::sort(local.begin(), local.end());
       for (size_t i = 0; i < local.size(); ++i) {
         const bool sameAsPrevious = i > 0 && std::get<0>(local[i]) == std::get<0>(local[i - 1]) &&
                                     std::get<1>(local[i]) == std::get<1>(local[i - 1]);
         first[static_cast<size_t>(std::get<2>(local[i]))] =
-            sameAsPrevious ? first[static_cast<size_t>(std::get<2>(local[i - 1]))] : std::get<2>(local[i]);
+            sameAsPrevious ? first[static_cast<size_t>(std::get<2>(local[i - 1]))]
+                           : std::get<2>(local[i]);
       }
     }
   }
@@ -465,8 +472,10 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
   }
   if (options.reshuffle) {
     const auto& a = plan.config.attention;
-    const int64_t inBytes = backward ? a.qBytesPerToken() : a.qBytesPerToken() + a.kvBytesPerToken();
-    const int64_t outBytes = backward ? a.qBytesPerToken() + a.kvBytesPerToken() : a.oBytesPerToken();
+    const int64_t inBytes =
+        backward ? a.qBytesPerToken() : a.qBytesPerToken() + a.kvBytesPerToken();
+    const int64_t outBytes =
+        backward ? a.qBytesPerToken() + a.kvBytesPerToken() : a.oBytesPerToken();
     if (!options.overlapReshuffle) {
       for (auto& s : stages) {
         s.insert(s.begin(), SimStage{-1, 0, {}});
@@ -474,7 +483,8 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       }
     }
     for (const bool inward : {true, false}) {
-      for (const auto& [key, bytes] : reshuffleMessages(plan, inward, inward ? inBytes : outBytes)) {
+      for (const auto& [key, bytes] :
+           reshuffleMessages(plan, inward, inward ? inBytes : outBytes)) {
         const auto id = static_cast<int32_t>(flows.size());
         flows.push_back({key.first, key.second, bytes});
         for (const int32_t w : {key.first, key.second}) {
@@ -539,7 +549,8 @@ SimResult simulate(const Plan& plan, const HardwareProfile& hardware, const SimO
   const auto& a = plan.config.attention;
   for (const plan::ReshufflePiece& p : plan.reshuffle) {
     if (p.userWorker != p.fcpWorker) {
-      r.reshuffleBytes += (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
+      r.reshuffleBytes +=
+          (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
     }
   }
   return r;

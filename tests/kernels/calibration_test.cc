@@ -1,13 +1,14 @@
 // Calibration cases count the work they time: a causal self pair of n tokens, and the Zig-Zag
 // case (every visible pair of a causal sequence of k × n tokens in k Zig-Zag blocks), whose
 // pairs together must cover the sequence's causal triangle exactly once.
+#include "fcp/kernels/calibration.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <thread>
 
 #include "fcp/core/error.h"
-#include "fcp/kernels/calibration.h"
 
 namespace fcp::kernels {
 namespace {
@@ -55,7 +56,8 @@ TEST(CalibrationTest, SustainedTimingTimesTheSameWork) {
   EXPECT_EQ(sustained.blockPairs, best.blockPairs);
   EXPECT_GT(sustained.forwardSeconds, 0);
   EXPECT_GT(sustained.backwardSeconds, 0);
-  EXPECT_DOUBLE_EQ(sustained.forwardGflops, sustained.usefulForwardFlops / sustained.forwardSeconds * 1e-9);
+  EXPECT_DOUBLE_EQ(sustained.forwardGflops,
+                   sustained.usefulForwardFlops / sustained.forwardSeconds * 1e-9);
   EXPECT_GT(sustained.forwardGemmGflops, 0);
 }
 
@@ -70,7 +72,12 @@ TEST(CalibrationTest, SustainedTimingIsTheMeanAfterAnUntimedWarmUp) {
   EXPECT_LT(mean, 0.04);
   // And it keeps going until minSeconds of timed calls have passed.
   calls = 0;
-  detail::meanSeconds([&] { ++calls; std::this_thread::sleep_for(std::chrono::milliseconds(5)); }, 0.05);
+  detail::meanSeconds(
+      [&] {
+        ++calls;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      },
+      0.05);
   EXPECT_GE(calls, 1 + 3);
   EXPECT_LE(calls, 1 + 10);
 }

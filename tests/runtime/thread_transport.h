@@ -25,7 +25,8 @@ class ThreadWorld {
 
   std::mutex mu;
   std::condition_variable cv;
-  std::map<std::tuple<int, int, int>, std::deque<std::vector<std::byte>>> mailboxes;  // (src, dst, tag)
+  std::map<std::tuple<int, int, int>, std::deque<std::vector<std::byte>>>
+      mailboxes;  // (src, dst, tag)
   // allreduce: generation counter, the accumulation of the current generation, and the results
   // of the last two by parity. A rank that finishes generation g may start g + 1 (and reset
   // `acc`) before the others have copied g's result; g + 2 cannot complete before every rank
@@ -81,7 +82,9 @@ class ThreadTransport final : public Transport {
     } else {
       for (size_t i = 0; i < values.size(); ++i) {
         int64_t& a = world_.acc[i];
-        a = op == ReduceOp::kSum ? a + values[i] : op == ReduceOp::kMin ? std::min(a, values[i]) : std::max(a, values[i]);
+        a = op == ReduceOp::kSum   ? a + values[i]
+            : op == ReduceOp::kMin ? std::min(a, values[i])
+                                   : std::max(a, values[i]);
       }
     }
     std::vector<int64_t>& result = world_.results[static_cast<size_t>(gen & 1)];
@@ -93,7 +96,8 @@ class ThreadTransport final : public Transport {
     } else {
       world_.cv.wait(lock, [&] { return world_.generation != gen; });
     }
-    std::copy(result.begin(), result.begin() + static_cast<std::ptrdiff_t>(values.size()), values.begin());
+    std::copy(result.begin(), result.begin() + static_cast<std::ptrdiff_t>(values.size()),
+              values.begin());
   }
   [[noreturn]] void abort(int) noexcept override { std::abort(); }
 

@@ -1,12 +1,12 @@
 // The in-process transport the executor tests run on: its allreduce gives every rank the
 // reduction of its own call, even when ranks run many back to back.
+#include "thread_transport.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <thread>
 #include <vector>
-
-#include "thread_transport.h"
 
 namespace fcp::runtime::testing {
 namespace {
@@ -25,8 +25,10 @@ TEST(ThreadTransportTest, BackToBackAllreducesEachGiveTheirOwnResult) {
         int64_t v[2] = {10 * i + r, i + r};
         const ReduceOp op = i % 2 == 0 ? ReduceOp::kSum : ReduceOp::kMax;
         t.allreduce({v, 2}, op);
-        const int64_t expect0 = op == ReduceOp::kSum ? 10 * i * kRanks + kRanks * (kRanks - 1) / 2 : 10 * i + kRanks - 1;
-        const int64_t expect1 = op == ReduceOp::kSum ? i * kRanks + kRanks * (kRanks - 1) / 2 : i + kRanks - 1;
+        const int64_t expect0 = op == ReduceOp::kSum ? 10 * i * kRanks + kRanks * (kRanks - 1) / 2
+                                                     : 10 * i + kRanks - 1;
+        const int64_t expect1 =
+            op == ReduceOp::kSum ? i * kRanks + kRanks * (kRanks - 1) / 2 : i + kRanks - 1;
         if (v[0] != expect0 || v[1] != expect1) ++wrong[static_cast<size_t>(r)];
       }
     });

@@ -1,15 +1,15 @@
 // Loading kernel-efficiency curves for planning: from `fcp bench kernel --curve-out` files and
 // from hardware profiles, and the errors for anything else.
+#include "fcp/sim/hardware.h"
+
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <string>
 
-#include <unistd.h>
-
 #include "fcp/core/error.h"
-#include "fcp/sim/hardware.h"
 
 namespace fcp::sim {
 namespace {
@@ -24,10 +24,10 @@ std::string writeTemp(const std::string& name, const std::string& text) {
 }
 
 TEST(EfficiencyCurvesTest, ABenchCurveFileGivesItsPoints) {
-  const std::string path = writeTemp(
-      "fcp_curve_test.json",
-      R"({"kind": "fcp-efficiency-curve", "device": "x", "peak_gflops": 80,)"
-      R"( "forward": [[256, 0.5], [1024, 0.8]], "backward": [[256, 0.4], [1024, 0.9]]})");
+  const std::string path =
+      writeTemp("fcp_curve_test.json",
+                R"({"kind": "fcp-efficiency-curve", "device": "x", "peak_gflops": 80,)"
+                R"( "forward": [[256, 0.5], [1024, 0.8]], "backward": [[256, 0.4], [1024, 0.9]]})");
   const auto [forward, backward] = loadEfficiencyCurves(path);
   EXPECT_DOUBLE_EQ(forward.at(256), 0.5);
   EXPECT_DOUBLE_EQ(forward.at(1024), 0.8);
@@ -37,8 +37,8 @@ TEST(EfficiencyCurvesTest, ABenchCurveFileGivesItsPoints) {
 }
 
 TEST(EfficiencyCurvesTest, WithoutABackwardCurveTheForwardOneServesBoth) {
-  const std::string path =
-      writeTemp("fcp_curve_fwd_only.json", R"({"kind": "fcp-efficiency-curve", "forward": [[512, 0.6]]})");
+  const std::string path = writeTemp(
+      "fcp_curve_fwd_only.json", R"({"kind": "fcp-efficiency-curve", "forward": [[512, 0.6]]})");
   const auto [forward, backward] = loadEfficiencyCurves(path);
   EXPECT_DOUBLE_EQ(backward.at(512), forward.at(512));
   std::filesystem::remove(path);

@@ -1,5 +1,7 @@
 // The simulator on cases small enough to time by hand: one transfer, two transfers into one
 // NIC, a pipeline whose compute hides its communication, a ring of N steps.
+#include "fcp/sim/simulator.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,7 +11,6 @@
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
 #include "fcp/sim/hardware.h"
-#include "fcp/sim/simulator.h"
 
 namespace fcp::sim {
 namespace {
@@ -130,7 +131,8 @@ std::vector<double> processorSharingFinishMs(const std::vector<int64_t>& bytes, 
     double seconds = 0;
     int64_t previous = 0;
     for (size_t j = 0; j < sorted.size() && sorted[j] <= b; ++j) {
-      seconds += static_cast<double>(sorted[j] - previous) * static_cast<double>(sorted.size() - j) / capacity;
+      seconds += static_cast<double>(sorted[j] - previous) *
+                 static_cast<double>(sorted.size() - j) / capacity;
       previous = sorted[j];
     }
     finish.push_back(seconds * 1e3);
@@ -154,7 +156,8 @@ TEST(SimulatorTest, ManySendersIntoOneNicFinishAsUnderProcessorSharing) {
   for (int32_t i = 0; i < k; ++i) addTransfer(p, i, k, bytes[static_cast<size_t>(i)], 0);
   const SimResult r = simulate(p, unitHardware(), forwardOnly());
   const std::vector<double> expect = processorSharingFinishMs(bytes, 1e9);
-  for (size_t i = 0; i < bytes.size(); ++i) EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "sender " << i;
+  for (size_t i = 0; i < bytes.size(); ++i)
+    EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "sender " << i;
 }
 
 // The mirror case: one sender to k receivers, so flows leave the sender's out port from the
@@ -166,7 +169,8 @@ TEST(SimulatorTest, OneSenderToManyReceiversFinishAsUnderProcessorSharing) {
   for (int32_t i = 0; i < k; ++i) addTransfer(p, k, i, bytes[static_cast<size_t>(i)], 0);
   const SimResult r = simulate(p, unitHardware(), forwardOnly());
   const std::vector<double> expect = processorSharingFinishMs(bytes, 1e9);
-  for (size_t i = 0; i < bytes.size(); ++i) EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "receiver " << i;
+  for (size_t i = 0; i < bytes.size(); ++i)
+    EXPECT_NEAR(r.forward.finishMs[i], expect[i], 1e-6) << "receiver " << i;
 }
 
 TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
@@ -262,7 +266,8 @@ TEST(SimulatorTest, MfuCountsUsefulFlopsOverWorkersPeakAndTime) {
   EXPECT_NEAR(r.forward.mfu, r.forward.usefulFlops / (4 * 1e12 * r.forward.timeMs * 1e-3), 1e-12);
   o.backward = true;
   const SimResult both = simulate(p, h, o);
-  EXPECT_NEAR(both.backward.usefulFlops, 2.5 * both.forward.usefulFlops, 1e-6 * both.forward.usefulFlops);
+  EXPECT_NEAR(both.backward.usefulFlops, 2.5 * both.forward.usefulFlops,
+              1e-6 * both.forward.usefulFlops);
   EXPECT_GT(both.backward.timeMs, both.forward.timeMs);
 }
 

@@ -47,7 +47,7 @@ struct CalibrationResult {
   /// it (and for fp32 cases).
   std::optional<double> forwardBf16GemmGflops;
   std::optional<double> backwardBf16GemmGflops;
-  bool usedBf16Gemm = false;      ///< the kernel's tile products went through the bf16 GEMM
+  bool usedBf16Gemm = false;  ///< the kernel's tile products went through the bf16 GEMM
   /// Best (sustained: mean) time of one forward call (of every pair, for Zig-Zag).
   double forwardSeconds = 0;
   double backwardSeconds = 0;     ///< the same of one backward call (computeDelta excluded)
