@@ -63,9 +63,10 @@ using Key = std::tuple<std::string, std::string, int64_t, int>;  // dtype, mask,
 // Torch's numbers, from bench/torch_attention_bench.py run with Debian's /usr/bin/python3.
 std::map<Key, std::pair<double, double>> runTorch(const Args& a) {
   std::string cmd = "/usr/bin/python3 " FCP_BENCH_DIR "/torch_attention_bench.py --tokens";
-  for (int64_t t : a.torchTokens) cmd += " " + std::to_string(t);
+  // Appended piece by piece: `" " + std::to_string(t)` trips GCC 12's -Wrestrict false positive.
+  for (int64_t t : a.torchTokens) cmd.append(" ").append(std::to_string(t));
   cmd += " --threads";
-  for (int t : a.threads) cmd += " " + std::to_string(t);
+  for (int t : a.threads) cmd.append(" ").append(std::to_string(t));
   std::map<Key, std::pair<double, double>> out;
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return out;
