@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <span>
 
 #include "fcp/core/error.h"
 
@@ -12,6 +13,7 @@ namespace fcp::plan {
 namespace {
 
 /// Throws for an edge naming a worker outside [0, numWorkers), a self-edge or negative bytes.
+/// colorEdges checks on its degree pass and calls this only to name the first bad transfer.
 void checkEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
   if (numWorkers < 1) throwInvalidArgument("numWorkers ", numWorkers, ": expected at least 1");
   for (size_t i = 0; i < edges.size(); ++i) {
@@ -74,16 +76,20 @@ std::vector<int32_t> groupVertices(const std::vector<int32_t>& degree, int32_t c
 class Colorer {
  public:
   /// `ends[e]` holds edge e's two vertices (sender groups first, then receiver groups), in
-  /// colouring order; colours land in `color`, indexed the same way.
-  Colorer(const std::vector<std::pair<int32_t, int32_t>>& ends, int32_t numVertices,
-          int32_t numColors, std::vector<int32_t>& color)
+  /// colouring order; colours land in `color`, indexed the same way. `freeBits` and `low` are
+  /// reused storage for the bitset rows and their hints (resized and reset here).
+  Colorer(std::span<const std::pair<int32_t, int32_t>> ends, int32_t numVertices,
+          int32_t numColors, std::span<int32_t> color, std::vector<uint64_t>& freeBits,
+          std::vector<int32_t>& low)
       : ends_(ends),
         vertices_(static_cast<size_t>(numVertices)),
         colors_(static_cast<size_t>(numColors)),
         words_((colors_ + 63) / 64),
-        free_(vertices_ * words_, ~uint64_t{0}),
-        low_(vertices_, 0),
+        free_(freeBits),
+        low_(low),
         color_(color) {
+    free_.assign(vertices_ * words_, ~uint64_t{0});
+    low_.assign(vertices_, 0);
     // Bits past Δ in the last word are never free.
     if (colors_ % 64 != 0) {
       const uint64_t tail = (uint64_t{1} << (colors_ % 64)) - 1;
@@ -229,13 +235,13 @@ class Colorer {
   /// How many colours tryShortSwap tries from each end before walking a long path.
   static constexpr int32_t kShortSwapTries = 4;
 
-  const std::vector<std::pair<int32_t, int32_t>>& ends_;
+  std::span<const std::pair<int32_t, int32_t>> ends_;
   size_t vertices_;
   size_t colors_;
   size_t words_;
-  std::vector<uint64_t> free_;
-  std::vector<int32_t> low_;
-  std::vector<int32_t>& color_;
+  std::vector<uint64_t>& free_;
+  std::vector<int32_t>& low_;
+  std::span<int32_t> color_;
   size_t done_ = 0;  // edges [0, done_) are coloured
   std::unique_ptr<int32_t[]> at_;
   std::vector<int32_t> path_;
@@ -262,6 +268,34 @@ void orderRoundsByLargestTransfer(const std::vector<Edge>& edges, EdgeColoring& 
   for (int32_t& c : coloring.color) c = renumber[static_cast<size_t>(c)];
 }
 
+/// Scratch that colorEdges reuses from call to call on one thread. The per-edge arrays are
+/// 16 bytes per edge (16 MB for 1M transfers); fresh ones cost a page fault and a kernel
+/// zeroing per 4 KiB on first touch, which was about as much time as the colouring itself.
+/// Every element is written before it is read, so nothing is cleared between calls. The
+/// memory stays with the thread, sized for the largest call it made.
+struct Workspace {
+  std::vector<std::pair<int32_t, int32_t>> ends;
+  std::vector<int32_t> original;
+  std::vector<int32_t> colorInOrder;
+  std::vector<uint64_t> freeBits;
+  std::vector<int32_t> low;
+};
+
+Workspace& workspace() {
+  thread_local Workspace ws;
+  return ws;
+}
+
+/// The first `size` elements of `v`, grown (never shrunk) to hold them; contents unspecified.
+template <typename T>
+std::span<T> grow(std::vector<T>& v, size_t size) {
+  if (v.size() < size) {
+    v.clear();  // nothing to keep: resize then allocates without copying
+    v.resize(size);
+  }
+  return {v.data(), size};
+}
+
 }  // namespace
 
 int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
@@ -276,17 +310,22 @@ int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
 }
 
 EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
-  checkEdges(numWorkers, edges);
+  if (numWorkers < 1 || edges.empty()) checkEdges(numWorkers, edges);
   EdgeColoring result;
   result.color.assign(edges.size(), 0);
   if (edges.empty()) return result;
   const auto n = static_cast<size_t>(numWorkers);
-  // Degrees, Δ, and a counting sort of the edges by descending size class (ties by index).
+  // Validation, degrees, Δ, and a counting sort of the edges by descending size class (ties by
+  // index), in one pass over the input.
   std::vector<int32_t> outDegree(n), inDegree(n);
   std::vector<int32_t> start(kSizeClasses + 1, 0);
+  const auto workers = static_cast<uint32_t>(numWorkers);
   for (const Edge& e : edges) {
-    ++outDegree[static_cast<size_t>(e.sender)];
-    ++inDegree[static_cast<size_t>(e.receiver)];
+    // Unsigned compares catch negative ids too; a bad edge stops the pass before it indexes.
+    const auto s = static_cast<uint32_t>(e.sender), r = static_cast<uint32_t>(e.receiver);
+    if (s >= workers || r >= workers || s == r || e.bytes < 0) checkEdges(numWorkers, edges);
+    ++outDegree[s];
+    ++inDegree[r];
     ++start[static_cast<size_t>(kSizeClasses - sizeClass(e.bytes))];
   }
   const int32_t delta = std::max(*std::max_element(outDegree.begin(), outDegree.end()),
@@ -302,8 +341,10 @@ EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
   const std::vector<int32_t> senderGroup = groupVertices(outDegree, cap, senderGroups);
   const std::vector<int32_t> receiverGroup = groupVertices(inDegree, cap, receiverGroups);
   // The edges in colouring order as group pairs, so the colouring loop reads them in sequence.
-  std::vector<std::pair<int32_t, int32_t>> ends(edges.size());
-  std::vector<int32_t> original(edges.size());
+  Workspace& ws = workspace();
+  const auto ends = grow(ws.ends, edges.size());
+  const auto original = grow(ws.original, edges.size());
+  const auto colorInOrder = grow(ws.colorInOrder, edges.size());
   for (size_t i = 0; i < edges.size(); ++i) {
     const Edge& e = edges[i];
     const auto at = static_cast<size_t>(start[static_cast<size_t>(kSizeClasses - 1 - sizeClass(e.bytes))]++);
@@ -311,8 +352,8 @@ EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
                 senderGroups + receiverGroup[static_cast<size_t>(e.receiver)]};
     original[at] = static_cast<int32_t>(i);
   }
-  std::vector<int32_t> colorInOrder(edges.size());
-  Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder).colorAll();
+  Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder, ws.freeBits, ws.low)
+      .colorAll();
   for (size_t at = 0; at < ends.size(); ++at) {
     result.color[static_cast<size_t>(original[at])] = colorInOrder[at];
   }
