@@ -58,6 +58,13 @@ std::vector<int32_t> groupVertices(const std::vector<int32_t>& degree, int32_t c
   return group;
 }
 
+/// `v` holding `size` copies of `value`, reusing its storage.
+template <typename T>
+std::span<T> reset(std::vector<T>& v, size_t size, T value) {
+  v.assign(size, value);
+  return v;
+}
+
 /// Alternating-path (Kőnig) edge colouring of a bipartite multigraph with exactly Δ colours.
 ///
 /// Terms: vertices are numbered on both sides together (here they are groups of workers);
@@ -85,11 +92,9 @@ class Colorer {
         vertices_(static_cast<size_t>(numVertices)),
         colors_(static_cast<size_t>(numColors)),
         words_((colors_ + 63) / 64),
-        free_(freeBits),
-        low_(low),
+        free_(reset(freeBits, vertices_ * words_, ~uint64_t{0})),
+        low_(reset(low, vertices_, 0)),
         color_(color) {
-    free_.assign(vertices_ * words_, ~uint64_t{0});
-    low_.assign(vertices_, 0);
     // Bits past Δ in the last word are never free.
     if (colors_ % 64 != 0) {
       const uint64_t tail = (uint64_t{1} << (colors_ % 64)) - 1;
@@ -110,15 +115,20 @@ class Colorer {
         __builtin_prefetch(&free_[static_cast<size_t>(v) * words_ +
                                   static_cast<size_t>(low_[static_cast<size_t>(v)])]);
       }
-      done_ = e;
-      color(static_cast<int32_t>(e));
+      const auto [u, v] = ends_[e];
+      if (const int32_t c = firstCommonFree(u, v); c >= 0) [[likely]] {
+        place(static_cast<int32_t>(e), c);
+      } else {
+        done_ = e;
+        colorByPath(static_cast<int32_t>(e), u, v);
+      }
     }
   }
 
  private:
-  void color(int32_t e) {
-    const auto [u, v] = ends(e);
-    if (const int32_t c = firstCommonFree(u, v); c >= 0) return place(e, c);
+  /// Colours edge e = (u, v), which has no colour free at both ends, by recolouring a path.
+  /// Kept out of line: inlined, its register pressure slowed the greedy loop by spills.
+  [[gnu::noinline]] void colorByPath(int32_t e, int32_t u, int32_t v) {
     if (!at_) buildTable();
     if (tryShortSwap(e, u, v) || tryShortSwap(e, v, u)) return;
     const int32_t a = firstCommonFree(u, u), b = firstCommonFree(v, v);
@@ -239,8 +249,8 @@ class Colorer {
   size_t vertices_;
   size_t colors_;
   size_t words_;
-  std::vector<uint64_t>& free_;
-  std::vector<int32_t>& low_;
+  std::span<uint64_t> free_;
+  std::span<int32_t> low_;
   std::span<int32_t> color_;
   size_t done_ = 0;  // edges [0, done_) are coloured
   std::unique_ptr<int32_t[]> at_;
