@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "fcp/core/error.h"
@@ -153,6 +154,29 @@ TEST(ColoringTest, SameInputsGiveTheSameColoringAcrossCalls) {
   Rng a(9), b(9);
   const auto ea = skewedEdges(a, 300, 12, 3, 10), eb = skewedEdges(b, 300, 12, 3, 10);
   EXPECT_EQ(colorEdges(300, ea), colorEdges(300, eb));
+}
+
+// colorEdges keeps per-thread scratch between calls; leftovers from a larger graph, a
+// different Δ or a rejected input must not change a later colouring.
+TEST(ColoringTest, ReusedScratchGivesTheColoringOfAFreshThread) {
+  Rng rng(11);
+  const std::vector<std::pair<int32_t, std::vector<Edge>>> graphs = {
+      {1024, skewedEdges(rng, 1024, 30, 8, 20)},
+      {64, randomEdges(rng, 64, 3000, 1 << 20)},
+      {2, {{0, 1, 5}}},
+      {512, randomEdges(rng, 512, 60000, 1 << 20)},
+      {300, skewedEdges(rng, 300, 12, 3, 10)},
+  };
+  std::vector<EdgeColoring> fresh;
+  for (const auto& [n, edges] : graphs) {
+    std::thread([&, n = n] { fresh.push_back(colorEdges(n, edges)); }).join();
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t g = 0; g < graphs.size(); ++g) {
+      EXPECT_THROW(colorEdges(4, {{0, 1, 1}, {2, 2, 1}}), Error);
+      EXPECT_EQ(colorEdges(graphs[g].first, graphs[g].second), fresh[g]) << "graph " << g;
+    }
+  }
 }
 
 TEST(ColoringTest, BadInputThrows) {
