@@ -85,9 +85,8 @@ class Colorer {
   /// `ends[e]` holds edge e's two vertices (sender groups first, then receiver groups), in
   /// colouring order; colours land in `color`, indexed the same way. `freeBits` and `low` are
   /// reused storage for the bitset rows and their hints (resized and reset here).
-  Colorer(std::span<const std::pair<int32_t, int32_t>> ends, int32_t numVertices,
-          int32_t numColors, std::span<int32_t> color, std::vector<uint64_t>& freeBits,
-          std::vector<int32_t>& low)
+  Colorer(std::span<const std::pair<int32_t, int32_t>> ends, int32_t numVertices, int32_t numColors,
+          std::span<int32_t> color, std::vector<uint64_t>& freeBits, std::vector<int32_t>& low)
       : ends_(ends),
         vertices_(static_cast<size_t>(numVertices)),
         colors_(static_cast<size_t>(numColors)),
@@ -362,8 +361,7 @@ EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
                 senderGroups + receiverGroup[static_cast<size_t>(e.receiver)]};
     original[at] = static_cast<int32_t>(i);
   }
-  Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder, ws.freeBits, ws.low)
-      .colorAll();
+  Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder, ws.freeBits, ws.low).colorAll();
   for (size_t at = 0; at < ends.size(); ++at) {
     result.color[static_cast<size_t>(original[at])] = colorInOrder[at];
   }
