@@ -319,7 +319,7 @@ int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
 }
 
 EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
-  if (numWorkers < 1 || edges.empty()) checkEdges(numWorkers, edges);
+  if (numWorkers < 1) checkEdges(numWorkers, edges);  // names the bad count
   EdgeColoring result;
   result.color.assign(edges.size(), 0);
   if (edges.empty()) return result;
