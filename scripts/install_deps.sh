@@ -7,7 +7,9 @@ packages=(
   build-essential cmake git
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev
-  libdnnl-dev
+  # libdnnl-dev's CMake config calls find_package(OpenCL), but Debian only *recommends* the
+  # OpenCL headers and we install with --no-install-recommends.
+  libdnnl-dev ocl-icd-opencl-dev
   libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-torch python3-matplotlib
 )
