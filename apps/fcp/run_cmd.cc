@@ -26,7 +26,8 @@
 #include <tuple>
 
 #include "commands.h"
-#include "fcp/baselines/ring.h"
+#include "fcp/api/attention.h"
+#include "fcp/baselines/baselines.h"
 #include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
@@ -64,6 +65,7 @@ struct RunArgs {
   int64_t headsKv = 1;
   int64_t headDim = 64;
   std::string dtype = "fp32";
+  std::string layout = "transparent";
   int64_t coalesce = 16;
   int64_t buffers = 3;
   std::string strategies = "fcp,ring";
@@ -83,13 +85,17 @@ std::vector<std::string> splitStrategies(const std::string& text) {
   std::stringstream in(text);
   std::string item;
   while (std::getline(in, item, ',')) {
-    if (item != "fcp" && item != "ring") {
+    const auto& names = baselines::strategyNames();
+    const bool ablation = item == "fcp-base" || item == "fcp-pipeline" || item == "fcp-cfree" ||
+                          item == "fcp-coalesce";
+    if (!ablation && std::find(names.begin(), names.end(), item) == names.end()) {
       throwInvalidArgument("unknown --strategy '", item,
-                           "': expected fcp, ring or a list like fcp,ring");
+                           "': expected fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "
+                           "fcp-pipeline, fcp-cfree, fcp-coalesce or a list like fcp,ring");
     }
     out.push_back(item);
   }
-  if (out.empty()) throwInvalidArgument("empty --strategy: expected fcp, ring or fcp,ring");
+  if (out.empty()) throwInvalidArgument("empty --strategy: expected a list like fcp,ring");
   return out;
 }
 
@@ -101,16 +107,22 @@ struct Setup {
                   backward = EfficiencyCurve::paperDefault();
   std::vector<std::string> strategies;
   std::string source;
+  DType dtype = DType::kFp32;
+  Layout layout = Layout::kTransparent;
 };
 
 Setup validate(const RunArgs& a) {
   Setup s;
   s.strategies = splitStrategies(a.strategies);
   if (!a.curve.empty()) std::tie(s.forward, s.backward) = sim::loadEfficiencyCurves(a.curve);
-  if (a.dtype != "fp32") {
-    throwInvalidArgument("unsupported --dtype '", a.dtype,
-                         "': the runtime executes fp32 (use fp32)");
+  if (a.dtype != "fp32" && a.dtype != "bf16") {
+    throwInvalidArgument("unknown --dtype '", a.dtype, "': expected fp32 or bf16");
   }
+  s.dtype = a.dtype == "bf16" ? DType::kBf16 : DType::kFp32;
+  if (a.layout != "transparent" && a.layout != "dispatched") {
+    throwInvalidArgument("unknown --layout '", a.layout, "': expected transparent or dispatched");
+  }
+  s.layout = a.layout == "dispatched" ? Layout::kDispatched : Layout::kTransparent;
   for (auto [value, flag] : {std::pair{a.headsQ, "--heads-q"},
                              {a.headsKv, "--heads-kv"},
                              {a.headDim, "--head-dim"},
@@ -133,7 +145,8 @@ Setup validate(const RunArgs& a) {
   c.memorySlack = a.memorySlack;
   c.coalesce = a.coalesce;
   c.bufferDepth = a.buffers;
-  c.attention = {a.headsQ, a.headsKv, a.headDim, 4, parseMask(a.mask)};
+  c.attention = {a.headsQ, a.headsKv, a.headDim, s.dtype == DType::kBf16 ? 2 : 4,
+                 parseMask(a.mask)};
   checkAttentionConfig(c.attention);
   c.memoryLimitTokens =
       a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
@@ -159,12 +172,18 @@ struct Tensors {
   std::vector<float> q, k, v, dO;
 };
 
+/// With bf16 storage the values are bf16-rounded, so that the float64 reference sees exactly
+/// the inputs the run does.
 Tensors makeInputs(uint64_t seed, int rank, int64_t tokens, const AttentionConfig& a) {
   Rng rng(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(rank) + 1);
   Tensors t;
-  auto fill = [&rng](std::vector<float>& x, int64_t n) {
+  const bool bf16 = a.elementBytes == 2;
+  auto fill = [&rng, bf16](std::vector<float>& x, int64_t n) {
     x.resize(static_cast<size_t>(n));
-    for (float& value : x) value = static_cast<float>(rng.normal());
+    for (float& value : x) {
+      value = static_cast<float>(rng.normal());
+      if (bf16) value = kernels::fromBf16(kernels::toBf16(value));
+    }
   };
   fill(t.q, tokens * a.numHeadsQ * a.headDim);
   fill(t.k, tokens * a.numHeadsKv * a.headDim);
@@ -176,7 +195,9 @@ Tensors makeInputs(uint64_t seed, int rank, int64_t tokens, const AttentionConfi
 /// Forward FLOP/s of this rank's kernel on one full-mask block pair, the best of three.
 double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threads) {
   const int64_t b = std::min<int64_t>(blockSize, 2048);
-  Tensors t = makeInputs(12345, 0, b, a);
+  AttentionConfig fp32 = a;
+  fp32.elementBytes = 4;
+  Tensors t = makeInputs(12345, 0, b, fp32);
   std::vector<float> o(t.q.size()), lse(static_cast<size_t>(b * a.numHeadsQ));
   const kernels::Segment seg{b, 0, 0};
   const kernels::BlockMask mask{kernels::MaskKind::kFull, {&seg, 1}, {&seg, 1}};
@@ -230,9 +251,13 @@ struct StrategyResult {
 /// both alike.
 struct StrategyRun {
   std::string strategy;
-  plan::Plan plan;
-  std::unique_ptr<runtime::Executor> executor, traced;
-  std::vector<float> o, lse, dq, dk, dv;
+  std::unique_ptr<AttentionBatch> batch, traced;
+  AttentionLayer layer;
+  /// The tensors the attention calls take, in the run's dtype and the batch's call layout
+  /// (dispatched: moved into FCP's layout once, as a training step would).
+  std::vector<std::byte> q, k, v, dO, o, dq, dk, dv;
+  /// This rank's outputs in the user layout, fp32, for --check.
+  std::vector<float> userO, userDq, userDk, userDv;
   std::vector<double> fwd, bwd;
   double kernelMs = 0, flops = 0;
   int64_t sent = 0, kv = 0;
@@ -265,7 +290,7 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   std::vector<std::vector<float>> mine;
   for (const auto& run : runs) {
     std::vector<float>& m = mine.emplace_back();
-    for (const std::vector<float>* x : {&run->o, &run->dq, &run->dk, &run->dv})
+    for (const std::vector<float>* x : {&run->userO, &run->userDq, &run->userDk, &run->userDv})
       m.insert(m.end(), x->begin(), x->end());
   }
   if (t.rank() != 0) {
@@ -324,17 +349,61 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   }
 }
 
+/// `values` in the storage type of `dtype`.
+std::vector<std::byte> toStorage(const std::vector<float>& values, DType dtype) {
+  if (dtype == DType::kFp32) {
+    const auto* p = reinterpret_cast<const std::byte*>(values.data());
+    return {p, p + values.size() * sizeof(float)};
+  }
+  std::vector<std::byte> out(values.size() * 2);
+  auto* p = reinterpret_cast<uint16_t*>(out.data());
+  for (size_t i = 0; i < values.size(); ++i) p[i] = kernels::toBf16(values[i]);
+  return out;
+}
+
+std::vector<float> fromStorage(const std::vector<std::byte>& bytes, DType dtype) {
+  if (dtype == DType::kFp32) {
+    std::vector<float> out(bytes.size() / sizeof(float));
+    std::memcpy(out.data(), bytes.data(), bytes.size());
+    return out;
+  }
+  std::vector<float> out(bytes.size() / 2);
+  const auto* p = reinterpret_cast<const uint16_t*>(bytes.data());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::fromBf16(p[i]);
+  return out;
+}
+
+BatchOptions batchOptions(const Setup& s, const RunArgs& a, const std::string& strategy, int rank,
+                          const std::vector<int64_t>& starts, runtime::Timeline* timeline) {
+  BatchOptions o;
+  o.cuSeqlens = plan::sequenceStarts(s.batch);
+  o.localBegin = starts[static_cast<size_t>(rank)];
+  o.localEnd = starts[static_cast<size_t>(rank) + 1];
+  const auto& att = s.config.attention;
+  o.numHeadsQ = att.numHeadsQ;
+  o.numHeadsKv = att.numHeadsKv;
+  o.headDim = att.headDim;
+  o.mask = att.mask;
+  o.dtype = s.dtype;
+  o.layout = s.layout;
+  o.strategy = strategy;
+  o.planConfig = s.config;
+  o.costModel = {att, s.forward, s.backward};
+  o.numThreads = static_cast<int>(a.threads);
+  o.timeline = timeline;
+  return o;
+}
+
 std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data,
                                              const Setup& s, const RunArgs& a,
                                              const std::string& strategy, const Tensors& in,
+                                             const std::vector<int64_t>& starts,
                                              runtime::Timeline* timeline) {
   auto run = std::make_unique<StrategyRun>();
   run->strategy = strategy;
-  const CostModel costModel{s.config.attention, s.forward, s.backward};
-  run->plan = strategy == "ring" ? baselines::ringPlan(s.batch, s.config, costModel)
-                                 : plan::buildPlan(s.batch, s.config, costModel);
-  plan::checkValid(run->plan);
-  runtime::checkPlanAgreement(run->plan, net);
+  const int rank = net.rank();
+  run->batch =
+      std::make_unique<AttentionBatch>(data, batchOptions(s, a, strategy, rank, starts, nullptr));
   // Fault injection for the tests: this rank dies as a crashed peer would, or stops
   // answering as a hung one would.
   if (const char* faultRank = std::getenv("FCP_FAULT_EXIT_RANK")) {
@@ -343,44 +412,80 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
   if (const char* stallRank = std::getenv("FCP_FAULT_STALL_RANK")) {
     if (std::atoi(stallRank) == net.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
   }
-  const auto threads = static_cast<int>(a.threads);
-  run->executor = std::make_unique<runtime::Executor>(run->plan, data,
-                                                      runtime::ExecutorOptions{threads, nullptr});
-  // The last repeat runs on a second executor that records the timeline.
+  // The last repeat runs on a second batch that records the timeline.
   if (timeline) {
-    run->traced = std::make_unique<runtime::Executor>(run->plan, data,
-                                                      runtime::ExecutorOptions{threads, timeline});
+    run->traced = std::make_unique<AttentionBatch>(
+        data, batchOptions(s, a, strategy, rank, starts, timeline));
   }
-  const int64_t n = run->executor->userTokens();
-  run->o.resize(in.q.size());
-  run->lse.resize(static_cast<size_t>(n * s.config.attention.numHeadsQ));
-  run->dq.resize(in.q.size());
-  run->dk.resize(in.k.size());
-  run->dv.resize(in.v.size());
+  AttentionBatch& b = *run->batch;
+  const auto& att = s.config.attention;
+  const int64_t elem = s.dtype == DType::kBf16 ? 2 : 4;
+  const int64_t qRow = att.numHeadsQ * att.headDim * elem,
+                kRow = att.numHeadsKv * att.headDim * elem;
+  auto place = [&](std::vector<std::byte>& dst, const std::vector<float>& user, int64_t row) {
+    std::vector<std::byte> bytes = toStorage(user, s.dtype);
+    if (s.layout == Layout::kTransparent) {
+      dst = std::move(bytes);
+      return;
+    }
+    dst.resize(static_cast<size_t>(b.numLocalTokens() * row));
+    b.dispatch(bytes, dst, row);
+  };
+  place(run->q, in.q, qRow);
+  place(run->k, in.k, kRow);
+  place(run->v, in.v, kRow);
+  place(run->dO, in.dO, qRow);
+  const auto n = static_cast<size_t>(b.numCallTokens());
+  run->o.resize(n * static_cast<size_t>(qRow));
+  run->dq.resize(n * static_cast<size_t>(qRow));
+  run->dk.resize(n * static_cast<size_t>(kRow));
+  run->dv.resize(n * static_cast<size_t>(kRow));
   return run;
 }
 
-void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Tensors& in, bool measured,
+/// Copies the run's outputs to the user layout in fp32 (undispatching them if need be).
+void collectOutputs(const Setup& s, StrategyRun& run) {
+  AttentionBatch& b = *run.batch;
+  auto user = [&](const std::vector<std::byte>& call) {
+    if (s.layout == Layout::kTransparent) return fromStorage(call, s.dtype);
+    const int64_t row =
+        static_cast<int64_t>(call.size()) / std::max<int64_t>(1, b.numLocalTokens());
+    std::vector<std::byte> out(static_cast<size_t>(b.numUserTokens() * row));
+    b.undispatch(call, out, row);
+    return fromStorage(out, s.dtype);
+  };
+  run.userO = user(run.o);
+  run.userDq = user(run.dq);
+  run.userDk = user(run.dk);
+  run.userDv = user(run.dv);
+}
+
+void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Setup& s, bool measured,
                     bool last, runtime::Timeline* timeline) {
-  runtime::Executor& e = last && run.traced ? *run.traced : *run.executor;
+  AttentionBatch& b = last && run.traced ? *run.traced : *run.batch;
+  const auto& att = s.config.attention;
+  const int64_t n = b.numCallTokens(), hq = att.numHeadsQ, hk = att.numHeadsKv, d = att.headDim;
+  const DType dt = s.dtype;
   // Each pass starts together on every rank: in a model, other layers run between attention's
   // forward and backward, so one pass's imbalance does not carry into the other's time (the
   // simulator times each pass from a common start, too). The traced span includes the wait.
   barrier(net);
   const double start = runtime::Timeline::nowUs();
-  e.forward(in.q, in.k, in.v, run.o, run.lse);
+  run.layer.forward(b, {run.q.data(), dt, n, hq, d}, {run.k.data(), dt, n, hk, d},
+                    {run.v.data(), dt, n, hk, d}, {run.o.data(), dt, n, hq, d});
   barrier(net);
-  e.backward(in.dO, run.dq, run.dk, run.dv);
+  run.layer.backward(b, {run.dO.data(), dt, n, hq, d}, {run.dq.data(), dt, n, hq, d},
+                     {run.dk.data(), dt, n, hk, d}, {run.dv.data(), dt, n, hk, d});
   if (timeline && last) timeline->add(run.strategy, 2, start, runtime::Timeline::nowUs());
-  const double f = maxOverRanks(net, e.forwardStats().wallMs, 1e-6);
-  const double b = maxOverRanks(net, e.backwardStats().wallMs, 1e-6);
+  const double f = maxOverRanks(net, b.forwardStats().wallMs, 1e-6);
+  const double bw = maxOverRanks(net, b.backwardStats().wallMs, 1e-6);
   if (!measured) return;
   run.fwd.push_back(f);
-  run.bwd.push_back(b);
-  run.kernelMs += e.forwardStats().kernelMs + e.backwardStats().kernelMs;
-  run.flops = e.forwardStats().flops + e.backwardStats().flops;
-  run.sent = e.forwardStats().sentBytes + e.backwardStats().sentBytes;
-  run.kv = e.forwardStats().kvBytes + e.backwardStats().kvBytes;
+  run.bwd.push_back(bw);
+  run.kernelMs += b.forwardStats().kernelMs + b.backwardStats().kernelMs;
+  run.flops = b.forwardStats().flops + b.backwardStats().flops;
+  run.sent = b.forwardStats().sentBytes + b.backwardStats().sentBytes;
+  run.kv = b.forwardStats().kvBytes + b.backwardStats().kvBytes;
 }
 
 StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun& run) {
@@ -423,10 +528,11 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
               s.source.c_str(), static_cast<long long>(s.batch.numSequences()),
               static_cast<long long>(s.batch.numTokens()), ranks,
               static_cast<long long>(a.threads));
-  std::printf("  model: %lld/%lld heads x %lld, fp32, %s mask, %s blocks; bandwidth %s\n",
+  std::printf("  model: %lld/%lld heads x %lld, %s, %s mask, %s blocks, %s layout; bandwidth %s\n",
               static_cast<long long>(att.numHeadsQ), static_cast<long long>(att.numHeadsKv),
-              static_cast<long long>(att.headDim), std::string(maskName(att.mask)).c_str(),
-              formatTokenCount(s.config.blockSize).c_str(),
+              static_cast<long long>(att.headDim), a.dtype.c_str(),
+              std::string(maskName(att.mask)).c_str(), formatTokenCount(s.config.blockSize).c_str(),
+              a.layout.c_str(),
               capBytesPerSecond > 0 ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) +
                                        " GB/s per rank (--comm-ratio " +
                                        std::to_string(static_cast<int64_t>(a.commRatio)) + ")")
@@ -434,12 +540,12 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
                                     : "uncapped (shared memory)");
   std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
               static_cast<long long>(a.warmup));
-  std::printf("  %-8s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms",
+  std::printf("  %-12s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms",
               "GFLOP/s/rank", "eta", "ideal ms", "x ideal", "comm MB");
   if (a.check) std::printf(" %9s %9s %9s %9s", "err out", "err dq", "err dk", "err dv");
   std::printf("\n");
   for (const StrategyResult& r : results) {
-    std::printf("  %-8s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(),
+    std::printf("  %-12s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(),
                 r.fwdMs, r.bwdMs, r.gflopsPerRank, r.eta, r.idealMs,
                 (r.fwdMs + r.bwdMs) / r.idealMs, static_cast<double>(r.commBytes) / 1e6);
     if (r.checked) std::printf(" %9.2e %9.2e %9.2e %9.2e", r.errOut, r.errDq, r.errDk, r.errDv);
@@ -521,11 +627,14 @@ void runRun(const RunArgs& a) {
     runtime::Timeline* recorder = a.timeline.empty() ? nullptr : &timeline;
     std::vector<std::unique_ptr<StrategyRun>> runs;
     for (const std::string& strategy : s.strategies) {
-      runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, recorder));
+      runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, starts, recorder));
     }
     for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
       for (auto& run : runs)
-        repeatStrategy(*net, *run, in, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
+        repeatStrategy(*net, *run, s, i >= a.warmup, i + 1 == a.warmup + a.repeats, recorder);
+    }
+    if (a.check) {
+      for (auto& run : runs) collectOutputs(s, *run);
     }
     std::vector<StrategyResult> results;
     for (auto& run : runs) results.push_back(summarize(*net, a, *run));
@@ -618,13 +727,20 @@ void addRunCommand(CLI::App& app) {
   cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
   cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
   cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Element type (the runtime runs fp32)")
+  cmd->add_option("--dtype", args->dtype, "Storage type of the tensors: fp32 or bf16")
+      ->capture_default_str();
+  cmd->add_option("--layout", args->layout,
+                  "transparent (tensors in the user layout, each call reshuffles) or dispatched "
+                  "(tensors moved into FCP's layout once; calls move no tokens)")
       ->capture_default_str();
   cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one stage (FCP)")
       ->capture_default_str();
   cmd->add_option("--buffers", args->buffers, "Stages of remote KV a rank may hold (FCP, >= 2)")
       ->capture_default_str();
-  cmd->add_option("--strategy", args->strategies, "Strategies to run: fcp, ring or fcp,ring")
+  cmd->add_option(
+         "--strategy", args->strategies,
+         "Strategies to run, comma-separated: fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "
+         "fcp-pipeline, fcp-cfree, fcp-coalesce")
       ->capture_default_str();
   cmd->add_option("--warmup", args->warmup, "Untimed repeats first")->capture_default_str();
   cmd->add_option("--repeats", args->repeats, "Timed forward+backward repeats")

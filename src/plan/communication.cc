@@ -9,11 +9,11 @@
 namespace fcp::plan {
 
 int32_t findTransfer(const std::vector<Transfer>& transfers, int32_t block, int32_t receiver) {
-  const auto it = std::lower_bound(
-      transfers.begin(), transfers.end(), std::make_pair(block, receiver),
-      [](const Transfer& t, const std::pair<int32_t, int32_t>& key) {
-        return std::tie(t.block, t.receiver) < std::tie(key.first, key.second);
-      });
+  const auto it =
+      std::lower_bound(transfers.begin(), transfers.end(), std::make_pair(block, receiver),
+                       [](const Transfer& t, const std::pair<int32_t, int32_t>& key) {
+                         return std::tie(t.block, t.receiver) < std::tie(key.first, key.second);
+                       });
   if (it == transfers.end() || it->block != block || it->receiver != receiver) return -1;
   return static_cast<int32_t>(it - transfers.begin());
 }
@@ -50,7 +50,8 @@ PairsByKv pairsByKvBlock(const Plan& plan) {
   g.ids.resize(plan.pairs.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
-    g.ids[static_cast<size_t>(next[static_cast<size_t>(plan.pairs[p].kvBlock)]++)] = static_cast<int32_t>(p);
+    g.ids[static_cast<size_t>(next[static_cast<size_t>(plan.pairs[p].kvBlock)]++)] =
+        static_cast<int32_t>(p);
   }
   return g;
 }
@@ -86,7 +87,8 @@ PairsByNeed groupPairs(const Plan& plan) {
   for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
   g.ids.resize(plan.pairs.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
-  for (size_t p = 0; p < keyOf.size(); ++p) g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
+  for (size_t p = 0; p < keyOf.size(); ++p)
+    g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
   return g;
 }
 
@@ -110,6 +112,30 @@ std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers) {
   return starts;
 }
 
+std::vector<int64_t> userLayout(const Plan& plan) {
+  if (plan.config.userStarts.empty()) {
+    return userLayoutStarts(plan.batch.numTokens(), plan.config.numWorkers);
+  }
+  return plan.config.userStarts;
+}
+
+void checkUserLayout(const std::vector<int64_t>& starts, int64_t numTokens, int64_t numWorkers) {
+  if (static_cast<int64_t>(starts.size()) != numWorkers + 1) {
+    throwInvalidArgument("user layout has ", starts.size(), " slice starts: expected ",
+                         numWorkers + 1, " (one per worker and the end)");
+  }
+  if (starts.front() != 0 || starts.back() != numTokens) {
+    throwInvalidArgument("user layout covers tokens [", starts.front(), ", ", starts.back(),
+                         "): expected [0, ", numTokens, "), the whole batch");
+  }
+  for (size_t r = 0; r + 1 < starts.size(); ++r) {
+    if (starts[r + 1] < starts[r]) {
+      throwInvalidArgument("user layout: worker ", r, "'s slice starts at token ", starts[r],
+                           " but ends at ", starts[r + 1], ": expected slices in worker order");
+    }
+  }
+}
+
 std::vector<int64_t> sequenceStarts(const Batch& batch) {
   std::vector<int64_t> starts(batch.sequenceLengths.size() + 1, 0);
   for (size_t s = 0; s < batch.sequenceLengths.size(); ++s) {
@@ -129,7 +155,8 @@ int64_t relabelForLocality(Plan& plan) {
   // Tokens each (FCP worker, user worker) have in common, from the reshuffle as it stands.
   const std::vector<ReshufflePiece> before = buildReshuffle(plan);
   std::vector<std::tuple<int32_t, int32_t, int64_t>> common;  // (fcp, user, tokens)
-  for (const ReshufflePiece& p : before) common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
+  for (const ReshufflePiece& p : before)
+    common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
   std::sort(common.begin(), common.end());
   std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;  // (-tokens, fcp, user)
   for (size_t i = 0; i < common.size();) {
@@ -161,7 +188,7 @@ int64_t relabelForLocality(Plan& plan) {
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
   const auto seq = sequenceStarts(plan.batch);
-  const auto user = userLayoutStarts(plan.batch.numTokens(), plan.config.numWorkers);
+  const auto user = userLayout(plan);
   std::vector<ReshufflePiece> pieces;
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
     for (const Chunk& c : plan.blocks[b].chunks) {
@@ -225,7 +252,9 @@ void buildStages(Plan& plan) {
   // Forward: size every list first, so each is allocated once.
   std::vector<std::vector<Stage>> forward(n, std::vector<Stage>(fwdStages));
   std::vector<size_t> sends(n * fwdStages, 0), recvs(n * fwdStages, 0), computes(n * fwdStages, 0);
-  const auto at = [&](int32_t w, size_t stage) { return static_cast<size_t>(w) * fwdStages + stage; };
+  const auto at = [&](int32_t w, size_t stage) {
+    return static_cast<size_t>(w) * fwdStages + stage;
+  };
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     const Transfer& tr = plan.transfers[t];
     const auto g = static_cast<size_t>(tr.round / c);
@@ -295,8 +324,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
     const Transfer& e = expected[t];
     // The sender may be a relay (ring attention passes blocks on); the stage replay below
     // checks that a relay holds the block when it sends it.
-    if (a.block != e.block || a.receiver != e.receiver || a.bytes != e.bytes ||
-        a.sender < 0 || a.sender >= n || a.sender == a.receiver) {
+    if (a.block != e.block || a.receiver != e.receiver || a.bytes != e.bytes || a.sender < 0 ||
+        a.sender >= n || a.sender == a.receiver) {
       v.add("transfer ", t, " (block ", a.block, " ", a.sender, " -> ", a.receiver, ", ", a.bytes,
             " bytes) is not the needed (block ", e.block, " ", e.sender, " -> ", e.receiver, ", ",
             e.bytes, " bytes)");
@@ -326,8 +355,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
       const auto& [r0, w0, t0] = (*list)[i - 1];
       const auto& [r1, w1, t1] = (*list)[i];
       if (r0 == r1 && w0 == w1) {
-        v.add("round ", r1, " is not a matching: worker ", w1, (list == &bySender ? " sends" : " receives"),
-              " transfers ", t0, " and ", t1);
+        v.add("round ", r1, " is not a matching: worker ", w1,
+              (list == &bySender ? " sends" : " receives"), " transfers ", t0, " and ", t1);
       }
     }
   }
@@ -351,10 +380,11 @@ void validateCommunication(const Plan& plan, Violations& v) {
     std::vector<int64_t> sentAt(numT, -1), recvAt(numT, -1), releasedAt(numT, -1),
         lastUse(numT, -1), gradSentAt(numT, -1), gradRecvAt(numT, -1);
     std::vector<int64_t> computedAt(plan.pairs.size(), -1);
-    auto mark = [&](std::vector<int64_t>& at, int32_t id, size_t limit, int64_t stage, const char* what,
-                    int64_t worker) {
+    auto mark = [&](std::vector<int64_t>& at, int32_t id, size_t limit, int64_t stage,
+                    const char* what, int64_t worker) {
       if (id < 0 || static_cast<size_t>(id) >= limit) {
-        v.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id, " out of range");
+        v.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id,
+              " out of range");
         return false;
       }
       if (at[static_cast<size_t>(id)] >= 0) {
@@ -393,7 +423,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
         if (held > bufferLimit && !overflowed) {  // once per worker: the first stage says it
           overflowed = true;
           v.add(pass, " worker ", w, " holds ", held, " remote blocks at stage ", s,
-                ", over buffer depth ", plan.config.bufferDepth, " x coalesce ", plan.config.coalesce);
+                ", over buffer depth ", plan.config.bufferDepth, " x coalesce ",
+                plan.config.coalesce);
         }
         for (int32_t p : st.compute) {
           if (!mark(computedAt, p, plan.pairs.size(), s, "pair", w)) continue;
@@ -407,7 +438,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
           if (t < 0 || recvAt[static_cast<size_t>(t)] < 0 || recvAt[static_cast<size_t>(t)] >= s ||
               releasedAt[static_cast<size_t>(t)] >= 0) {
             v.add(pass, ": worker ", w, " computes pair ", p, " at stage ", s,
-                  " before its KV block ", pair.kvBlock, " arrived (or after its buffer was freed)");
+                  " before its KV block ", pair.kvBlock,
+                  " arrived (or after its buffer was freed)");
             continue;
           }
           lastUse[static_cast<size_t>(t)] = s;
@@ -424,8 +456,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
         }
         for (int32_t t : st.sendGrad) {
           if (mark(gradSentAt, t, numT, s, "dK/dV partial of transfer", w) &&
-              (plan.transfers[static_cast<size_t>(t)].receiver != w || lastUse[static_cast<size_t>(t)] < 0 ||
-               lastUse[static_cast<size_t>(t)] >= s)) {
+              (plan.transfers[static_cast<size_t>(t)].receiver != w ||
+               lastUse[static_cast<size_t>(t)] < 0 || lastUse[static_cast<size_t>(t)] >= s)) {
             v.add(pass, ": worker ", w, " sends the dK/dV partial of transfer ", t,
                   " before computing with it, or it is not its to send");
           }
@@ -458,7 +490,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
       if (in < 0 || recvAt[i] < 0 || recvAt[i] >= sentAt[t] || releasedAt[i] < sentAt[t]) {
         v.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
               " without holding it then");
-      } else if (backward && gradSentAt[i] >= 0 && gradRecvAt[t] >= 0 && gradSentAt[i] <= gradRecvAt[t]) {
+      } else if (backward && gradSentAt[i] >= 0 && gradRecvAt[t] >= 0 &&
+                 gradSentAt[i] <= gradRecvAt[t]) {
         v.add(pass, ": worker ", tr.sender, " returns its dK/dV partial of block ", tr.block,
               " before the partial it relayed came back");
       }
@@ -471,7 +504,14 @@ void validateCommunication(const Plan& plan, Violations& v) {
   // Reshuffle: the pieces tile the stream, each inside one user slice and one chunk of a
   // block owned by its fcpWorker.
   const auto seq = sequenceStarts(plan.batch);
-  const auto user = userLayoutStarts(plan.batch.numTokens(), n);
+  std::vector<int64_t> user;
+  try {
+    user = userLayout(plan);
+    checkUserLayout(user, plan.batch.numTokens(), n);
+  } catch (const Error& e) {
+    v.add(e.what());
+    return;
+  }
   std::vector<std::tuple<int64_t, int64_t, int32_t>> chunks;  // (begin, end, owner)
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
     for (const Chunk& c : plan.blocks[b].chunks) {
@@ -484,7 +524,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
   for (size_t i = 0; i < plan.reshuffle.size(); ++i) {
     const ReshufflePiece& piece = plan.reshuffle[i];
     if (piece.begin != next || piece.end <= piece.begin) {
-      v.add("reshuffle piece ", i, " covers [", piece.begin, ", ", piece.end, ") but the next token is ", next);
+      v.add("reshuffle piece ", i, " covers [", piece.begin, ", ", piece.end,
+            ") but the next token is ", next);
       return;
     }
     next = piece.end;
@@ -500,7 +541,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
       continue;
     }
     --it;
-    if (std::get<0>(*it) > piece.begin || std::get<1>(*it) < piece.end || std::get<2>(*it) != piece.fcpWorker) {
+    if (std::get<0>(*it) > piece.begin || std::get<1>(*it) < piece.end ||
+        std::get<2>(*it) != piece.fcpWorker) {
       v.add("reshuffle piece ", i, " sends tokens [", piece.begin, ", ", piece.end, ") to worker ",
             piece.fcpWorker, ", not to the owner of their block");
     }

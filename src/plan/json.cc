@@ -1,9 +1,8 @@
 #include "fcp/plan/json.h"
 
 #include <limits>
-#include <type_traits>
-
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "fcp/core/error.h"
 
@@ -32,7 +31,8 @@ json configToJson(const PlanConfig& c) {
           {"heads_kv", c.attention.numHeadsKv},
           {"head_dim", c.attention.headDim},
           {"element_bytes", c.attention.elementBytes},
-          {"mask", std::string(maskName(c.attention.mask))}};
+          {"mask", std::string(maskName(c.attention.mask))},
+          {"user_starts", c.userStarts}};
 }
 
 /// An integer that must fit T exactly: nlohmann's get<T>() would narrow 2^32 + 1 to 1, or
@@ -52,7 +52,8 @@ T integer(const json& j, const char* what) {
     throwInvalidArgument("plan JSON: ", what, " ", j.dump(), " is not an integer that fits in ",
                          8 * sizeof(T), " bits");
   }
-  return static_cast<T>(j.is_number_unsigned() ? static_cast<int64_t>(j.get<uint64_t>()) : j.get<int64_t>());
+  return static_cast<T>(j.is_number_unsigned() ? static_cast<int64_t>(j.get<uint64_t>())
+                                               : j.get<int64_t>());
 }
 
 template <typename T>
@@ -71,13 +72,15 @@ T field(const json& object, const char* key) {
   if (it == object.end()) throwInvalidArgument("plan JSON: missing field '", key, "'");
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     return integer<T>(*it, key);
-  } else if constexpr (std::is_same_v<T, std::vector<int32_t>> || std::is_same_v<T, std::vector<int64_t>>) {
+  } else if constexpr (std::is_same_v<T, std::vector<int32_t>> ||
+                       std::is_same_v<T, std::vector<int64_t>>) {
     return integers<typename T::value_type>(*it, key);
   } else {
     try {
       return it->get<T>();
     } catch (const json::exception&) {
-      throwInvalidArgument("plan JSON: field '", key, "' has the wrong type (", it->type_name(), ")");
+      throwInvalidArgument("plan JSON: field '", key, "' has the wrong type (", it->type_name(),
+                           ")");
     }
   }
 }
@@ -102,6 +105,8 @@ PlanConfig configFromJson(const json& j) {
   c.attention.headDim = field<int64_t>(j, "head_dim");
   c.attention.elementBytes = field<int64_t>(j, "element_bytes");
   c.attention.mask = parseMask(field<std::string>(j, "mask"));
+  // Absent in plans saved before the user layout was configurable: the even split.
+  if (j.contains("user_starts")) c.userStarts = field<std::vector<int64_t>>(j, "user_starts");
   return c;
 }
 
@@ -188,7 +193,8 @@ Plan planFromJson(std::string_view text) {
     throwInvalidArgument("not an FCP plan: expected a JSON object with \"format\": \"fcp-plan\"");
   }
   if (field<int>(doc, "version") != kFormatVersion) {
-    throwInvalidArgument("plan JSON version ", doc["version"].dump(), ": expected ", kFormatVersion);
+    throwInvalidArgument("plan JSON version ", doc["version"].dump(), ": expected ",
+                         kFormatVersion);
   }
   Plan plan;
   plan.strategy = field<std::string>(doc, "strategy");
@@ -207,9 +213,9 @@ Plan planFromJson(std::string_view text) {
     }
     plan.owner = field<std::vector<int32_t>>(doc, "owner");
     for (const json& p : field<json>(doc, "pairs")) {
-      plan.pairs.push_back({integer<int32_t>(p.at(0), "pair Q block"),
-                            integer<int32_t>(p.at(1), "pair KV block"),
-                            integer<int64_t>(p.at(2), "pair visible count"), p.at(3).get<double>()});
+      plan.pairs.push_back(
+          {integer<int32_t>(p.at(0), "pair Q block"), integer<int32_t>(p.at(1), "pair KV block"),
+           integer<int64_t>(p.at(2), "pair visible count"), p.at(3).get<double>()});
     }
     for (const json& l : field<json>(doc, "loads")) {
       plan.loads.push_back({integer<int64_t>(l.at(0), "load tokens"), l.at(1).get<double>()});
@@ -228,8 +234,10 @@ Plan planFromJson(std::string_view text) {
                                 integer<int64_t>(p.at(2), what), integer<int64_t>(p.at(3), what)});
     }
   } catch (const json::exception& e) {
-    throwInvalidArgument("plan JSON has a malformed block, pair, load, transfer, stage or "
-                         "reshuffle entry: ", e.what());
+    throwInvalidArgument(
+        "plan JSON has a malformed block, pair, load, transfer, stage or "
+        "reshuffle entry: ",
+        e.what());
   }
   plan.lowerBound = field<double>(doc, "lower_bound");
   plan.greedyMaxCost = field<double>(doc, "greedy_max_cost");

@@ -18,7 +18,8 @@ namespace {
 using detail::Violations;
 
 double msSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
 }
 
 DistributorOptions distributorOptions(const PlanConfig& config) {
@@ -56,7 +57,8 @@ void checkTokenCoverage(const Plan& plan, Violations& v) {
               [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
     int64_t next = 0;
     for (const Chunk& c : chunks) {
-      if (c.begin > next) v.add("sequence ", s, ": tokens [", next, ", ", c.begin, ") are in no block");
+      if (c.begin > next)
+        v.add("sequence ", s, ": tokens [", next, ", ", c.begin, ") are in no block");
       if (c.begin < next) v.add("sequence ", s, ": tokens from ", c.begin, " are in two blocks");
       next = std::max(next, c.end);
     }
@@ -113,13 +115,16 @@ void checkPairs(const Plan& plan, Violations& v) {
   std::vector<std::pair<int64_t, int64_t>> covered;
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const BlockPair& pair = plan.pairs[p];
-    if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 || pair.kvBlock >= numBlocks) {
-      v.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..", numBlocks - 1);
+    if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 ||
+        pair.kvBlock >= numBlocks) {
+      v.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..",
+            numBlocks - 1);
       continue;
     }
     if (p > 0 && std::tie(plan.pairs[p - 1].qBlock, plan.pairs[p - 1].kvBlock) >=
                      std::tie(pair.qBlock, pair.kvBlock)) {
-      v.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ")");
+      v.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ", pair.kvBlock,
+            ")");
     }
     const auto& qChunks = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks;
     const auto& kChunks = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks;
@@ -131,11 +136,13 @@ void checkPairs(const Plan& plan, Violations& v) {
                                          kChunks[j].end);
         if (e == 0) continue;
         visible += e;
-        covered.push_back({firstChunk[static_cast<size_t>(pair.qBlock)] + static_cast<int64_t>(i),
-                           firstChunk[static_cast<size_t>(pair.kvBlock)] + static_cast<int64_t>(j)});
+        covered.push_back(
+            {firstChunk[static_cast<size_t>(pair.qBlock)] + static_cast<int64_t>(i),
+             firstChunk[static_cast<size_t>(pair.kvBlock)] + static_cast<int64_t>(j)});
       }
     }
-    if (visible == 0) v.add("pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ") needs no computation");
+    if (visible == 0)
+      v.add("pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ") needs no computation");
     if (visible != pair.visible) {
       v.add("pair ", p, " says ", pair.visible, " visible entries but its chunks give ", visible);
     }
@@ -179,7 +186,8 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   const auto start = std::chrono::steady_clock::now();
   checkAttentionConfig(config.attention);
   if (config.numWorkers <= 0 || config.numWorkers > kMaxWorkers) {
-    throwInvalidArgument("invalid worker count ", config.numWorkers, ": expected 1 to ", kMaxWorkers);
+    throwInvalidArgument("invalid worker count ", config.numWorkers, ": expected 1 to ",
+                         kMaxWorkers);
   }
   if (config.tokensPerWorker <= 0) {
     throwInvalidArgument("invalid tokens per worker ", config.tokensPerWorker, ": expected > 0");
@@ -189,13 +197,17 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
                          " rounds per stage");
   }
   if (config.bufferDepth < 2 || config.bufferDepth > kMaxBufferDepth) {
-    throwInvalidArgument("invalid buffer depth ", config.bufferDepth, ": expected 2 (the least "
-                         "that overlaps receiving with computing) to ", kMaxBufferDepth);
+    throwInvalidArgument("invalid buffer depth ", config.bufferDepth,
+                         ": expected 2 (the least "
+                         "that overlaps receiving with computing) to ",
+                         kMaxBufferDepth);
   }
   if (!(config.commBalanceSlack < 1) || std::isnan(config.commBalanceSlack)) {
     throwInvalidArgument("invalid communication balance slack ", config.commBalanceSlack,
                          ": expected below 1 (negative turns balancing off)");
   }
+  if (!config.userStarts.empty())
+    checkUserLayout(config.userStarts, batch.numTokens(), config.numWorkers);
   if (config.attention.mask != costModel.attention.mask) {
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
   }
@@ -276,14 +288,15 @@ PlanStats computeStats(const Plan& plan) {
     sumTokens += l.numTokens;
   }
   s.computeImbalance = maxCost > 0 ? (maxCost - sumCost / n) / maxCost : 0;
-  s.memoryImbalance =
-      maxTokens > 0 ? (static_cast<double>(maxTokens) - static_cast<double>(sumTokens) / n) /
-                          static_cast<double>(maxTokens)
-                    : 0;
+  s.memoryImbalance = maxTokens > 0
+                          ? (static_cast<double>(maxTokens) - static_cast<double>(sumTokens) / n) /
+                                static_cast<double>(maxTokens)
+                          : 0;
   s.lowerBoundGap = plan.lowerBound > 0 ? maxCost / plan.lowerBound - 1 : 0;
   s.maxWorkerTokens = maxTokens;
   s.memoryCapTokens = memoryCapTokens(distributorOptions(plan.config));
-  for (const BlockPair& p : plan.pairs) s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
+  for (const BlockPair& p : plan.pairs)
+    s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
 
   std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
   std::vector<Edge> edges;
@@ -294,9 +307,10 @@ PlanStats computeStats(const Plan& plan) {
     edges.push_back({t.sender, t.receiver, t.bytes});
   }
   const int64_t maxMoved = *std::max_element(moved.begin(), moved.end());
-  s.commImbalance = maxMoved > 0 ? (static_cast<double>(maxMoved) - 2.0 * static_cast<double>(s.commBytes) / n) /
-                                       static_cast<double>(maxMoved)
-                                 : 0;
+  s.commImbalance =
+      maxMoved > 0 ? (static_cast<double>(maxMoved) - 2.0 * static_cast<double>(s.commBytes) / n) /
+                         static_cast<double>(maxMoved)
+                   : 0;
   const auto& a = plan.config.attention;
   const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
   s.reshuffleBytes = movedTokens(plan.reshuffle) * bytesPerToken;
@@ -353,7 +367,8 @@ void checkValid(const Plan& plan) {
   const std::vector<std::string> violations = validate(plan);
   if (violations.empty()) return;
   std::string message = "plan breaks invariants: ";
-  for (size_t i = 0; i < violations.size() && i < 3; ++i) message += (i ? "; " : "") + violations[i];
+  for (size_t i = 0; i < violations.size() && i < 3; ++i)
+    message += (i ? "; " : "") + violations[i];
   throw Error(ErrorCode::kInvalidPlan, message);
 }
 

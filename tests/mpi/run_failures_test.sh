@@ -28,9 +28,10 @@ expect_error() {
 }
 
 # Bad input, without mpirun (one line, exit 1, no timeline written).
-for args in "--strategy magic" "--dtype bf16" "--repeats 0" "--block-size 0" "--workload nope" \
+for args in "--strategy magic" "--dtype fp16" "--layout zigzag" "--repeats 0" "--block-size 0" "--workload nope" \
             "--trace $dir/missing.txt" "--comm-ratio -1" "--heads-q 3 --heads-kv 2" "--buffers 1" \
             "--curve $dir/missing_curve.json" "--curve tpu-v9"; do
+  rm -f "$dir/trace.json"
   # shellcheck disable=SC2086
   "$fcp" run $args --timeline "$dir/trace.json" >"$dir/out" 2>"$dir/err"
   rc=$?
@@ -41,11 +42,11 @@ for args in "--strategy magic" "--dtype bf16" "--repeats 0" "--block-size 0" "--
   fi
 done
 
-# Plan mismatch: rank 1 samples its batch with another seed. Both ranks must say so.
-expect_error "plan mismatch" "built different plans" 20 \
+# Batch mismatch: rank 1 samples its batch with another seed. Both ranks must say so.
+expect_error "batch mismatch" "the ranks passed different batches" 20 \
   "$mpirun" -n 1 "$fcp" "${tiny[@]}" --seed 1 : -n 1 "$fcp" "${tiny[@]}" --seed 2
-if [ "$(grep -c 'built different plans' "$dir/err")" -ne 2 ]; then
-  fail "plan mismatch: expected the error on both ranks"; cat "$dir/err"
+if [ "$(grep -c 'the ranks passed different batches' "$dir/err")" -ne 2 ]; then
+  fail "batch mismatch: expected the error on both ranks"; cat "$dir/err"
 fi
 
 # A peer that dies after the plan agreement: the others are ended with a message.

@@ -115,7 +115,9 @@ class ThreadTransport final : public Transport {
     auto& box = world_.mailboxes[{it->second.peer, rank_, it->second.tag}];
     while (!queue.empty() && !box.empty()) {
       Pending& head = pending_.at(queue.front());
-      FCP_CHECK_EQ(box.front().size(), head.data.size());
+      FCP_CHECK(box.front().size() == head.data.size(), "rank ", rank_, " receives ",
+                head.data.size(), " bytes from rank ", head.peer, " with tag ", head.tag, " but ",
+                box.front().size(), " were sent");
       std::memcpy(head.data.data(), box.front().data(), head.data.size());
       box.pop_front();
       pending_.erase(queue.front());

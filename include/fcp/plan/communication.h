@@ -14,6 +14,13 @@ namespace fcp::plan {
 /// worker r holds [start[r], start[r + 1]) = [floor(r T / N), floor((r + 1) T / N)).
 std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers);
 
+/// The plan's user layout: config.userStarts, or the even split when that is empty.
+std::vector<int64_t> userLayout(const Plan& plan);
+
+/// Throws Error(kInvalidArgument) unless `starts` is a user layout of `numTokens` tokens over
+/// `numWorkers` workers (see PlanConfig::userStarts), naming the first bad entry.
+void checkUserLayout(const std::vector<int64_t>& starts, int64_t numTokens, int64_t numWorkers);
+
 /// First token of each sequence in the packed stream, numSequences + 1 entries.
 std::vector<int64_t> sequenceStarts(const Batch& batch);
 

@@ -48,8 +48,14 @@ struct PlanConfig {
   /// that is higher). Negative turns it off.
   double commBalanceSlack = 0.002;
   AttentionConfig attention;
+  /// The user layout: worker r holds tokens [userStarts[r], userStarts[r + 1]) of the packed
+  /// batch (N + 1 non-decreasing entries from 0 to the batch's tokens; a worker may hold none
+  /// and a slice may start mid-sequence). Empty means the even split, userLayoutStarts.
+  std::vector<int64_t> userStarts;
 
-  int64_t memoryLimit() const { return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker; }
+  int64_t memoryLimit() const {
+    return memoryLimitTokens > 0 ? memoryLimitTokens : tokensPerWorker;
+  }
   friend bool operator==(const PlanConfig&, const PlanConfig&) = default;
 };
 
@@ -70,18 +76,18 @@ struct Plan {
   PlanConfig config;
   Batch batch;
   std::vector<Block> blocks;
-  std::vector<BlockPair> pairs;  ///< sorted by (qBlock, kvBlock); computed by the Q block's owner
-  std::vector<int32_t> owner;    ///< block -> worker
-  std::vector<WorkerLoad> loads; ///< per worker, derived from blocks, pairs and owner
-  double lowerBound = 0;         ///< LB = max(largest block cost, total cost / workers)
-  double greedyMaxCost = 0;      ///< busiest worker's cost before the improvement pass
+  std::vector<BlockPair> pairs;   ///< sorted by (qBlock, kvBlock); computed by the Q block's owner
+  std::vector<int32_t> owner;     ///< block -> worker
+  std::vector<WorkerLoad> loads;  ///< per worker, derived from blocks, pairs and owner
+  double lowerBound = 0;          ///< LB = max(largest block cost, total cost / workers)
+  double greedyMaxCost = 0;       ///< busiest worker's cost before the improvement pass
   int64_t improveSteps = 0;
   int64_t commBalanceSteps = 0;  ///< swaps applied by communication balancing
   /// Tokens the reshuffle would move off-worker without the locality relabelling.
   int64_t movedTokensWithoutLocality = 0;
 
-  std::vector<Transfer> transfers;  ///< sorted by (block, receiver)
-  int32_t numRounds = 0;            ///< Δ of the transfer graph
+  std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
+  int32_t numRounds = 0;                     ///< Δ of the transfer graph
   std::vector<std::vector<Stage>> forward;   ///< [worker][stage]
   std::vector<std::vector<Stage>> backward;  ///< [worker][stage]
   /// Inward reshuffle, sorted by begin; the outward one is the same pieces reversed.
@@ -118,13 +124,13 @@ struct PlanStats {
   int64_t maxWorkerTokens = 0;
   int64_t memoryCapTokens = 0;
   double totalForwardFlops = 0;
-  int64_t commBytes = 0;          ///< forward KV bytes sent over the network
-  double commImbalance = 0;       ///< (max - mean) / max of bytes sent + received per worker
-  int64_t reshuffleBytes = 0;     ///< forward: Q, K, V in and O out, off-worker pieces only
+  int64_t commBytes = 0;       ///< forward KV bytes sent over the network
+  double commImbalance = 0;    ///< (max - mean) / max of bytes sent + received per worker
+  int64_t reshuffleBytes = 0;  ///< forward: Q, K, V in and O out, off-worker pieces only
   int64_t reshuffleBytesWithoutLocality = 0;  ///< the same without the locality relabelling
-  int64_t maxWorkerCommBytes = 0; ///< weighted bound: most bytes a worker sends or receives
-  int64_t sortedRoundBound = 0;   ///< weighted bound: Σ_k ((k−1)N+1)-th largest transfer
-  int64_t sumRoundMaxima = 0;     ///< Σ over rounds of the largest transfer
+  int64_t maxWorkerCommBytes = 0;  ///< weighted bound: most bytes a worker sends or receives
+  int64_t sortedRoundBound = 0;    ///< weighted bound: Σ_k ((k−1)N+1)-th largest transfer
+  int64_t sumRoundMaxima = 0;      ///< Σ over rounds of the largest transfer
   int32_t maxDegree = 0;
   int32_t numForwardStages = 0;
 };

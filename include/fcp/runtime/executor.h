@@ -4,57 +4,103 @@
 /// owns, the KV it sends and receives in each stage, the pairs it computes, when it frees a
 /// buffer and where each dK/dV partial goes all come from the plan.
 ///
-/// Tensors are fp32. In the user layout rank r holds tokens [start[r], start[r + 1]) of the
-/// packed batch (plan::userLayoutStarts): Q, O, dO, dQ as [tokens, numHeadsQ, headDim], K, V,
-/// dK, dV as [tokens, numHeadsKv, headDim], LSE as [tokens, numHeadsQ] (natural log).
+/// One Executor serves one batch: it indexes the plan once and every layer of the model shares
+/// it; what a layer's backward needs from its forward lives in a LayerState the caller holds per
+/// layer. Most callers want the checked front end in fcp/api/attention.h instead.
+///
+/// Tensors: Q, O, dO, dQ as [tokens, numHeadsQ, headDim], K, V, dK, dV as [tokens, numHeadsKv,
+/// headDim] in the storage dtype (fp32 or bf16; arithmetic is fp32), LSE as [tokens, numHeadsQ]
+/// fp32 (natural log). Their rows are this rank's tokens in the call layout: the user layout
+/// (plan::userLayout, transparent) or the FCP layout (the local blocks' tokens one block after
+/// another, dispatched).
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
+#include "fcp/kernels/attention.h"
 #include "fcp/plan/plan.h"
 #include "fcp/runtime/timeline.h"
 #include "fcp/runtime/transport.h"
 
 namespace fcp::runtime {
 
+/// Where the tensors of forward and backward live.
+enum class Layout {
+  kTransparent,  ///< the caller's layout: each call reshuffles in and out
+  kDispatched,   ///< FCP's layout: the caller dispatched its tensors once; calls move no tokens
+};
+
 struct ExecutorOptions {
   /// Kernel threads per rank.
   int numThreads = 1;
   /// When set, every kernel call and message is recorded here.
   Timeline* timeline = nullptr;
+  /// Storage type of Q, K, V, O, dO, dQ, dK, dV; must match the plan's element bytes.
+  kernels::DType dtype = kernels::DType::kFp32;
+  Layout layout = Layout::kTransparent;
+  /// First message tag; the executor uses [firstTag, firstTag + tagsNeeded()).
+  int firstTag = kFirstFcpTag;
 };
 
 /// What one pass cost on this rank.
 struct PassStats {
-  double wallMs = 0;        ///< the whole pass, reshuffles included
-  double kernelMs = 0;      ///< time inside attention kernels (and LSE merges)
-  double flops = 0;         ///< useful FLOPs computed (DESIGN.md's convention)
-  int64_t sentBytes = 0;    ///< bytes this rank sent: KV, dK/dV partials and reshuffle pieces
-  int64_t kvBytes = 0;      ///< of which KV blocks and dK/dV partials (the plan's transfers)
+  double wallMs = 0;      ///< the whole pass, reshuffles included
+  double kernelMs = 0;    ///< time inside attention kernels (and LSE merges)
+  double flops = 0;       ///< useful FLOPs computed (DESIGN.md's convention)
+  int64_t sentBytes = 0;  ///< bytes this rank sent: KV, dK/dV partials and reshuffle pieces
+  int64_t kvBytes = 0;    ///< of which KV blocks and dK/dV partials (the plan's transfers)
 };
 
-/// Runs a plan's stages for transport.rank(). The plan must be valid (plan::validate) with
-/// elementBytes 4, and identical on every rank (see checkPlanAgreement).
+/// What one layer's backward needs from its forward, in the FCP layout: Q and K|V per block in
+/// the storage dtype, O and LSE in fp32. The caller keeps one per layer; `batchId` names the
+/// Executor whose forward filled it (0: none yet).
+struct LayerState {
+  std::vector<std::byte> q, kv;
+  std::vector<float> o, lse;
+  uint64_t batchId = 0;
+};
+
+/// Runs a plan's stages for transport.rank(). The plan must be valid (plan::validate) and
+/// identical on every rank (see checkPlanAgreement). The executor owns its copy of the plan.
 class Executor {
  public:
-  Executor(const plan::Plan& plan, Transport& transport, const ExecutorOptions& options = {});
+  Executor(plan::Plan plan, Transport& transport, const ExecutorOptions& options = {});
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
+  const plan::Plan& plan() const;
+  const ExecutorOptions& options() const;
+  /// A number unique to this executor in the process (never 0).
+  uint64_t id() const;
   /// Tokens this rank holds in the user layout.
   int64_t userTokens() const;
+  /// Tokens of this rank's blocks (the FCP layout).
+  int64_t localTokens() const;
+  /// Rows of the tensors forward and backward take: userTokens or localTokens, by layout.
+  int64_t callTokens() const;
+  /// Message tags this plan needs from firstTag on.
+  int64_t tagsNeeded() const;
+  /// For each token of the FCP layout: its sequence (index into the batch) and its position
+  /// inside that sequence.
+  std::span<const int32_t> localSequence() const;
+  std::span<const int64_t> localPosition() const;
 
-  /// Attention forward. Inputs and outputs in the user layout (sizes as above); keeps O and
-  /// LSE in the plan's layout for `backward`. Collective: every rank calls it.
-  void forward(std::span<const float> q, std::span<const float> k, std::span<const float> v,
-               std::span<float> o, std::span<float> lse);
+  /// Moves a per-token tensor of `rowBytes` bytes per token from the user layout (userTokens
+  /// rows) into the FCP layout (localTokens rows), or back. Collective.
+  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes);
+  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes);
 
-  /// Attention backward of the last forward: dO in, dQ, dK, dV out, all in the user layout.
-  void backward(std::span<const float> dO, std::span<float> dq, std::span<float> dk,
-                std::span<float> dv);
+  /// Attention forward of one layer: q, k, v in, o (and lse unless null) out, all callTokens
+  /// rows; keeps what backward needs in `layer`. Collective: every rank calls it.
+  void forward(LayerState& layer, const void* q, const void* k, const void* v, void* o, float* lse);
+  /// Attention backward of `layer`'s last forward: dO in, dQ, dK, dV out. Collective.
+  void backward(const LayerState& layer, const void* dO, void* dq, void* dk, void* dv);
 
+  /// The last forward's and backward's costs on this rank.
   const PassStats& forwardStats() const;
   const PassStats& backwardStats() const;
 

@@ -1,6 +1,7 @@
 #pragma once
 /// The MPI transport. Its implementation is the only code that includes <mpi.h> (pimpl).
 
+#include <cstdint>
 #include <memory>
 
 #include "fcp/runtime/transport.h"
@@ -24,9 +25,24 @@ struct MpiOptions {
   double maxPollMicroseconds = 1000;
 };
 
-/// Initialises MPI (MPI_Init_thread) and returns a transport over a duplicate of
-/// MPI_COMM_WORLD with MPI_ERRORS_RETURN; destroying it finalises MPI. One per process.
-/// Throws Error(kTransport) when MPI cannot be initialised.
+/// An MPI communicator named by its Fortran handle (an integer), so that this header needs no
+/// <mpi.h>: from C or C++ pass MPI_Comm_c2f(comm), from mpi4py comm.py2f().
+struct MpiCommHandle {
+  int64_t fortran = 0;
+};
+
+/// A transport over a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN. Initialises MPI
+/// (MPI_Init_thread, asking for MPI_THREAD_MULTIPLE) unless the caller has; MPI that FCP
+/// initialised is finalised when the last transport FCP made ends (MPI cannot be initialised
+/// twice in a process). Throws Error(kTransport) when MPI cannot be initialised.
 std::unique_ptr<Transport> makeMpiTransport(const MpiOptions& options = {});
+
+/// A transport over a duplicate of the caller's communicator `comm` (any: a split of WORLD, a
+/// context-parallel group). MPI must have been initialised by the caller, who also finalises
+/// it after destroying the transport. The duplicate keeps FCP's messages apart from the
+/// caller's on `comm`, whatever their tags. The communication thread runs only if MPI provides
+/// MPI_THREAD_MULTIPLE; below it FCP calls MPI only from the thread that calls FCP (enough for
+/// MPI_THREAD_SERIALIZED, and for MPI_THREAD_FUNNELED when that is the main thread).
+std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions& options = {});
 
 }  // namespace fcp::runtime

@@ -19,6 +19,12 @@ namespace fcp::runtime {
 /// Names one posted send or receive; 0 is never a valid id.
 using RequestId = uint64_t;
 
+/// FCP's reserved tag range: FCP's messages use tags from kFirstFcpTag up (how many depends on
+/// the plan: Executor::tagsNeeded), so a caller sharing a communicator or process group with FCP
+/// keeps its own point-to-point tags below kFirstFcpTag. (The MPI transport also works on a
+/// duplicate of the caller's communicator, where no tag of the caller's can match FCP's.)
+inline constexpr int kFirstFcpTag = 1 << 20;
+
 /// Reduction of an allreduce.
 enum class ReduceOp { kSum, kMin, kMax };
 

@@ -6,9 +6,11 @@
 // (rendezvous) message only inside MPI calls: without it a send posted before a kernel would
 // move only when the kernel ends. Every MPI call, from either thread, holds one mutex, so the
 // transport needs MPI_THREAD_SERIALIZED at least.
-#include <algorithm>
+#include "fcp/runtime/mpi_transport.h"
+
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,7 +22,6 @@
 #include <unordered_map>
 
 #include "fcp/core/error.h"
-#include "fcp/runtime/mpi_transport.h"
 
 namespace fcp::runtime {
 namespace {
@@ -30,25 +31,56 @@ using Clock = std::chrono::steady_clock;
 std::string mpiErrorText(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
   return std::string(text, static_cast<size_t>(length));
 }
 
+// Transports alive that FCP's own MPI_Init_thread is for: MPI is finalised when the last ends.
+std::mutex initMutex;
+int ownedTransports = 0;
+bool fcpInitialisedMpi = false;
+
 class MpiTransport final : public Transport {
  public:
-  explicit MpiTransport(const MpiOptions& options) : options_(options) {
-    int initialised = 0;
+  /// Over a duplicate of `comm` (MPI_COMM_NULL: of MPI_COMM_WORLD, initialising MPI if no one
+  /// has). The duplicate gives FCP a communication context of its own: no message of the
+  /// caller's on `comm` can match one of FCP's, whatever its tag.
+  MpiTransport(MPI_Comm comm, const MpiOptions& options) : options_(options) {
+    int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);
-    if (!initialised) {
-      int provided = 0;
-      if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
-        throw Error(ErrorCode::kTransport, "MPI_Init_thread failed");
+    MPI_Finalized(&finalised);
+    if (finalised)
+      throw Error(ErrorCode::kTransport, "MPI was already finalised: expected it running");
+    {
+      std::lock_guard<std::mutex> lock(initMutex);
+      if (!initialised) {
+        if (comm != MPI_COMM_NULL) {
+          throwInvalidArgument(
+              "an MPI communicator was given but MPI is not initialised: expected the "
+              "caller that made it to have initialised MPI");
+        }
+        int provided = 0;
+        if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+          throw Error(ErrorCode::kTransport, "MPI_Init_thread failed");
+        }
+        fcpInitialisedMpi = true;
       }
-      ownsMpi_ = true;
-      if (provided < MPI_THREAD_SERIALIZED) options_.progressThread = false;
+      if (fcpInitialisedMpi) {
+        ++ownedTransports;
+        ownsInit_ = true;
+      }
     }
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup", -1);
+    // The communication thread calls MPI while the caller's thread may call it too (inside
+    // FCP, under one mutex, or outside FCP, unknown to it): that needs MPI_THREAD_MULTIPLE.
+    // Below it, FCP calls MPI only from the thread that calls FCP.
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    if (level < MPI_THREAD_MULTIPLE) options_.progressThread = false;
+    const MPI_Comm base = comm == MPI_COMM_NULL ? MPI_COMM_WORLD : comm;
+    // The caller's own communicator keeps its error handler; WORLD returns errors as before.
+    if (comm == MPI_COMM_NULL) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    check(MPI_Comm_dup(base, &comm_), "MPI_Comm_dup", -1);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -66,9 +98,12 @@ class MpiTransport final : public Transport {
     }
     cv_.notify_all();
     if (progress_.joinable()) progress_.join();
-    if (ownsMpi_) {
-      MPI_Comm_free(&comm_);
-      MPI_Finalize();
+    int finalised = 0;
+    MPI_Finalized(&finalised);
+    if (!finalised) MPI_Comm_free(&comm_);
+    if (ownsInit_) {
+      std::lock_guard<std::mutex> lock(initMutex);
+      if (--ownedTransports == 0 && !finalised) MPI_Finalize();
     }
   }
 
@@ -114,8 +149,8 @@ class MpiTransport final : public Transport {
         }
         throw Error(ErrorCode::kTransport,
                     "rank " + std::to_string(rank_) + ": timed out after " +
-                        std::to_string(static_cast<int>(options_.timeoutSeconds)) + " s waiting for " +
-                        what + " (did that rank die or stop?)");
+                        std::to_string(static_cast<int>(options_.timeoutSeconds)) +
+                        " s waiting for " + what + " (did that rank die or stop?)");
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
@@ -130,8 +165,8 @@ class MpiTransport final : public Transport {
     MPI_Request request = MPI_REQUEST_NULL;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T,
-                           mpiOp, comm_, &request),
+      check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()),
+                           MPI_INT64_T, mpiOp, comm_, &request),
             "MPI_Iallreduce", -1);
     }
     const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
@@ -149,14 +184,16 @@ class MpiTransport final : public Transport {
                         " s waiting for an allreduce with every rank (did a rank die or stop?)");
       }
       // Back off from 20 us to 1 ms: some ranks wait here long on purpose (rank 0's --check).
-      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(std::min(20 << std::min((spins - 64) / 64, 6), 1000)));
+      if (spins > 64)
+        std::this_thread::sleep_for(
+            std::chrono::microseconds(std::min(20 << std::min((spins - 64) / 64, 6), 1000)));
     }
   }
 
   [[noreturn]] void abort(int exitCode) noexcept override {
     std::fflush(stdout);
     std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, exitCode);
+    MPI_Abort(comm_, exitCode);
     std::_Exit(exitCode);
   }
 
@@ -257,12 +294,13 @@ class MpiTransport final : public Transport {
       pause = completed || posted_ ? shortest : std::min(2 * pause, longest);
       posted_ = false;
       // A request posted meanwhile ends the pause at once (post() notifies).
-      cv_.wait_for(lock, std::chrono::duration<double, std::micro>(pause), [this] { return stop_ || posted_; });
+      cv_.wait_for(lock, std::chrono::duration<double, std::micro>(pause),
+                   [this] { return stop_ || posted_; });
     }
   }
 
   MpiOptions options_;
-  bool ownsMpi_ = false;
+  bool ownsInit_ = false;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
@@ -279,7 +317,21 @@ class MpiTransport final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> makeMpiTransport(const MpiOptions& options) {
-  return std::make_unique<MpiTransport>(options);
+  return std::make_unique<MpiTransport>(MPI_COMM_NULL, options);
+}
+
+std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions& options) {
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  if (!initialised) {
+    throwInvalidArgument(
+        "an MPI communicator was given but MPI is not initialised: expected the caller "
+        "that made it to have initialised MPI");
+  }
+  const MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(comm.fortran));
+  if (c == MPI_COMM_NULL)
+    throwInvalidArgument("MPI communicator handle ", comm.fortran, " is MPI_COMM_NULL");
+  return std::make_unique<MpiTransport>(c, options);
 }
 
 }  // namespace fcp::runtime

@@ -1,0 +1,145 @@
+#pragma once
+/// FCP as a library: the attention a training loop calls, over the caller's communicator,
+/// token layout and dtype (docs/api.md says why it is shaped this way).
+///
+///   once per batch:  AttentionBatch batch(transport, options);   // plans, digest-checked
+///   per layer:       layer[i].forward(batch, q, k, v, o, lse);    // any number of layers
+///                    layer[i].backward(batch, dO, dq, dk, dv);    // in any order after
+///
+/// Terms. The *caller's layout*: rank r holds the contiguous token range [localBegin,
+/// localEnd) of the batch's packed stream (sequences one after another as cu_seqlens says); the
+/// ranges, in rank order, tile the stream (uneven, starting mid-sequence or empty are all fine).
+/// *Transparent* layout: q, k, v, o, dO, ... have the caller's rows; each call reshuffles in and
+/// out. *Dispatched* layout: the caller moves its per-token tensors into FCP's layout once per
+/// batch (dispatch) and back (undispatch); localSequence()/localPosition() say where each row
+/// of that layout belongs (for RoPE, embeddings and the loss), and attention calls move no
+/// tokens. Tensors are [tokens, heads, head_dim], row major and contiguous; q, o, dO, dq have
+/// numHeadsQ heads, k, v, dk, dv numHeadsKv; lse is [tokens, numHeadsQ] fp32. Storage is fp32
+/// or bf16 (options.dtype), arithmetic fp32.
+///
+/// Every call here is collective over the transport's ranks (all ranks call it, in the same
+/// order). Errors throw fcp::Error with one line naming the bad value and the expected one.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fcp/core/cost_model.h"
+#include "fcp/kernels/attention.h"
+#include "fcp/plan/plan.h"
+#include "fcp/runtime/executor.h"
+#include "fcp/runtime/transport.h"
+
+namespace fcp {
+
+using kernels::DType;
+using runtime::Layout;
+using runtime::PassStats;
+
+/// A caller's read-only tensor [numTokens, numHeads, headDim] (lse: headDim 1).
+struct ConstTensorRef {
+  const void* data = nullptr;
+  DType dtype = DType::kFp32;
+  int64_t numTokens = 0;
+  int64_t numHeads = 0;
+  int64_t headDim = 0;
+};
+
+/// A caller's writable tensor, likewise.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kFp32;
+  int64_t numTokens = 0;
+  int64_t numHeads = 0;
+  int64_t headDim = 0;
+  operator ConstTensorRef() const { return {data, dtype, numTokens, numHeads, headDim}; }
+};
+
+/// What a batch is and how to plan it.
+struct BatchOptions {
+  /// Offsets of the sequences in the packed stream: 0, len0, len0 + len1, ... (one more entry
+  /// than sequences; every sequence at least one token). The same on every rank.
+  std::vector<int64_t> cuSeqlens;
+  /// This rank's token range [localBegin, localEnd) in the caller's layout.
+  int64_t localBegin = 0;
+  int64_t localEnd = 0;
+  int64_t numHeadsQ = 8;
+  int64_t numHeadsKv = 1;
+  int64_t headDim = 64;
+  MaskKind mask = MaskKind::kCausal;
+  DType dtype = DType::kFp32;
+  Layout layout = Layout::kTransparent;
+  /// The planner: fcp, ring, bytescale, wlb, magi, megatron, or an ablation step fcp-base,
+  /// fcp-pipeline, fcp-cfree, fcp-coalesce (baselines::makePlan).
+  std::string strategy = "fcp";
+  /// Planner settings. The batch fills in numWorkers, tokensPerWorker (the even share, rounded
+  /// up: also the memory budget unless memoryLimitTokens is set), attention and userStarts.
+  plan::PlanConfig planConfig;
+  /// Pair costs for the planner; the default is the paper-shaped efficiency curve.
+  CostModel costModel;
+  /// Kernel threads per rank.
+  int numThreads = 1;
+  /// When set, every kernel call and message is recorded here.
+  runtime::Timeline* timeline = nullptr;
+  /// First tag of FCP's messages (runtime::kFirstFcpTag; see transport.h).
+  int firstTag = runtime::kFirstFcpTag;
+};
+
+/// One batch: its plan (the same on every rank, checked) and the plan indexed for this rank.
+/// Every layer of the model shares it. Keep it alive while its layers run forward or backward.
+class AttentionBatch {
+ public:
+  /// Plans the batch on every rank and checks that all ranks reached the same plan (an
+  /// allreduce of the ranks' ranges, one of a digest). Collective. `transport` must outlive it.
+  AttentionBatch(runtime::Transport& transport, const BatchOptions& options);
+
+  const plan::Plan& plan() const { return executor_.plan(); }
+  Layout layout() const { return executor_.options().layout; }
+  DType dtype() const { return executor_.options().dtype; }
+  /// A number unique to this batch in the process.
+  uint64_t id() const { return executor_.id(); }
+  /// Tokens of this rank in the caller's layout, in FCP's layout, and in the layout attention
+  /// calls take (one of the two, by layout()).
+  int64_t numUserTokens() const { return executor_.userTokens(); }
+  int64_t numLocalTokens() const { return executor_.localTokens(); }
+  int64_t numCallTokens() const { return executor_.callTokens(); }
+  /// Per row of FCP's layout: the sequence it belongs to and its position inside it.
+  std::span<const int32_t> localSequence() const { return executor_.localSequence(); }
+  std::span<const int64_t> localPosition() const { return executor_.localPosition(); }
+
+  /// Moves a per-token tensor of any element type (`rowBytes` bytes per token) from the
+  /// caller's layout (numUserTokens rows) into FCP's (numLocalTokens rows), or back.
+  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes);
+  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes);
+  /// The same for a tensor: shapes [numUserTokens | numLocalTokens, heads, dim], same dtype.
+  void dispatch(ConstTensorRef user, TensorRef local);
+  void undispatch(ConstTensorRef local, TensorRef user);
+
+  /// The last forward's and backward's costs on this rank (any layer).
+  const PassStats& forwardStats() const { return executor_.forwardStats(); }
+  const PassStats& backwardStats() const { return executor_.backwardStats(); }
+
+  /// The executor (for callers that need more than the checked calls above).
+  runtime::Executor& executor() { return executor_; }
+
+ private:
+  static plan::Plan planBatch(runtime::Transport& transport, const BatchOptions& options);
+  runtime::Executor executor_;
+};
+
+/// One attention layer: what its backward needs from its forward. Reusable across batches.
+class AttentionLayer {
+ public:
+  /// o (and lse, unless its data is null) = attention(q, k, v) over `batch`. Collective.
+  void forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k, ConstTensorRef v,
+               TensorRef o, TensorRef lse = {});
+  /// dq, dk, dv of this layer's last forward, which must have run with `batch`. Collective.
+  void backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk, TensorRef dv);
+
+ private:
+  runtime::LayerState state_;
+};
+
+}  // namespace fcp

@@ -1,0 +1,251 @@
+// The library front end: checks what the caller hands in, agrees on the batch across ranks,
+// plans it and runs the executor.
+#include "fcp/api/attention.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "fcp/baselines/baselines.h"
+#include "fcp/core/error.h"
+#include "fcp/plan/communication.h"
+
+namespace fcp {
+namespace {
+
+std::string shapeText(int64_t tokens, int64_t heads, int64_t dim, DType dtype) {
+  std::ostringstream text;  // (not string operator+: GCC 12 warns falsely on it, -Wrestrict)
+  text << '[' << tokens << ", " << heads << ", " << dim << "] " << kernels::dtypeName(dtype);
+  return text.str();
+}
+
+void checkTensor(const char* name, const void* data, DType dtype, int64_t tokens, int64_t heads,
+                 int64_t dim, int64_t wantTokens, int64_t wantHeads, int64_t wantDim,
+                 DType wantDtype, const char* rows) {
+  if (tokens != wantTokens || heads != wantHeads || dim != wantDim || dtype != wantDtype) {
+    throwInvalidArgument(name, " is ", shapeText(tokens, heads, dim, dtype), ", expected ",
+                         shapeText(wantTokens, wantHeads, wantDim, wantDtype), " (", rows, ")");
+  }
+  if (data == nullptr && wantTokens * wantHeads * wantDim > 0) {
+    throwInvalidArgument(name, " has no data, expected ",
+                         shapeText(wantTokens, wantHeads, wantDim, wantDtype));
+  }
+}
+
+void checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads, int64_t dim,
+                 DType dtype, const char* rows) {
+  checkTensor(name, t.data, t.dtype, t.numTokens, t.numHeads, t.headDim, tokens, heads, dim, dtype,
+              rows);
+}
+
+const char* rowsText(Layout layout) {
+  return layout == Layout::kDispatched ? "this rank's tokens in FCP's layout"
+                                       : "this rank's tokens in the caller's layout";
+}
+
+int64_t dtypeBytes(DType dtype) { return dtype == DType::kBf16 ? 2 : 4; }
+
+// The batch's sequence lengths from cu_seqlens, checked.
+Batch batchOf(const std::vector<int64_t>& cu) {
+  if (cu.size() < 2) {
+    throwInvalidArgument("cu_seqlens has ", cu.size(),
+                         " entries: expected at least 2 (0 and the end of one sequence)");
+  }
+  if (cu.front() != 0) throwInvalidArgument("cu_seqlens[0] is ", cu.front(), ": expected 0");
+  Batch batch;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    if (cu[s + 1] <= cu[s]) {
+      throwInvalidArgument("cu_seqlens[", s + 1, "] is ", cu[s + 1],
+                           ": expected more than cu_seqlens[", s, "] = ", cu[s],
+                           " (every sequence at least one token)");
+    }
+    batch.sequenceLengths.push_back(cu[s + 1] - cu[s]);
+  }
+  checkBatch(batch);
+  return batch;
+}
+
+// FNV-1a of everything every rank must pass alike (the batch, the model, the planner's
+// settings), so that ranks that differ fail together before planning.
+class OptionsHash {
+ public:
+  void add(int64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      hash_ ^= static_cast<uint64_t>(x >> (8 * i)) & 0xff;
+      hash_ *= 1099511628211ull;
+    }
+  }
+  void add(double x) {
+    int64_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    add(bits);
+  }
+  int64_t value() const { return static_cast<int64_t>(hash_ >> 1); }
+
+ private:
+  uint64_t hash_ = 14695981039346656037ull;
+};
+
+int64_t optionsHash(const BatchOptions& o) {
+  OptionsHash h;
+  h.add(static_cast<int64_t>(o.cuSeqlens.size()));
+  for (const int64_t x : o.cuSeqlens) h.add(x);
+  for (const int64_t x : {o.numHeadsQ, o.numHeadsKv, o.headDim, static_cast<int64_t>(o.mask),
+                          static_cast<int64_t>(o.dtype), static_cast<int64_t>(o.layout)}) {
+    h.add(x);
+  }
+  for (const char c : o.strategy) h.add(int64_t{c});
+  const plan::PlanConfig& c = o.planConfig;
+  for (const int64_t x : {c.blockSize, c.memoryLimitTokens, c.coalesce, c.bufferDepth,
+                          c.improveStepsPerBlock, int64_t{c.locality}}) {
+    h.add(x);
+  }
+  for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack})
+    h.add(x);
+  return h.value();
+}
+
+}  // namespace
+
+plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchOptions& o) {
+  const int ranks = transport.size(), rank = transport.rank();
+  // Two collectives before any check, so that every rank learns the same facts and a bad
+  // input fails on every rank alike (a rank that threw alone would leave the others waiting).
+  const int64_t hash = optionsHash(o);
+  int64_t same[2] = {hash, -hash};
+  transport.allreduce(same, runtime::ReduceOp::kMax);
+  std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
+  ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
+  ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
+  transport.allreduce(ranges, runtime::ReduceOp::kSum);
+  if (same[0] != -same[1]) {
+    throwInvalidArgument(
+        "rank ", rank,
+        ": the ranks passed different batches or settings (cu_seqlens, heads, "
+        "head dim, mask, dtype, layout, strategy or planner settings): expected the same on "
+        "every rank");
+  }
+  const Batch batch = batchOf(o.cuSeqlens);
+  const int64_t total = batch.numTokens();
+  std::vector<int64_t> starts(static_cast<size_t>(ranks) + 1, 0);
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t begin = ranges[2 * static_cast<size_t>(r)],
+                  end = ranges[2 * static_cast<size_t>(r) + 1];
+    const int64_t expected = starts[static_cast<size_t>(r)];
+    if (begin != expected || end < begin || end > total) {
+      throwInvalidArgument("rank ", r, "'s token range is [", begin, ", ", end, "): expected [",
+                           expected, ", e) with ", expected, " <= e <= ", total,
+                           " (the ranks' ranges, in rank order, must tile the batch)");
+    }
+    starts[static_cast<size_t>(r) + 1] = end;
+  }
+  if (starts.back() != total) {
+    throwInvalidArgument("the ranks' token ranges end at ", starts.back(), ": expected ", total,
+                         " (the ranks' ranges, in rank order, must tile the batch)");
+  }
+  if (o.numHeadsQ <= 0 || o.numHeadsKv <= 0 || o.numHeadsQ % o.numHeadsKv != 0 || o.headDim <= 0) {
+    throwInvalidArgument("heads ", o.numHeadsQ, " (Q) and ", o.numHeadsKv, " (KV), head dim ",
+                         o.headDim,
+                         ": expected positive counts with Q heads a multiple of KV heads");
+  }
+  plan::PlanConfig config = o.planConfig;
+  config.numWorkers = ranks;
+  config.tokensPerWorker = std::max<int64_t>(1, (total + ranks - 1) / ranks);
+  config.attention = {o.numHeadsQ, o.numHeadsKv, o.headDim, dtypeBytes(o.dtype), o.mask};
+  config.userStarts = starts;
+  CostModel costModel = o.costModel;
+  costModel.attention = config.attention;
+  // WLB-LLM's oracle here: the busiest worker's compute, then the fewer transfer bytes (the
+  // simulator's oracle needs a hardware model the runtime does not have).
+  const baselines::PlanOracle oracle = [](const plan::Plan& p) {
+    double busiest = 0;
+    for (const plan::WorkerLoad& w : p.loads) busiest = std::max(busiest, w.cost);
+    return busiest;
+  };
+  plan::Plan plan;
+  for (;;) {
+    try {
+      plan = baselines::makePlan(o.strategy, batch, config, costModel, oracle);
+      break;
+    } catch (const Error& e) {
+      // A training step must not stop because a batch packed badly. Until the distributor cuts
+      // blocks finer itself, a budget the caller did not set is doubled until the blocks fit
+      // (every rank takes the same steps; plan.config says the budget used).
+      const bool capFailed =
+          std::string_view(e.what()).find("no worker has room") != std::string_view::npos;
+      if (!capFailed || o.planConfig.memoryLimitTokens > 0 || config.memoryLimit() >= total) throw;
+      config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
+    }
+  }
+  plan::checkValid(plan);
+  runtime::checkPlanAgreement(plan, transport);
+  return plan;
+}
+
+AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
+    : executor_(planBatch(transport, options), transport,
+                runtime::ExecutorOptions{options.numThreads, options.timeline, options.dtype,
+                                         options.layout, options.firstTag}) {}
+
+void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
+                              int64_t rowBytes) {
+  executor_.dispatch(user, local, rowBytes);
+}
+
+void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
+                                int64_t rowBytes) {
+  executor_.undispatch(local, user, rowBytes);
+}
+
+void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
+  checkTensor("dispatch input", user, numUserTokens(), user.numHeads, user.headDim, user.dtype,
+              "this rank's tokens in the caller's layout");
+  checkTensor("dispatch output", local, numLocalTokens(), user.numHeads, user.headDim, user.dtype,
+              "this rank's tokens in FCP's layout");
+  const int64_t row = user.numHeads * user.headDim * dtypeBytes(user.dtype);
+  executor_.dispatch(
+      {static_cast<const std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)},
+      {static_cast<std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)}, row);
+}
+
+void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
+  checkTensor("undispatch input", local, numLocalTokens(), local.numHeads, local.headDim,
+              local.dtype, "this rank's tokens in FCP's layout");
+  checkTensor("undispatch output", user, numUserTokens(), local.numHeads, local.headDim,
+              local.dtype, "this rank's tokens in the caller's layout");
+  const int64_t row = local.numHeads * local.headDim * dtypeBytes(local.dtype);
+  executor_.undispatch(
+      {static_cast<const std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)},
+      {static_cast<std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)}, row);
+}
+
+void AttentionLayer::forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
+                             ConstTensorRef v, TensorRef o, TensorRef lse) {
+  const auto& a = batch.plan().config.attention;
+  const int64_t n = batch.numCallTokens();
+  const DType dt = batch.dtype();
+  const char* rows = rowsText(batch.layout());
+  checkTensor("q", q, n, a.numHeadsQ, a.headDim, dt, rows);
+  checkTensor("k", k, n, a.numHeadsKv, a.headDim, dt, rows);
+  checkTensor("v", v, n, a.numHeadsKv, a.headDim, dt, rows);
+  checkTensor("o", o, n, a.numHeadsQ, a.headDim, dt, rows);
+  if (lse.data != nullptr) checkTensor("lse", lse, n, a.numHeadsQ, 1, DType::kFp32, rows);
+  batch.executor().forward(state_, q.data, k.data, v.data, o.data, static_cast<float*>(lse.data));
+}
+
+void AttentionLayer::backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,
+                              TensorRef dv) {
+  const auto& a = batch.plan().config.attention;
+  const int64_t n = batch.numCallTokens();
+  const DType dt = batch.dtype();
+  const char* rows = rowsText(batch.layout());
+  checkTensor("dO", dO, n, a.numHeadsQ, a.headDim, dt, rows);
+  checkTensor("dq", dq, n, a.numHeadsQ, a.headDim, dt, rows);
+  checkTensor("dk", dk, n, a.numHeadsKv, a.headDim, dt, rows);
+  checkTensor("dv", dv, n, a.numHeadsKv, a.headDim, dt, rows);
+  batch.executor().backward(state_, dO.data, dq.data, dk.data, dv.data);
+}
+
+}  // namespace fcp

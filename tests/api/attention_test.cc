@@ -1,0 +1,459 @@
+// The public API on ranks as threads (thread_transport.h): every strategy against the float64
+// reference, any split of the caller's layout, bf16, GQA and head dims, dispatched against
+// transparent, several layers sharing one batch, and the errors a caller can cause. The same
+// runs on real MPI ranks in tests/mpi/api_mpi_test.cc.
+#include "fcp/api/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+
+#include "../runtime/thread_transport.h"
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+#include "fcp/plan/communication.h"
+#include "fcp/runtime/reference.h"
+
+namespace fcp {
+namespace {
+
+using runtime::Transport;
+
+struct Problem {
+  std::vector<int64_t> lengths;
+  std::vector<int64_t> starts;  // the caller's layout, ranks + 1 entries
+  int64_t hq = 4, hkv = 2, dim = 16;
+  MaskKind mask = MaskKind::kCausal;
+  DType dtype = DType::kFp32;
+  Layout layout = Layout::kTransparent;
+  std::string strategy = "fcp";
+  int64_t blockSize = 64;
+};
+
+struct Whole {  // whole-batch tensors, fp32 (bf16-rounded when the problem is bf16)
+  std::vector<float> q, k, v, dO;
+};
+
+std::vector<int64_t> cuOf(const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> cu{0};
+  for (const int64_t l : lengths) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+Whole randomInputs(const Problem& p, uint64_t seed) {
+  Rng rng(seed);
+  const int64_t t = cuOf(p.lengths).back();
+  Whole w;
+  for (auto [x, heads] : {std::pair{&w.q, p.hq}, {&w.k, p.hkv}, {&w.v, p.hkv}, {&w.dO, p.hq}}) {
+    x->resize(static_cast<size_t>(t * heads * p.dim));
+    for (float& value : *x) {
+      value = static_cast<float>(rng.normal());
+      if (p.dtype == DType::kBf16) value = kernels::fromBf16(kernels::toBf16(value));
+    }
+  }
+  return w;
+}
+
+int64_t elemBytes(DType d) { return d == DType::kBf16 ? 2 : 4; }
+
+// Rows [begin, end) of a whole tensor of `width` floats per token, in the storage type.
+std::vector<std::byte> storage(const std::vector<float>& x, int64_t begin, int64_t end,
+                               int64_t width, DType d) {
+  std::vector<std::byte> out(static_cast<size_t>((end - begin) * width * elemBytes(d)));
+  const float* src = x.data() + begin * width;
+  if (d == DType::kFp32) {
+    std::memcpy(out.data(), src, out.size());
+  } else {
+    auto* dst = reinterpret_cast<uint16_t*>(out.data());
+    for (int64_t i = 0; i < (end - begin) * width; ++i) dst[i] = kernels::toBf16(src[i]);
+  }
+  return out;
+}
+
+void unstore(const std::vector<std::byte>& bytes, std::vector<float>& x, int64_t begin,
+             int64_t width, DType d) {
+  float* dst = x.data() + begin * width;
+  if (d == DType::kFp32) {
+    std::memcpy(dst, bytes.data(), bytes.size());
+  } else {
+    const auto* src = reinterpret_cast<const uint16_t*>(bytes.data());
+    for (size_t i = 0; i < bytes.size() / 2; ++i) dst[i] = kernels::fromBf16(src[i]);
+  }
+}
+
+BatchOptions optionsFor(const Problem& p, int rank) {
+  BatchOptions o;
+  o.cuSeqlens = cuOf(p.lengths);
+  o.localBegin = p.starts[static_cast<size_t>(rank)];
+  o.localEnd = p.starts[static_cast<size_t>(rank) + 1];
+  o.numHeadsQ = p.hq;
+  o.numHeadsKv = p.hkv;
+  o.headDim = p.dim;
+  o.mask = p.mask;
+  o.dtype = p.dtype;
+  o.layout = p.layout;
+  o.strategy = p.strategy;
+  o.planConfig.blockSize = p.blockSize;
+  o.planConfig.coalesce = 2;
+  return o;
+}
+
+struct Outputs {
+  std::vector<float> o, dq, dk, dv;
+};
+
+// One rank's share of `layers` attention layers (forward 0..L-1, then backward L-1..0) over
+// one batch; writes this rank's rows of every layer's outputs into `out` (the whole batch).
+void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
+             std::vector<Outputs>& out) {
+  AttentionBatch batch(t, optionsFor(p, t.rank()));
+  const int64_t b = p.starts[static_cast<size_t>(t.rank())],
+                e = p.starts[static_cast<size_t>(t.rank()) + 1];
+  const int64_t qw = p.hq * p.dim, kw = p.hkv * p.dim;
+  const DType d = p.dtype;
+  const bool dispatched = p.layout == Layout::kDispatched;
+  const int64_t n = batch.numCallTokens();
+  EXPECT_EQ(batch.numUserTokens(), e - b);
+  // The call layout's tensor of whole tensor x's rows (dispatched: moved into FCP's layout).
+  auto callTensor = [&](const std::vector<float>& x, int64_t width) {
+    std::vector<std::byte> user = storage(x, b, e, width, d);
+    if (!dispatched) return user;
+    std::vector<std::byte> local(static_cast<size_t>(n * width * elemBytes(d)));
+    batch.dispatch(user, local, width * elemBytes(d));
+    return local;
+  };
+  auto keep = [&](const std::vector<std::byte>& call, std::vector<float>& x, int64_t width) {
+    if (!dispatched) return unstore(call, x, b, width, d);
+    std::vector<std::byte> user(static_cast<size_t>((e - b) * width * elemBytes(d)));
+    batch.undispatch(call, user, width * elemBytes(d));
+    unstore(user, x, b, width, d);
+  };
+  const size_t layers = in.size();
+  std::vector<AttentionLayer> layer(layers);
+  std::vector<std::vector<std::byte>> q(layers), k(layers), v(layers), dO(layers);
+  for (size_t l = 0; l < layers; ++l) {
+    q[l] = callTensor(in[l].q, qw);
+    k[l] = callTensor(in[l].k, kw);
+    v[l] = callTensor(in[l].v, kw);
+    dO[l] = callTensor(in[l].dO, qw);
+  }
+  for (size_t l = 0; l < layers; ++l) {
+    std::vector<std::byte> o(static_cast<size_t>(n * qw * elemBytes(d)));
+    std::vector<float> lse(static_cast<size_t>(n * p.hq));
+    layer[l].forward(batch, {q[l].data(), d, n, p.hq, p.dim}, {k[l].data(), d, n, p.hkv, p.dim},
+                     {v[l].data(), d, n, p.hkv, p.dim}, {o.data(), d, n, p.hq, p.dim},
+                     {lse.data(), DType::kFp32, n, p.hq, 1});
+    keep(o, out[l].o, qw);
+  }
+  for (size_t l = layers; l-- > 0;) {
+    std::vector<std::byte> dq(static_cast<size_t>(n * qw * elemBytes(d))),
+        dk(static_cast<size_t>(n * kw * elemBytes(d))), dv(dk.size());
+    layer[l].backward(batch, {dO[l].data(), d, n, p.hq, p.dim}, {dq.data(), d, n, p.hq, p.dim},
+                      {dk.data(), d, n, p.hkv, p.dim}, {dv.data(), d, n, p.hkv, p.dim});
+    keep(dq, out[l].dq, qw);
+    keep(dk, out[l].dk, kw);
+    keep(dv, out[l].dv, kw);
+  }
+}
+
+std::vector<Outputs> run(const Problem& p, const std::vector<Whole>& in) {
+  const int ranks = static_cast<int>(p.starts.size()) - 1;
+  std::vector<Outputs> out(in.size());
+  for (size_t l = 0; l < in.size(); ++l) {
+    out[l] = {std::vector<float>(in[l].q.size()), std::vector<float>(in[l].q.size()),
+              std::vector<float>(in[l].k.size()), std::vector<float>(in[l].k.size())};
+  }
+  runtime::testing::runRanks(ranks, [&](Transport& t) { runRank(t, p, in, out); });
+  return out;
+}
+
+void expectMatchesReference(const Problem& p, const Whole& in, const Outputs& got, double tolerance,
+                            const std::string& what) {
+  const AttentionConfig a{p.hq, p.hkv, p.dim, elemBytes(p.dtype), p.mask};
+  const runtime::ReferenceResult ref =
+      runtime::referenceAttention(Batch{p.lengths}, a, in.q, in.k, in.v, in.dO);
+  EXPECT_LE(runtime::relativeL2(got.o, ref.o), tolerance) << what << ": out";
+  EXPECT_LE(runtime::relativeL2(got.dq, ref.dq), tolerance) << what << ": dq";
+  EXPECT_LE(runtime::relativeL2(got.dk, ref.dk), tolerance) << what << ": dk";
+  EXPECT_LE(runtime::relativeL2(got.dv, ref.dv), tolerance) << what << ": dv";
+}
+
+double maxRelativeDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<double> bd(b.begin(), b.end());
+  return runtime::relativeL2(a, bd);
+}
+
+// A random caller's layout of `total` tokens over `ranks`: uneven cuts anywhere (mid-sequence
+// included), and with `emptyRank` >= 0 that rank holds nothing.
+std::vector<int64_t> randomSplit(Rng& rng, int64_t total, int ranks, int emptyRank) {
+  std::vector<int64_t> cuts;
+  for (int r = 1; r < ranks; ++r)
+    cuts.push_back(static_cast<int64_t>(rng.uniform() * static_cast<double>(total)));
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<int64_t> starts{0};
+  for (const int64_t c : cuts) starts.push_back(c);
+  starts.push_back(total);
+  if (emptyRank >= 0)
+    starts[static_cast<size_t>(emptyRank) + 1] = starts[static_cast<size_t>(emptyRank)];
+  for (size_t r = 1; r < starts.size(); ++r) starts[r] = std::max(starts[r], starts[r - 1]);
+  starts.back() = total;
+  return starts;
+}
+
+std::vector<int64_t> randomLengths(Rng& rng, int64_t atLeast, int64_t longest) {
+  std::vector<int64_t> lengths;
+  for (int64_t total = 0; total < atLeast;) {
+    lengths.push_back(1 + static_cast<int64_t>(rng.uniform() * static_cast<double>(longest)));
+    total += lengths.back();
+  }
+  return lengths;
+}
+
+class StrategyTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(StrategyTest, EveryStrategyMatchesTheFloat64ReferenceOnAnEvenSplit) {
+  const auto& [strategy, ranks] = GetParam();
+  Rng rng(static_cast<uint64_t>(ranks) * 31 + strategy.size());
+  for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+    Problem p;
+    p.lengths = randomLengths(rng, 400, 150);
+    p.starts = plan::userLayoutStarts(cuOf(p.lengths).back(), ranks);
+    p.mask = mask;
+    p.strategy = strategy;
+    const Whole in = randomInputs(p, rng.next());
+    expectMatchesReference(p, in, run(p, {in})[0], 1e-5,
+                           strategy + " " + std::string(maskName(mask)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(StrategiesAndRanks, StrategyTest,
+                         ::testing::Combine(::testing::Values("fcp", "ring", "bytescale", "wlb",
+                                                              "magi", "megatron", "fcp-base",
+                                                              "fcp-coalesce"),
+                                            ::testing::Values(1, 2, 3, 5)));
+
+TEST(AttentionBatchTest, AnyCallerSplitMatchesTheReference) {
+  Rng rng(99);
+  for (int trial = 0; trial < 6; ++trial) {
+    const int ranks = 2 + trial % 3;
+    Problem p;
+    p.lengths = randomLengths(rng, 500, 200);
+    p.starts = randomSplit(rng, cuOf(p.lengths).back(), ranks, trial % 2 == 0 ? trial % ranks : -1);
+    p.strategy = trial % 3 == 2 ? "ring" : "fcp";
+    const Whole in = randomInputs(p, rng.next());
+    expectMatchesReference(p, in, run(p, {in})[0], 1e-5, "trial " + std::to_string(trial));
+  }
+}
+
+TEST(AttentionBatchTest, Bf16MatchesTheReferenceOnTheSameRoundedInputs) {
+  Rng rng(7);
+  for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+    Problem p;
+    p.lengths = randomLengths(rng, 400, 180);
+    p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+    p.dtype = DType::kBf16;
+    p.mask = mask;
+    const Whole in = randomInputs(p, rng.next());
+    expectMatchesReference(p, in, run(p, {in})[0], 1e-2,
+                           std::string("bf16 ") + std::string(maskName(mask)));
+  }
+}
+
+TEST(AttentionBatchTest, GqaAndHeadDims64And128) {
+  Rng rng(11);
+  for (const auto& [hq, hkv, dim] :
+       {std::tuple<int64_t, int64_t, int64_t>{8, 2, 64}, {4, 1, 128}, {2, 2, 128}}) {
+    Problem p;
+    p.lengths = randomLengths(rng, 300, 120);
+    p.starts = plan::userLayoutStarts(cuOf(p.lengths).back(), 2);
+    p.hq = hq;
+    p.hkv = hkv;
+    p.dim = dim;
+    const Whole in = randomInputs(p, rng.next());
+    expectMatchesReference(
+        p, in, run(p, {in})[0], 1e-5,
+        "heads " + std::to_string(hq) + "/" + std::to_string(hkv) + " dim " + std::to_string(dim));
+  }
+}
+
+TEST(AttentionBatchTest, DispatchedEqualsTransparent) {
+  Rng rng(5);
+  for (const DType dtype : {DType::kFp32, DType::kBf16}) {
+    for (const std::string strategy : {"fcp", "ring", "magi"}) {
+      Problem p;
+      p.lengths = randomLengths(rng, 450, 160);
+      p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, 1);
+      p.dtype = dtype;
+      p.strategy = strategy;
+      const Whole in = randomInputs(p, rng.next());
+      const Outputs transparent = run(p, {in})[0];
+      p.layout = Layout::kDispatched;
+      const Outputs dispatched = run(p, {in})[0];
+      const std::string what = strategy + " " + std::string(kernels::dtypeName(dtype));
+      EXPECT_LE(maxRelativeDifference(dispatched.o, transparent.o), 1e-6) << what;
+      EXPECT_LE(maxRelativeDifference(dispatched.dq, transparent.dq), 1e-6) << what;
+      EXPECT_LE(maxRelativeDifference(dispatched.dk, transparent.dk), 1e-6) << what;
+      EXPECT_LE(maxRelativeDifference(dispatched.dv, transparent.dv), 1e-6) << what;
+    }
+  }
+}
+
+TEST(AttentionBatchTest, FourLayersShareOneBatchAndEqualFourSingleLayerRuns) {
+  Rng rng(3);
+  for (const Layout layout : {Layout::kTransparent, Layout::kDispatched}) {
+    Problem p;
+    p.lengths = randomLengths(rng, 400, 150);
+    p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+    p.layout = layout;
+    std::vector<Whole> in;
+    for (int l = 0; l < 4; ++l) in.push_back(randomInputs(p, rng.next()));
+    const std::vector<Outputs> together = run(p, in);
+    for (size_t l = 0; l < 4; ++l) {
+      const Outputs alone = run(p, {in[l]})[0];
+      EXPECT_LE(maxRelativeDifference(together[l].o, alone.o), 1e-6) << "layer " << l;
+      EXPECT_LE(maxRelativeDifference(together[l].dq, alone.dq), 1e-6) << "layer " << l;
+      EXPECT_LE(maxRelativeDifference(together[l].dk, alone.dk), 1e-6) << "layer " << l;
+      EXPECT_LE(maxRelativeDifference(together[l].dv, alone.dv), 1e-6) << "layer " << l;
+      expectMatchesReference(p, in[l], together[l], 1e-5, "layer " + std::to_string(l));
+    }
+  }
+}
+
+TEST(AttentionBatchTest, DispatchRoundTripsAndNamesEachLocalToken) {
+  Problem p;
+  p.lengths = {70, 5, 130, 33};
+  p.starts = {0, 50, 50, 238};
+  runtime::testing::runRanks(3, [&](Transport& t) {
+    AttentionBatch batch(t, optionsFor(p, t.rank()));
+    const int64_t b = p.starts[static_cast<size_t>(t.rank())],
+                  e = p.starts[static_cast<size_t>(t.rank()) + 1];
+    // Each token's global index, dispatched: FCP's rows must name the same tokens as
+    // localSequence/localPosition say.
+    std::vector<int64_t> global(static_cast<size_t>(e - b));
+    for (int64_t i = b; i < e; ++i) global[static_cast<size_t>(i - b)] = i;
+    std::vector<int64_t> local(static_cast<size_t>(batch.numLocalTokens()));
+    batch.dispatch(std::as_bytes(std::span(global)), std::as_writable_bytes(std::span(local)),
+                   sizeof(int64_t));
+    const std::vector<int64_t> cu = cuOf(p.lengths);
+    ASSERT_EQ(batch.localSequence().size(), local.size());
+    for (size_t i = 0; i < local.size(); ++i) {
+      const int32_t s = batch.localSequence()[i];
+      EXPECT_EQ(local[i], cu[static_cast<size_t>(s)] + batch.localPosition()[i]) << "row " << i;
+    }
+    std::vector<int64_t> back(global.size(), -1);
+    batch.undispatch(std::as_bytes(std::span(local)), std::as_writable_bytes(std::span(back)),
+                     sizeof(int64_t));
+    EXPECT_EQ(back, global);
+  });
+}
+
+// Runs `body` on every rank and expects each to throw an invalid-argument error containing
+// `text`.
+void expectErrorOnEveryRank(int ranks, const std::string& text,
+                            const std::function<void(Transport&)>& body) {
+  std::atomic<int> failures = 0;
+  runtime::testing::runRanks(ranks, [&](Transport& t) {
+    try {
+      body(t);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line: " << e.what();
+      ++failures;
+    }
+  });
+  EXPECT_EQ(failures.load(), ranks) << text;
+}
+
+TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 70, 160};  // rank 1's range runs backwards
+  expectErrorOnEveryRank(3, "rank 1's token range is [80, 70)",
+                         [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
+  p.starts = {0, 80, 150, 150};  // ends short of the batch
+  expectErrorOnEveryRank(3, "end at 150: expected 160",
+                         [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
+}
+
+TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
+    AttentionBatch batch(t, o);
+  });
+}
+
+TEST(AttentionBatchErrorTest, BadCuSeqlens) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  expectErrorOnEveryRank(2, "cu_seqlens[2] is 100", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    o.cuSeqlens = {0, 100, 100, 160};
+    AttentionBatch batch(t, o);
+  });
+}
+
+TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  runtime::testing::runRanks(2, [&](Transport& t) {
+    AttentionBatch batch(t, optionsFor(p, t.rank()));
+    const int64_t n = batch.numCallTokens();
+    std::vector<float> q(static_cast<size_t>(n * 4 * 16)), kv(static_cast<size_t>(n * 2 * 16)),
+        o(q.size());
+    AttentionLayer layer;
+    auto expectError = [](const std::function<void()>& call, const std::string& text) {
+      try {
+        call();
+        ADD_FAILURE() << "no error, expected: " << text;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+      }
+    };
+    expectError(
+        [&] {
+          layer.forward(batch, {q.data(), DType::kFp32, n + 1, 4, 16},
+                        {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                        {o.data(), DType::kFp32, n, 4, 16});
+        },
+        "q is [" + std::to_string(n + 1) + ", 4, 16] fp32, expected [" + std::to_string(n) +
+            ", 4, 16] fp32");
+    expectError(
+        [&] {
+          layer.forward(batch, {q.data(), DType::kFp32, n, 4, 16},
+                        {kv.data(), DType::kBf16, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                        {o.data(), DType::kFp32, n, 4, 16});
+        },
+        "k is [" + std::to_string(n) + ", 2, 16] bf16, expected");
+    expectError(
+        [&] {
+          layer.backward(batch, {q.data(), DType::kFp32, n, 4, 16},
+                         {o.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                         {kv.data(), DType::kFp32, n, 2, 16});
+        },
+        "last forward ran with no batch");
+    // A forward with this batch, then a backward with the next batch's object.
+    layer.forward(batch, {q.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                  {kv.data(), DType::kFp32, n, 2, 16}, {o.data(), DType::kFp32, n, 4, 16});
+    AttentionBatch next(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          layer.backward(next, {q.data(), DType::kFp32, n, 4, 16},
+                         {o.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                         {kv.data(), DType::kFp32, n, 2, 16});
+        },
+        "expected a forward with this batch");
+  });
+}
+
+}  // namespace
+}  // namespace fcp
