@@ -12,6 +12,12 @@ packages=(
   libdnnl-dev ocl-icd-opencl-dev
   libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-torch python3-matplotlib
+  # The Python package (python/): bindings for Debian's /usr/bin/python3, its tests, the
+  # mpi4py path, and the text the training example learns from (vim's help files).
+  python3-dev pybind11-dev python3-pytest python3-mpi4py vim-runtime
+  # Debian's torch calls the libblas.so.3 alternative, which is the reference BLAS (6 GFLOP/s
+  # here) unless an optimised one is installed: OpenBLAS gives the model's GEMMs ~160 GFLOP/s.
+  libopenblas0-pthread
 )
 
 missing=()

@@ -238,10 +238,35 @@ double sumOverRanks(runtime::Transport& t, double value, double unit) {
   return static_cast<double>(v) * unit;
 }
 
+/// Bytes per second one rank moves to the next and from the previous at once (64 MB each way,
+/// best of three, the slowest rank's), the uncapped link of the bound; 0 on one rank.
+double measureLinkBandwidth(runtime::Transport& t) {
+  if (t.size() < 2) return 0;
+  const int next = (t.rank() + 1) % t.size(), prev = (t.rank() + t.size() - 1) % t.size();
+  std::vector<std::byte> out(64 << 20), in(out.size());
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    barrier(t);
+    const double start = runtime::Timeline::nowUs();
+    const runtime::RequestId requests[2] = {t.irecv(prev, kGatherTag, in),
+                                            t.isend(next, kGatherTag, out)};
+    runtime::waitAll(t, requests);
+    best = std::max(best,
+                    static_cast<double>(out.size()) / ((runtime::Timeline::nowUs() - start) / 1e6));
+  }
+  int64_t rate = std::llround(best);
+  t.allreduce({&rate, 1}, runtime::ReduceOp::kMin);
+  return static_cast<double>(rate);
+}
+
 struct StrategyResult {
   std::string strategy;
   double fwdMs = 0, bwdMs = 0, eta = 0, gflopsPerRank = 0, idealMs = 0, kernelGflops = 0;
   int64_t commBytes = 0, kvBytes = 0;
+  /// The physical bound of each pass, summed: max(busiest rank's kernel time, busiest rank's
+  /// bytes sent or received / link bandwidth), and the busiest rank's bytes (both passes).
+  double boundMs = 0;
+  int64_t maxRankBytes = 0;
   bool checked = false;
   double errOut = 0, errDq = 0, errDk = 0, errDv = 0;
 };
@@ -261,6 +286,9 @@ struct StrategyRun {
   std::vector<double> fwd, bwd;
   double kernelMs = 0, flops = 0;
   int64_t sent = 0, kv = 0;
+  // Per pass (forward, backward), summed over the measured repeats on this rank.
+  double passKernelMs[2] = {0, 0};
+  double passBytes[2] = {0, 0};  // max(sent, received)
 };
 
 /// The FLOPs of the float64 reference (forward and backward) of `batch`: how long rank 0 may
@@ -483,12 +511,18 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Setup& s, b
   run.fwd.push_back(f);
   run.bwd.push_back(bw);
   run.kernelMs += b.forwardStats().kernelMs + b.backwardStats().kernelMs;
+  for (int pass = 0; pass < 2; ++pass) {
+    const PassStats& st = pass == 0 ? b.forwardStats() : b.backwardStats();
+    run.passKernelMs[pass] += st.kernelMs;
+    run.passBytes[pass] += static_cast<double>(std::max(st.sentBytes, st.recvBytes));
+  }
   run.flops = b.forwardStats().flops + b.backwardStats().flops;
   run.sent = b.forwardStats().sentBytes + b.backwardStats().sentBytes;
   run.kv = b.forwardStats().kvBytes + b.backwardStats().kvBytes;
 }
 
-StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun& run) {
+StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun& run,
+                         double linkBytesPerSecond) {
   StrategyResult r;
   r.strategy = run.strategy;
   r.fwdMs = median(run.fwd);
@@ -504,6 +538,13 @@ StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun&
   r.idealMs = r.kernelGflops > 0 ? totalFlops / ranks / (r.kernelGflops * 1e6) : 0;
   r.commBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.sent), 1.0));
   r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.kv), 1.0));
+  const auto repeats = static_cast<double>(a.repeats);
+  for (int pass = 0; pass < 2; ++pass) {
+    const double kernel = maxOverRanks(net, run.passKernelMs[pass] / repeats, 1e-6);
+    const double bytes = maxOverRanks(net, run.passBytes[pass] / repeats, 1.0);
+    r.boundMs += std::max(kernel, linkBytesPerSecond > 0 ? bytes / linkBytesPerSecond * 1e3 : 0.0);
+    r.maxRankBytes += static_cast<int64_t>(bytes);
+  }
   return r;
 }
 
@@ -540,14 +581,15 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
                                     : "uncapped (shared memory)");
   std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
               static_cast<long long>(a.warmup));
-  std::printf("  %-12s %10s %10s %12s %7s %10s %9s %10s", "strategy", "fwd ms", "bwd ms",
-              "GFLOP/s/rank", "eta", "ideal ms", "x ideal", "comm MB");
+  std::printf("  %-12s %10s %10s %12s %7s %10s %9s %10s %10s %8s", "strategy", "fwd ms", "bwd ms",
+              "GFLOP/s/rank", "eta", "ideal ms", "x ideal", "comm MB", "bound ms", "x bound");
   if (a.check) std::printf(" %9s %9s %9s %9s", "err out", "err dq", "err dk", "err dv");
   std::printf("\n");
   for (const StrategyResult& r : results) {
-    std::printf("  %-12s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f", r.strategy.c_str(),
-                r.fwdMs, r.bwdMs, r.gflopsPerRank, r.eta, r.idealMs,
-                (r.fwdMs + r.bwdMs) / r.idealMs, static_cast<double>(r.commBytes) / 1e6);
+    std::printf("  %-12s %10.1f %10.1f %12.2f %7.3f %10.1f %9.3f %10.2f %10.1f %8.3f",
+                r.strategy.c_str(), r.fwdMs, r.bwdMs, r.gflopsPerRank, r.eta, r.idealMs,
+                (r.fwdMs + r.bwdMs) / r.idealMs, static_cast<double>(r.commBytes) / 1e6, r.boundMs,
+                r.boundMs > 0 ? (r.fwdMs + r.bwdMs) / r.boundMs : 0.0);
     if (r.checked) std::printf(" %9.2e %9.2e %9.2e %9.2e", r.errOut, r.errDq, r.errDk, r.errDv);
     std::printf("\n");
   }
@@ -568,7 +610,10 @@ nlohmann::json toJson(const StrategyResult& r) {
                       {"ideal_ms", r.idealMs},
                       {"kernel_gflops", r.kernelGflops},
                       {"comm_bytes", r.commBytes},
-                      {"kv_bytes", r.kvBytes}};
+                      {"kv_bytes", r.kvBytes},
+                      {"max_rank_bytes", r.maxRankBytes},
+                      {"bound_ms", r.boundMs},
+                      {"wall_over_bound", r.boundMs > 0 ? (r.fwdMs + r.bwdMs) / r.boundMs : 0}};
   if (r.checked)
     j["rel_error"] = {{"out", r.errOut}, {"dq", r.errDq}, {"dk", r.errDk}, {"dv", r.errDv}};
   return j;
@@ -637,7 +682,9 @@ void runRun(const RunArgs& a) {
       for (auto& run : runs) collectOutputs(s, *run);
     }
     std::vector<StrategyResult> results;
-    for (auto& run : runs) results.push_back(summarize(*net, a, *run));
+    // The link the bound divides bytes by: the cap, or this machine's own rank-to-rank rate.
+    const double link = cap > 0 ? cap : measureLinkBandwidth(*net);
+    for (auto& run : runs) results.push_back(summarize(*net, a, *run, link));
     std::string trace;
     if (!a.timeline.empty()) trace = runtime::gatherChromeTrace(*net, timeline);
     // Rank 0 judges the check; every rank returns the same verdict. The others wait for it as

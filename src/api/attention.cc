@@ -174,7 +174,7 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
       // blocks finer itself, a budget the caller did not set is doubled until the blocks fit
       // (every rank takes the same steps; plan.config says the budget used).
       const bool capFailed =
-          std::string_view(e.what()).find("no worker has room") != std::string_view::npos;
+          std::string_view(e.what()).find("memory cap") != std::string_view::npos;
       if (!capFailed || o.planConfig.memoryLimitTokens > 0 || config.memoryLimit() >= total) throw;
       config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
     }

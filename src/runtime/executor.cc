@@ -419,6 +419,7 @@ void Executor::State::postKv(const plan::Stage& st, std::vector<RequestId>& requ
     auto& buf = remote[t];
     buf.resize(static_cast<size_t>(tr.bytes));
     requests.push_back(transport.irecv(tr.sender, tagKv(t), buf));
+    stats.recvBytes += tr.bytes;
   }
   for (const int32_t t : st.send) {
     const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
@@ -459,6 +460,7 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
       const int64_t floats = 2 * blockTokens(plan.transfers[static_cast<size_t>(t)].block) * kRow;
       auto& buf = gradIn[t];
       buf.resize(static_cast<size_t>(floats));
+      stats.recvBytes += floats * static_cast<int64_t>(sizeof(float));
       requests.push_back(transport.irecv(plan.transfers[static_cast<size_t>(t)].receiver,
                                          tagGrad(t), asWritableBytes(std::span<float>(buf))));
     }

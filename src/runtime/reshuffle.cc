@@ -54,6 +54,7 @@ void Inward::post() {
     int64_t tokens = 0;
     for (const Piece& p : index.inbound[peer]) tokens += p.numTokens;
     recvBufs_[peer].resize(static_cast<size_t>(tokens * row));
+    if (ctx_.stats) ctx_.stats->recvBytes += tokens * row;
     requests_.push_back(ctx_.transport.irecv(static_cast<int>(peer), tag_, recvBufs_[peer]));
   }
   for (size_t peer = 0; peer < n; ++peer) {
@@ -125,6 +126,7 @@ void Outward::start() {
       Incoming in{static_cast<int>(peer), block,
                   std::vector<std::byte>(static_cast<size_t>(tokens * row)), 0};
       in.request = ctx_.transport.irecv(in.peer, tagBase_ + in.block, in.buffer);
+      if (ctx_.stats) ctx_.stats->recvBytes += tokens * row;
       incoming_.push_back(std::move(in));
     }
   }

@@ -52,6 +52,7 @@ struct PassStats {
   double flops = 0;       ///< useful FLOPs computed (DESIGN.md's convention)
   int64_t sentBytes = 0;  ///< bytes this rank sent: KV, dK/dV partials and reshuffle pieces
   int64_t kvBytes = 0;    ///< of which KV blocks and dK/dV partials (the plan's transfers)
+  int64_t recvBytes = 0;  ///< bytes this rank received, likewise
 };
 
 /// What one layer's backward needs from its forward, in the FCP layout: Q and K|V per block in

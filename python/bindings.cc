@@ -1,0 +1,299 @@
+// The Python binding of FCP (module fcp._fcp): a thin layer over fcp/api/attention.h. Tensors
+// cross as raw pointers with their shapes (the Python side passes torch tensors' data_ptr()
+// after making them contiguous), so nothing is copied and this module needs no libtorch.
+//
+// Terms. A *callback transport* is a runtime::Transport whose operations call Python functions
+// (fcp.torch implements them with torch.distributed on the caller's process group); its
+// requests are Python objects kept here until they complete. The GIL is released while FCP
+// computes and taken again only inside those callbacks.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "fcp/api/attention.h"
+#include "fcp/core/error.h"
+#include "fcp/runtime/mpi_transport.h"
+
+namespace py = pybind11;
+
+namespace fcp::python {
+namespace {
+
+/// A Transport over Python callables:
+///   isend(peer, tag, address, nbytes) -> request     irecv(peer, tag, address, nbytes) -> request
+///   test(request) -> bool                            wait(request, timeout_seconds) -> None
+///   allreduce(list_of_int64, op_name) -> list        (op_name: "sum", "min" or "max")
+/// A request is any Python object. Zero-byte messages never reach Python (both sides agree on
+/// every size, so both skip them).
+class CallbackTransport final : public runtime::Transport {
+ public:
+  CallbackTransport(int rank, int size, py::object isend, py::object irecv, py::object test,
+                    py::object wait, py::object allreduce, double timeoutSeconds)
+      : rank_(rank),
+        size_(size),
+        isend_(std::move(isend)),
+        irecv_(std::move(irecv)),
+        test_(std::move(test)),
+        wait_(std::move(wait)),
+        allreduce_(std::move(allreduce)),
+        timeoutSeconds_(timeoutSeconds) {
+    if (size < 1 || rank < 0 || rank >= size) {
+      throwInvalidArgument("transport rank ", rank, " of ", size, ": expected 0 <= rank < size");
+    }
+  }
+  ~CallbackTransport() override {
+    py::gil_scoped_acquire gil;
+    requests_.clear();
+    isend_ = irecv_ = test_ = wait_ = allreduce_ = py::object();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int maxTag() const override { return (1 << 30) - 1; }
+
+  runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    return post(isend_, peer, tag, const_cast<std::byte*>(data.data()), data.size());
+  }
+  runtime::RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    return post(irecv_, peer, tag, data.data(), data.size());
+  }
+  bool test(runtime::RequestId request) override {
+    if (request == kDone) return true;
+    py::gil_scoped_acquire gil;
+    auto it = requests_.find(request);
+    FCP_CHECK(it != requests_.end(), "test of unknown request ", request);
+    if (!call<bool>([&] { return test_(it->second).cast<bool>(); })) return false;
+    requests_.erase(it);
+    return true;
+  }
+  void wait(runtime::RequestId request) override {
+    if (request == kDone) return;
+    py::gil_scoped_acquire gil;
+    auto it = requests_.find(request);
+    FCP_CHECK(it != requests_.end(), "wait of unknown request ", request);
+    call<int>([&] {
+      wait_(it->second, timeoutSeconds_);
+      return 0;
+    });
+    requests_.erase(it);
+  }
+  using Transport::allreduce;
+  void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
+    (void)timeoutSeconds;  // the process group's own timeout applies
+    py::gil_scoped_acquire gil;
+    const char* name = op == runtime::ReduceOp::kSum   ? "sum"
+                       : op == runtime::ReduceOp::kMin ? "min"
+                                                       : "max";
+    const std::vector<int64_t> in(values.begin(), values.end());
+    const auto out = call<std::vector<int64_t>>(
+        [&] { return allreduce_(in, name).cast<std::vector<int64_t>>(); });
+    FCP_CHECK_EQ(out.size(), values.size());
+    std::copy(out.begin(), out.end(), values.begin());
+  }
+  [[noreturn]] void abort(int exitCode) noexcept override {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(exitCode);
+  }
+
+ private:
+  static constexpr runtime::RequestId kDone = ~runtime::RequestId{0};
+
+  // Runs a Python call; a Python exception becomes Error(kTransport) with its text.
+  template <typename T, typename F>
+  T call(F f) {
+    try {
+      return f();
+    } catch (py::error_already_set& e) {
+      throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank_) + ": " + e.what());
+    }
+  }
+  runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
+    if (bytes == 0) return kDone;
+    py::gil_scoped_acquire gil;
+    py::object request = call<py::object>([&] {
+      return fn(peer, tag, reinterpret_cast<uintptr_t>(data), static_cast<int64_t>(bytes));
+    });
+    const runtime::RequestId id = next_++;
+    requests_.emplace(id, std::move(request));
+    return id;
+  }
+
+  int rank_, size_;
+  py::object isend_, irecv_, test_, wait_, allreduce_;
+  double timeoutSeconds_;
+  runtime::RequestId next_ = 1;
+  std::map<runtime::RequestId, py::object> requests_;
+};
+
+DType dtypeOf(const std::string& name) {
+  if (name == "fp32") return DType::kFp32;
+  if (name == "bf16") return DType::kBf16;
+  throwInvalidArgument("unknown dtype '", name, "': expected fp32 or bf16");
+}
+
+// A tensor view from (address, dtype, tokens, heads, dim).
+TensorRef view(uintptr_t address, const std::string& dtype, int64_t tokens, int64_t heads,
+               int64_t dim) {
+  return {reinterpret_cast<void*>(address), dtypeOf(dtype), tokens, heads, dim};
+}
+
+}  // namespace
+}  // namespace fcp::python
+
+PYBIND11_MODULE(_fcp, m) {
+  using namespace fcp;
+  using namespace fcp::python;
+  m.doc() = "FCP's C++ library (use the fcp and fcp.torch modules instead)";
+
+  static py::exception<Error> error(m, "Error");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      error(e.what());
+    }
+  });
+
+  py::class_<runtime::Transport, std::shared_ptr<runtime::Transport>>(m, "Transport")
+      .def_property_readonly("rank", &runtime::Transport::rank)
+      .def_property_readonly("size", &runtime::Transport::size);
+
+  m.def(
+      "callback_transport",
+      [](int rank, int size, py::object isend, py::object irecv, py::object test, py::object wait,
+         py::object allreduce, double timeoutSeconds) -> std::shared_ptr<runtime::Transport> {
+        return std::make_shared<CallbackTransport>(rank, size, std::move(isend), std::move(irecv),
+                                                   std::move(test), std::move(wait),
+                                                   std::move(allreduce), timeoutSeconds);
+      },
+      py::arg("rank"), py::arg("size"), py::arg("isend"), py::arg("irecv"), py::arg("test"),
+      py::arg("wait"), py::arg("allreduce"), py::arg("timeout_seconds"));
+
+  m.def(
+      "mpi_transport",
+      [](int64_t fortranHandle, double timeoutSeconds) -> std::shared_ptr<runtime::Transport> {
+        runtime::MpiOptions options;
+        options.timeoutSeconds = timeoutSeconds;
+        return runtime::makeMpiTransport(runtime::MpiCommHandle{fortranHandle}, options);
+      },
+      py::arg("fortran_handle"), py::arg("timeout_seconds") = 60.0);
+
+  py::class_<AttentionBatch>(m, "AttentionBatch")
+      .def(
+          py::init([](std::shared_ptr<runtime::Transport> transport, std::vector<int64_t> cuSeqlens,
+                      int64_t begin, int64_t end, int64_t heads, int64_t kvHeads, int64_t headDim,
+                      bool causal, const std::string& dtype, bool dispatched,
+                      const std::string& strategy, int64_t blockSize, int threads) {
+            BatchOptions o;
+            o.cuSeqlens = std::move(cuSeqlens);
+            o.localBegin = begin;
+            o.localEnd = end;
+            o.numHeadsQ = heads;
+            o.numHeadsKv = kvHeads;
+            o.headDim = headDim;
+            o.mask = causal ? MaskKind::kCausal : MaskKind::kFull;
+            o.dtype = dtypeOf(dtype);
+            o.layout = dispatched ? Layout::kDispatched : Layout::kTransparent;
+            o.strategy = strategy;
+            o.planConfig.blockSize = blockSize;
+            o.numThreads = threads;
+            py::gil_scoped_release release;
+            return std::make_unique<AttentionBatch>(*transport, o);
+          }),
+          py::arg("transport"), py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"),
+          py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"),
+          py::arg("dtype"), py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"),
+          py::arg("threads"), py::keep_alive<1, 2>())
+      .def_property_readonly("num_user_tokens", &AttentionBatch::numUserTokens)
+      .def_property_readonly("num_local_tokens", &AttentionBatch::numLocalTokens)
+      .def_property_readonly("num_call_tokens", &AttentionBatch::numCallTokens)
+      .def_property_readonly("num_blocks",
+                             [](const AttentionBatch& b) { return b.plan().blocks.size(); })
+      .def_property_readonly("memory_limit_tokens",
+                             [](const AttentionBatch& b) { return b.plan().config.memoryLimit(); })
+      .def("local_sequence",
+           [](const AttentionBatch& b) {
+             auto s = b.localSequence();
+             return std::vector<int32_t>(s.begin(), s.end());
+           })
+      .def("local_position",
+           [](const AttentionBatch& b) {
+             auto s = b.localPosition();
+             return std::vector<int64_t>(s.begin(), s.end());
+           })
+      .def(
+          "dispatch",
+          [](AttentionBatch& b, uintptr_t user, uintptr_t local, int64_t rowBytes) {
+            py::gil_scoped_release release;
+            b.dispatch({reinterpret_cast<const std::byte*>(user),
+                        static_cast<size_t>(b.numUserTokens() * rowBytes)},
+                       {reinterpret_cast<std::byte*>(local),
+                        static_cast<size_t>(b.numLocalTokens() * rowBytes)},
+                       rowBytes);
+          },
+          py::arg("user"), py::arg("local"), py::arg("row_bytes"))
+      .def(
+          "undispatch",
+          [](AttentionBatch& b, uintptr_t local, uintptr_t user, int64_t rowBytes) {
+            py::gil_scoped_release release;
+            b.undispatch({reinterpret_cast<const std::byte*>(local),
+                          static_cast<size_t>(b.numLocalTokens() * rowBytes)},
+                         {reinterpret_cast<std::byte*>(user),
+                          static_cast<size_t>(b.numUserTokens() * rowBytes)},
+                         rowBytes);
+          },
+          py::arg("local"), py::arg("user"), py::arg("row_bytes"))
+      .def("stats", [](const AttentionBatch& b) {
+        auto d = [](const PassStats& s) {
+          py::dict out;
+          out["wall_ms"] = s.wallMs;
+          out["kernel_ms"] = s.kernelMs;
+          out["flops"] = s.flops;
+          out["sent_bytes"] = s.sentBytes;
+          out["recv_bytes"] = s.recvBytes;
+          return out;
+        };
+        py::dict out;
+        out["forward"] = d(b.forwardStats());
+        out["backward"] = d(b.backwardStats());
+        return out;
+      });
+
+  // Shapes: (address, dtype, tokens, heads, dim) per tensor; lse is fp32 [tokens, heads].
+  py::class_<AttentionLayer>(m, "AttentionLayer")
+      .def(py::init<>())
+      .def(
+          "forward",
+          [](AttentionLayer& layer, AttentionBatch& batch, const std::string& dtype, int64_t tokens,
+             int64_t heads, int64_t kvHeads, int64_t dim, uintptr_t q, uintptr_t k, uintptr_t v,
+             uintptr_t o, uintptr_t lse) {
+            py::gil_scoped_release release;
+            layer.forward(batch, view(q, dtype, tokens, heads, dim),
+                          view(k, dtype, tokens, kvHeads, dim),
+                          view(v, dtype, tokens, kvHeads, dim), view(o, dtype, tokens, heads, dim),
+                          view(lse, "fp32", tokens, heads, 1));
+          },
+          py::arg("batch"), py::arg("dtype"), py::arg("tokens"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("dim"), py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("o"), py::arg("lse"))
+      .def(
+          "backward",
+          [](AttentionLayer& layer, AttentionBatch& batch, const std::string& dtype, int64_t tokens,
+             int64_t heads, int64_t kvHeads, int64_t dim, uintptr_t dO, uintptr_t dq, uintptr_t dk,
+             uintptr_t dv) {
+            py::gil_scoped_release release;
+            layer.backward(
+                batch, view(dO, dtype, tokens, heads, dim), view(dq, dtype, tokens, heads, dim),
+                view(dk, dtype, tokens, kvHeads, dim), view(dv, dtype, tokens, kvHeads, dim));
+          },
+          py::arg("batch"), py::arg("dtype"), py::arg("tokens"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("dim"), py::arg("dO"), py::arg("dq"), py::arg("dk"),
+          py::arg("dv"));
+}

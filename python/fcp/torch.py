@@ -1,0 +1,252 @@
+"""FCP attention for PyTorch.
+
+Once per step, ``Batch(cu_seqlens, (begin, end), group, heads=..., kv_heads=..., head_dim=...)``
+plans the batch on every rank of ``group`` (a ``torch.distributed`` process group, ``None`` for
+the default group — or one process without context parallelism when torch.distributed is not
+initialised —, or an mpi4py communicator) from the whole batch's ``cu_seqlens`` and this
+rank's token range ``[begin, end)`` of the packed stream (any split: uneven, mid-sequence,
+empty). Then, per layer, ``attention(q, k, v, batch)`` returns ``o`` with gradients for q, k
+and v. Tensors are ``[tokens, heads, head_dim]`` on the CPU, float32 or bfloat16.
+
+Two layouts. ``layout="transparent"``: q, k, v, o have this rank's rows of the caller's layout
+(``end - begin`` of them); each call moves tokens to FCP's layout and back. ``layout=
+"dispatched"``: the caller moves its per-token tensors once with ``batch.dispatch(x)`` (and back
+with ``batch.undispatch(x)``, both differentiable), uses ``batch.position`` and
+``batch.sequence`` for RoPE and the loss, and attention calls move no tokens.
+
+Every call is collective over the group: every rank calls it, in the same order.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import math
+import time
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _fcp
+
+__all__ = ["Batch", "attention", "user_positions"]
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over memory FCP owns (no copy; FCP keeps it alive until the request ends)."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+class _GroupTransport:
+    """FCP's transport over a torch.distributed process group (gloo here, NCCL on GPUs)."""
+
+    _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+    def __init__(self, group, timeout_seconds: float):
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_seconds)
+        rank = dist.get_rank(group)
+        size = dist.get_world_size(group)
+        if group is None or group == dist.group.WORLD:
+            self.peers = list(range(size))
+        else:
+            get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+            self.peers = [get(group, r) for r in range(size)]
+        self.impl = _fcp.callback_transport(rank, size, self._isend, self._irecv, self._test, self._wait,
+                                            self._allreduce, timeout_seconds)
+
+    def _isend(self, peer, tag, address, nbytes):
+        return dist.isend(_bytes_at(address, nbytes), dst=self.peers[peer], group=self.group, tag=tag)
+
+    def _irecv(self, peer, tag, address, nbytes):
+        return dist.irecv(_bytes_at(address, nbytes), src=self.peers[peer], group=self.group, tag=tag)
+
+    @staticmethod
+    def _test(work) -> bool:
+        return work.is_completed()
+
+    def _wait(self, work, timeout_seconds):
+        work.wait(self.timeout)
+
+    def _allreduce(self, values, op):
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=self._OPS[op], group=self.group)
+        return t.tolist()
+
+
+_transports = {}
+
+
+def _transport(group, timeout_seconds: float):
+    """One FCP transport per group or communicator, made on first use (an MPI one duplicates
+    the communicator, which is collective and not free)."""
+    cached = _transports.get(id(group))
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    if hasattr(group, "py2f"):  # an mpi4py communicator
+        impl, keep = _fcp.mpi_transport(group.py2f(), timeout_seconds), None
+    elif group is None and not dist.is_initialized():
+        impl, keep = _single_process_transport(), None
+    else:
+        keep = _GroupTransport(group, timeout_seconds)
+        impl = keep.impl
+    _transports[id(group)] = (group, impl, keep)
+    return impl
+
+
+def _single_process_transport():
+    """A transport of one rank: no messages, and an allreduce that returns its input."""
+    def never(*unused):
+        raise _fcp.Error("a one-rank transport sends no messages")
+    return _fcp.callback_transport(0, 1, never, never, never, never, lambda values, op: values, 60.0)
+
+
+def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Tensor:
+    """Each token's position inside its sequence, for tokens [begin, end) of the packed stream."""
+    cu = torch.as_tensor(list(cu_seqlens), dtype=torch.int64)
+    tokens = torch.arange(begin, end, dtype=torch.int64)
+    seq = torch.searchsorted(cu, tokens, right=True) - 1
+    return tokens - cu[seq]
+
+
+class Batch:
+    """One training step's batch, planned on every rank (collective). See the module docstring."""
+
+    def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
+                 kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
+                 layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
+                 timeout_seconds: float = 300.0):
+        if dtype not in _DTYPES:
+            raise _fcp.Error(f"dtype {dtype} is not supported: expected torch.float32 or torch.bfloat16")
+        if layout not in ("transparent", "dispatched"):
+            raise _fcp.Error(f"layout '{layout}' is not supported: expected transparent or dispatched")
+        self.cu_seqlens = [int(x) for x in cu_seqlens]
+        self.begin, self.end = int(local_range[0]), int(local_range[1])
+        self.heads, self.kv_heads, self.head_dim = int(heads), int(kv_heads), int(head_dim)
+        self.dtype = dtype
+        self.layout = layout
+        self._transport = _transport(group, timeout_seconds)
+        self._impl = _fcp.AttentionBatch(self._transport, self.cu_seqlens, self.begin, self.end, self.heads,
+                                         self.kv_heads, self.head_dim, causal, _DTYPES[dtype],
+                                         layout == "dispatched", strategy, int(block_size), int(threads))
+        self._sequence = None
+        self._position = None
+        #: Seconds this rank spent inside attention (forward and backward) with this batch.
+        self.attention_seconds = 0.0
+
+    @property
+    def num_user_tokens(self) -> int:
+        """Rows of this rank in the caller's layout (end - begin)."""
+        return self._impl.num_user_tokens
+
+    @property
+    def num_local_tokens(self) -> int:
+        """Rows of this rank in FCP's layout."""
+        return self._impl.num_local_tokens
+
+    @property
+    def num_call_tokens(self) -> int:
+        """Rows of the q, k, v that attention() takes: by layout, one of the two above."""
+        return self._impl.num_call_tokens
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """For each row of FCP's layout, the index of its sequence in the batch."""
+        if self._sequence is None:
+            self._sequence = torch.tensor(self._impl.local_sequence(), dtype=torch.int64)
+        return self._sequence
+
+    @property
+    def position(self) -> torch.Tensor:
+        """For each row of FCP's layout, its position inside its sequence (for RoPE)."""
+        if self._position is None:
+            self._position = torch.tensor(self._impl.local_position(), dtype=torch.int64)
+        return self._position
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the caller's layout (num_user_tokens x ...) moved into FCP's layout."""
+        return _Dispatch.apply(x, self, True)
+
+    def undispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of FCP's layout (num_local_tokens x ...) moved back to the caller's layout."""
+        return _Dispatch.apply(x, self, False)
+
+    def stats(self) -> dict:
+        """The last forward's and backward's time, FLOPs and bytes on this rank."""
+        return self._impl.stats()
+
+
+def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
+    rows_in, rows_out = ((batch.num_user_tokens, batch.num_local_tokens) if into_fcp
+                         else (batch.num_local_tokens, batch.num_user_tokens))
+    if x.device.type != "cpu" or x.dim() < 1 or x.shape[0] != rows_in:
+        raise _fcp.Error(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
+                         f"{x.device}: expected {rows_in} rows on the CPU")
+    x = x.contiguous()
+    out = torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)
+    row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+    if into_fcp:
+        batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes)
+    else:
+        batch._impl.undispatch(x.data_ptr(), out.data_ptr(), row_bytes)
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, batch, into_fcp):
+        ctx.batch, ctx.into_fcp = batch, into_fcp
+        return _move(batch, x, into_fcp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _move(ctx.batch, grad, not ctx.into_fcp), None, None
+
+
+class _Attention(torch.autograd.Function):
+    """o = attention(q, k, v) over the batch; keeps only FCP's per-layer state for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, batch):
+        n = batch.num_call_tokens
+        for name, t, heads in (("q", q, batch.heads), ("k", k, batch.kv_heads), ("v", v, batch.kv_heads)):
+            if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
+                raise _fcp.Error(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                                 f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o = torch.empty_like(q)
+        lse = torch.empty((n, batch.heads), dtype=torch.float32)
+        start = time.perf_counter()
+        layer = _fcp.AttentionLayer()
+        layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
+                      q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
+        ctx.layer, ctx.batch = layer, batch
+        batch.attention_seconds += time.perf_counter() - start
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        batch = ctx.batch
+        start = time.perf_counter()
+        n = batch.num_call_tokens
+        do = do.contiguous().to(batch.dtype)
+        dq = torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype)
+        dk = torch.empty((n, batch.kv_heads, batch.head_dim), dtype=batch.dtype)
+        dv = torch.empty_like(dk)
+        ctx.layer.backward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
+                           do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        ctx.layer = None  # FCP's saved state is freed once the gradients are out
+        batch.attention_seconds += time.perf_counter() - start
+        return dq, dk, dv, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
+              return_lse: bool = False):
+    """Attention of every sequence of ``batch`` (causal or full, GQA when k, v have fewer heads),
+    scaled by 1/sqrt(head_dim). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
+    with ``return_lse``). Differentiable in q, k, v."""
+    o, lse = _Attention.apply(q, k, v, batch)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,142 @@
+"""fcp.torch on 2+ ranks against a float64 PyTorch reference of plain attention on the whole
+batch: outputs and the gradients of q, k, v through the autograd function, in both layouts,
+fp32 and bf16, GQA, causal and full masks, uneven splits (one rank may hold nothing, slices
+start mid-sequence).
+
+Run under a launcher, every rank running pytest in step (each test is collective):
+    python3 -m torch.distributed.run --standalone --nproc_per_node 2 --redirects 1 --tee 1 -m pytest tests/python
+        -> the caller's gloo process group
+    FCP_TEST_COMM=mpi mpirun -n 2 python3 -m pytest tests/python
+        -> an mpi4py communicator
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fcp
+import fcp.torch as ft
+
+USE_MPI = os.environ.get("FCP_TEST_COMM") == "mpi"
+
+
+@pytest.fixture(scope="session")
+def group():
+    """(group argument for fcp.torch.Batch, rank, ranks)."""
+    if USE_MPI:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        yield comm, comm.Get_rank(), comm.Get_size()
+    else:
+        dist.init_process_group("gloo")
+        yield None, dist.get_rank(), dist.get_world_size()
+        dist.destroy_process_group()
+
+
+def reference(q, k, v, cu, causal):
+    """Plain attention per sequence in float64 (autograd-capable)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = []
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5
+        if causal:
+            n = b - a
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(out)
+
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def split(total, ranks, seed):
+    """An uneven split of `total` tokens; with seed % 2 == 0, rank seed % ranks holds nothing."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, total + 1, (ranks - 1,), generator=g).tolist())
+    starts = [0] + cuts + [total]
+    if seed % 2 == 0:
+        r = seed % ranks
+        starts[r + 1] = starts[r]
+        for i in range(r + 2, len(starts)):
+            starts[i] = max(starts[i], starts[i - 1])
+        starts[-1] = total
+    return starts
+
+
+CASES = [
+    # (seed, dtype, layout, causal, heads, kv_heads, head_dim, strategy)
+    (0, torch.float32, "transparent", True, 4, 2, 16, "fcp"),
+    (1, torch.float32, "dispatched", True, 4, 1, 32, "fcp"),
+    (2, torch.bfloat16, "transparent", True, 4, 2, 16, "fcp"),
+    (3, torch.bfloat16, "dispatched", False, 2, 2, 64, "fcp"),
+    (4, torch.float32, "transparent", False, 8, 2, 16, "ring"),
+    (5, torch.float32, "dispatched", True, 4, 2, 16, "magi"),
+]
+
+
+@pytest.mark.parametrize("seed,dtype,layout,causal,heads,kv_heads,dim,strategy", CASES)
+def test_outputs_and_gradients_match_float64_reference(group, seed, dtype, layout, causal, heads, kv_heads, dim,
+                                                       strategy):
+    comm, rank, ranks = group
+    g = torch.Generator().manual_seed(100 + seed)
+    lengths = torch.randint(1, 300, (6,), generator=g).tolist()
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    starts = split(total, ranks, seed)
+    begin, end = starts[rank], starts[rank + 1]
+    whole = {name: torch.randn(total, h, dim, generator=g).to(dtype).double()
+             for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("do", heads))}
+
+    batch = ft.Batch(cu, (begin, end), comm, heads=heads, kv_heads=kv_heads, head_dim=dim, causal=causal,
+                     dtype=dtype, layout=layout, strategy=strategy, block_size=128)
+    mine = {name: t[begin:end].to(dtype).clone().requires_grad_(name != "do") for name, t in whole.items()}
+    if layout == "dispatched":
+        q, k, v = (batch.dispatch(mine[n]) for n in ("q", "k", "v"))
+        o = batch.undispatch(ft.attention(q, k, v, batch))
+    else:
+        o = ft.attention(mine["q"], mine["k"], mine["v"], batch)
+    (o.float() * mine["do"].float()).sum().backward()
+
+    ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
+    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, causal)
+    (ref * ref_inputs["do"]).sum().backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    if end > begin:
+        assert rel(o, ref[begin:end]) <= tolerance
+        for n in ("q", "k", "v"):
+            assert rel(mine[n].grad, ref_inputs[n].grad[begin:end]) <= tolerance, n
+
+
+def test_dispatch_names_each_local_token_and_round_trips(group):
+    comm, rank, ranks = group
+    cu = [0, 70, 75, 205, 238]
+    starts = split(238, ranks, 1)
+    begin, end = starts[rank], starts[rank + 1]
+    batch = ft.Batch(cu, (begin, end), comm, heads=2, kv_heads=1, head_dim=16, layout="dispatched", block_size=64)
+    index = torch.arange(begin, end, dtype=torch.int64)
+    local = batch.dispatch(index)
+    assert local.shape[0] == batch.num_local_tokens
+    assert torch.equal(local, torch.tensor(cu)[batch.sequence] + batch.position)
+    assert torch.equal(batch.undispatch(local), index)
+    assert torch.equal(ft.user_positions(cu, begin, end),
+                       index - torch.tensor(cu)[torch.searchsorted(torch.tensor(cu), index, right=True) - 1])
+
+
+def test_bad_input_is_one_line_error(group):
+    comm, rank, ranks = group
+    cu = [0, 100, 160]
+    starts = split(160, ranks, 1)
+    batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16, block_size=64)
+    n = batch.num_call_tokens
+    with pytest.raises(fcp.Error, match=r"q is \(%d, 2, 8\)" % n):
+        ft.attention(torch.zeros(n, 2, 8), torch.zeros(n, 1, 16), torch.zeros(n, 1, 16), batch)
+    with pytest.raises(fcp.Error, match="dtype"):
+        ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16,
+                 dtype=torch.float16)
