@@ -22,6 +22,5 @@ echo
 echo "== examples/train_gpt.py: one process (reference), then FCP on 2 ranks =="
 export FCP_PYTHON_PATH="${FCP_BUILD_DIR:-build}/python"
 /usr/bin/python3 examples/train_gpt.py --attention local --steps 4 --threads 1
-# (--redirects/--tee: Debian's torch 1.13 launcher on Python 3.11 needs them explicit.)
-/usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 --redirects 1 --tee 1 \
-  examples/train_gpt.py --attention fcp --steps 4 --threads 1 2>&1 | grep -v "^\*\|WARNING\|Setting OMP"
+# (examples/launch.sh: torch.distributed.run with what Debian's torch 1.13 needs.)
+examples/launch.sh 2 examples/train_gpt.py --attention fcp --steps 4 --threads 1 2>&1 | grep -v "^\*\|WARNING\|Setting OMP"

@@ -4,7 +4,7 @@ fp32 and bf16, GQA, causal and full masks, uneven splits (one rank may hold noth
 start mid-sequence).
 
 Run under a launcher, every rank running pytest in step (each test is collective):
-    python3 -m torch.distributed.run --standalone --nproc_per_node 2 --redirects 1 --tee 1 -m pytest tests/python
+    examples/launch.sh 2 -m pytest tests/python     (torch.distributed.run)
         -> the caller's gloo process group
     FCP_TEST_COMM=mpi mpirun -n 2 python3 -m pytest tests/python
         -> an mpi4py communicator

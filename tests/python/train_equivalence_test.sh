@@ -9,9 +9,7 @@ export FCP_PYTHON_PATH=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 train=("$src/examples/train_gpt.py" --steps 3 --batch-tokens 8192 --threads 1)
-# Debian's torch 1.13 on Python 3.11 parses the launcher's default --redirects/--tee "0" into
-# None (IntFlag iteration skips 0); any explicit nonzero value works.
-launch=(/usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 --redirects 1 --tee 1)
+launch=(bash "$src/examples/launch.sh" 2)
 /usr/bin/python3 "${train[@]}" --attention local --json "$dir/local.json" >/dev/null
 "${launch[@]}" "${train[@]}" --attention fcp --layout transparent --json "$dir/fcp_t.json" >/dev/null 2>&1
 "${launch[@]}" "${train[@]}" --attention fcp --layout dispatched --json "$dir/fcp_d.json" >/dev/null 2>&1
