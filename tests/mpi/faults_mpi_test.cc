@@ -1,0 +1,166 @@
+// Fault injection on real MPI ranks: a transport wrapper makes one rank crash or hang at its
+// first send after the batch is planned, and the other ranks must end with
+// fcp::Error(kTransport) within seconds instead of waiting forever. faults_test.sh launches this
+// program under mpirun and checks the exit status, the time taken and stderr.
+//
+// Usage: faults_mpi_test {none|exit|stall} FAULT_RANK
+//   none   no fault: forward and backward complete on every rank (exit 0); shows the wrapper
+//          itself changes nothing.
+//   exit   FAULT_RANK exits (code 3) as a crashed process would.
+//   stall  FAULT_RANK stops answering (sleeps until killed) as a hung process would.
+// A surviving rank that catches an fcp::Error prints one line with its code and message and
+// ends the job (exit 2 for a transport error, 4 for any other code, which the script rejects).
+// A surviving rank that the launcher ends first says so in one line.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fcp/api/attention.h"
+#include "fcp/core/error.h"
+#include "fcp/runtime/mpi_transport.h"
+
+namespace {
+
+using namespace fcp;
+
+enum class Fault { kNone, kExit, kStall };
+
+/// Passes everything through to `inner`, except that once armed, rank `faultRank`'s next isend
+/// never happens: the process exits or sleeps instead.
+class FaultyTransport final : public runtime::Transport {
+ public:
+  FaultyTransport(runtime::Transport& inner, Fault fault, int faultRank)
+      : inner_(inner), fault_(fault), faultRank_(faultRank) {}
+
+  /// From now on the fault fires at this rank's first isend.
+  void arm() { armed_ = true; }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int maxTag() const override { return inner_.maxTag(); }
+
+  runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    if (armed_ && inner_.rank() == faultRank_) {
+      if (fault_ == Fault::kExit) std::_Exit(3);
+      if (fault_ == Fault::kStall) {
+        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));  // until the launcher kills it
+      }
+    }
+    return inner_.isend(peer, tag, data);
+  }
+  runtime::RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    return inner_.irecv(peer, tag, data);
+  }
+  bool test(runtime::RequestId request) override { return inner_.test(request); }
+  void wait(runtime::RequestId request) override { inner_.wait(request); }
+  using Transport::allreduce;
+  void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
+    inner_.allreduce(values, op, timeoutSeconds);
+  }
+  [[noreturn]] void abort(int exitCode) noexcept override {
+    inner_.abort(exitCode);
+    std::_Exit(exitCode);  // not reached: tells the compiler so
+  }
+
+ private:
+  runtime::Transport& inner_;
+  const Fault fault_;
+  const int faultRank_;
+  std::atomic<bool> armed_{false};
+};
+
+/// One small causal batch (three sequences split evenly over the ranks), planned, then one
+/// forward and one backward pass; the fault is armed between the two.
+void runBatch(FaultyTransport& t) {
+  const int64_t hq = 2, hkv = 1, dim = 16, total = 2048;
+  BatchOptions o;
+  o.cuSeqlens = {0, 700, 1000, total};
+  o.localBegin = total * t.rank() / t.size();
+  o.localEnd = total * (t.rank() + 1) / t.size();
+  o.numHeadsQ = hq;
+  o.numHeadsKv = hkv;
+  o.headDim = dim;
+  o.planConfig.blockSize = 256;
+  AttentionBatch batch(t, o);
+  t.arm();
+  const int64_t n = batch.numCallTokens();
+  std::vector<float> q(static_cast<size_t>(n * hq * dim), 0.5f),
+      kv(static_cast<size_t>(n * hkv * dim), 0.25f);
+  std::vector<float> out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
+  const DType f = DType::kFp32;
+  AttentionLayer layer;
+  layer.forward(batch, {q.data(), f, n, hq, dim}, {kv.data(), f, n, hkv, dim},
+                {kv.data(), f, n, hkv, dim}, {out.data(), f, n, hq, dim});
+  layer.backward(batch, {q.data(), f, n, hq, dim}, {dq.data(), f, n, hq, dim},
+                 {dk.data(), f, n, hkv, dim}, {dv.data(), f, n, hkv, dim});
+  int64_t done = 1;
+  t.allreduce({&done, 1}, runtime::ReduceOp::kMin);
+}
+
+/// The launcher ends the surviving ranks with SIGTERM when a peer exits; say so in one line
+/// (only async-signal-safe calls here).
+char terminatedMessage[96];
+void onTerminate(int) {
+  const ssize_t ignored = write(STDERR_FILENO, terminatedMessage, std::strlen(terminatedMessage));
+  (void)ignored;
+  _exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc == 3 ? argv[1] : "";
+  if (mode != "none" && mode != "exit" && mode != "stall") {
+    std::fprintf(stderr, "usage: faults_mpi_test {none|exit|stall} FAULT_RANK\n");
+    return 64;
+  }
+  const Fault fault = mode == "exit"    ? Fault::kExit
+                      : mode == "stall" ? Fault::kStall
+                                        : Fault::kNone;
+  const int faultRank = std::atoi(argv[2]);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::snprintf(terminatedMessage, sizeof(terminatedMessage),
+                "faults_mpi_test: rank %d: ended by the MPI launcher\n", rank);
+  std::signal(SIGTERM, onTerminate);
+  if (faultRank < 0 || faultRank >= size) {
+    if (rank == 0)
+      std::fprintf(stderr, "FAULT_RANK %d: expected a rank in [0, %d)\n", faultRank, size);
+    MPI_Finalize();
+    return 64;
+  }
+  {
+    // A short timeout, so that a survivor gives up within seconds.
+    std::unique_ptr<runtime::Transport> mpi = runtime::makeMpiTransport(
+        runtime::MpiCommHandle{MPI_Comm_c2f(MPI_COMM_WORLD)}, {.timeoutSeconds = 2});
+    FaultyTransport t(*mpi, fault, faultRank);
+    try {
+      runBatch(t);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "faults_mpi_test: rank %d: %s error: %s\n", rank,
+                   std::string(errorCodeName(e.code())).c_str(), e.what());
+      std::fflush(stderr);
+      t.abort(e.code() == ErrorCode::kTransport ? 2 : 4);
+    }
+  }
+  // With a fault armed, no rank can get here: the faulty rank never sent its message.
+  if (rank == 0) {
+    std::printf("%s: forward and backward completed on %d ranks\n",
+                fault == Fault::kNone ? "no fault" : "FAILED: the fault never fired", size);
+  }
+  MPI_Finalize();
+  return fault == Fault::kNone ? 0 : 5;
+}

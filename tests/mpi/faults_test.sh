@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Faults on real MPI ranks (faults_mpi_test.cc, a transport wrapper): a rank that exits and a
+# rank that stops answering, each at its first send after the batch is planned, end the job
+# nonzero within seconds, the other ranks with a transport error naming the wait that timed
+# out (or, when a peer exited, ended by the launcher, which may be quicker than the timeout).
+# Without a fault the same program completes, so the wrapper alone changes nothing.
+# Usage: faults_test.sh FAULTS_MPI_TEST MPIEXEC
+set -u
+prog=$1
+mpirun=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+failures=0
+fail() { echo "FAILED: $*"; failures=$((failures + 1)); }
+
+# expect_error NAME PATTERN MAX_SECONDS RANKS MODE FAULT_RANK: nonzero exit within MAX_SECONDS
+# and stderr matching PATTERN.
+expect_error() {
+  local name=$1 pattern=$2 limit=$3 ranks=$4
+  shift 4
+  local start=$SECONDS
+  timeout 60 "$mpirun" -n "$ranks" --oversubscribe "$prog" "$@" >"$dir/out" 2>"$dir/err"
+  local rc=$? elapsed=$((SECONDS - start))
+  if [ "$rc" -eq 0 ]; then fail "$name: exit code 0"; cat "$dir/out" "$dir/err"; return; fi
+  if [ "$rc" -eq 124 ]; then fail "$name: still running after 60 s (killed by timeout)"; fi
+  if [ "$elapsed" -gt "$limit" ]; then fail "$name: took ${elapsed}s, more than ${limit}s"; fi
+  if ! grep -qE "$pattern" "$dir/err"; then fail "$name: stderr lacks /$pattern/:"; cat "$dir/err"; fi
+  if grep -q "FAILED" "$dir/out"; then fail "$name:"; cat "$dir/out"; fi
+  echo "ok: $name (exit $rc after ${elapsed}s): $(grep -E "$pattern" "$dir/err" | head -1)"
+}
+
+# No fault: the wrapper passes everything through.
+if ! timeout 60 "$mpirun" -n 2 --oversubscribe "$prog" none 1 >"$dir/out" 2>"$dir/err"; then
+  fail "no fault: nonzero exit"; cat "$dir/out" "$dir/err"
+elif ! grep -q "no fault: forward and backward completed on 2 ranks" "$dir/out"; then
+  fail "no fault: no completion line"; cat "$dir/out"
+else
+  echo "ok: $(cat "$dir/out")"
+fi
+
+# A peer that dies after the plan agreement: rank 0 times out on it (a transport error) or the
+# launcher ends it first.
+expect_error "peer exits" \
+  "rank 0: (transport error: rank 0: timed out after 2 s waiting for|ended by the MPI launcher)" \
+  20 2 exit 1
+
+# A peer that stops answering: the rank waiting on it gives up after the 2 s timeout.
+expect_error "peer stops answering" \
+  "rank 0: transport error: rank 0: timed out after 2 s waiting for" 20 2 stall 1
+# Three ranks, rank 0 hung: one of the others gives up first and ends the job.
+expect_error "rank 0 stops answering (3 ranks)" \
+  "rank [12]: transport error: rank [12]: timed out after 2 s waiting for" 20 3 stall 0
+
+[ "$failures" -eq 0 ] && echo "all passed" || { echo "$failures failed"; exit 1; }
