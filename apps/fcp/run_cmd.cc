@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -22,7 +21,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <thread>
 #include <tuple>
 
 #include "commands.h"
@@ -351,10 +349,6 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
       dst->insert(dst->end(), src->begin(), src->end());
     }
   }
-  // Fault injection for the tests: a reference slower than --timeout (seconds; atof: a test hook).
-  if (const char* delay = std::getenv("FCP_FAULT_CHECK_DELAY_SECONDS")) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(delay)));
-  }
   const runtime::ReferenceResult ref =
       runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -432,14 +426,6 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
   const int rank = net.rank();
   run->batch =
       std::make_unique<AttentionBatch>(data, batchOptions(s, a, strategy, rank, starts, nullptr));
-  // Fault injection for the tests: this rank dies as a crashed peer would, or stops
-  // answering as a hung one would.
-  if (const char* faultRank = std::getenv("FCP_FAULT_EXIT_RANK")) {
-    if (std::atoi(faultRank) == net.rank()) std::_Exit(3);
-  }
-  if (const char* stallRank = std::getenv("FCP_FAULT_STALL_RANK")) {
-    if (std::atoi(stallRank) == net.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
-  }
   // The last repeat runs on a second batch that records the timeline.
   if (timeline) {
     run->traced = std::make_unique<AttentionBatch>(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `fcp run` failure paths: bad input gives one line and a nonzero exit (nothing written); a
-# plan mismatch (one rank's seed differs), a peer that exits early and a peer that stops
-# answering all end the job with a clear error on the other ranks within seconds.
+# plan mismatch (one rank's seed differs) ends the job with a clear error on every rank within
+# seconds; --check passes with a reference slower than --timeout and fails every rank above
+# --tolerance. (A peer that exits or stops answering: faults_test.sh, through the library.)
 # Usage: run_failures_test.sh FCP MPIEXEC
 set -u
 fcp=$1
@@ -49,14 +50,6 @@ if [ "$(grep -c 'the ranks passed different batches' "$dir/err")" -ne 2 ]; then
   fail "batch mismatch: expected the error on both ranks"; cat "$dir/err"
 fi
 
-# A peer that dies after the plan agreement: the others are ended with a message.
-expect_error "peer exits early" "rank 0: ended by the MPI launcher" 20 \
-  env FCP_FAULT_EXIT_RANK=1 "$mpirun" -x FCP_FAULT_EXIT_RANK -n 2 "$fcp" "${tiny[@]}"
-
-# A peer that stops answering: the waiting rank times out and aborts the job.
-expect_error "peer stops answering" "rank 0: timed out after 2 s waiting for" 20 \
-  env FCP_FAULT_STALL_RANK=1 "$mpirun" -x FCP_FAULT_STALL_RANK -n 2 "$fcp" "${tiny[@]}" --timeout 2
-
 # And the happy path agrees with the reference.
 if ! "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --json >"$dir/out" 2>"$dir/err"; then
   fail "2-rank --check run"; cat "$dir/err"
@@ -66,16 +59,23 @@ else
   echo "ok: 2-rank --check --json"
 fi
 
-# A reference slower than --timeout (rank 0 made 4 s slower, --timeout 1): the other ranks
-# wait for the verdict as long as the reference may take, so the check still passes.
+# A reference slower than --timeout: one causal sequence of 4096 tokens with 128-wide heads is
+# ~30 GFLOP of float64 reference on rank 0 (~5 s here), while each pass takes well under a
+# second. The other ranks wait for the verdict as long as the reference may take, so the check
+# passes with --timeout 1. The run must take longer than the timeout, or the case would test
+# nothing (a much faster reference would need a larger batch here).
+echo 4096 >"$dir/one_sequence.txt"
 start=$SECONDS
-if ! timeout 60 env FCP_FAULT_CHECK_DELAY_SECONDS=4 "$mpirun" -x FCP_FAULT_CHECK_DELAY_SECONDS -n 2 "$fcp" \
-     "${tiny[@]}" --check --timeout 1 --json >"$dir/out" 2>"$dir/err"; then
+if ! timeout 60 "$mpirun" -n 2 "$fcp" run --trace "$dir/one_sequence.txt" --block-size 512 \
+     --heads-q 2 --heads-kv 1 --head-dim 128 --warmup 0 --repeats 1 --check --timeout 1 --json \
+     >"$dir/out" 2>"$dir/err"; then
   fail "--check slower than --timeout"; cat "$dir/err"
-elif [ "$(grep -c '"rel_error"' "$dir/out")" -ne 2 ] || [ $((SECONDS - start)) -lt 4 ]; then
-  fail "--check slower than --timeout: no rel_error per strategy, or the delay did not happen"; cat "$dir/out"
+elif [ "$(grep -c '"rel_error"' "$dir/out")" -ne 2 ]; then
+  fail "--check slower than --timeout: expected rel_error per strategy"; cat "$dir/out"
+elif [ $((SECONDS - start)) -lt 3 ]; then
+  fail "--check slower than --timeout: only $((SECONDS - start)) s: the reference may not have outlasted --timeout 1"
 else
-  echo "ok: --check slower than --timeout"
+  echo "ok: --check slower than --timeout ($((SECONDS - start))s)"
 fi
 
 # A check that fails (an impossible tolerance) is a nonzero exit on every rank, not a hang.
