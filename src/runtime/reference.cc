@@ -5,6 +5,7 @@
 // dS = P ∘ (dP − D), dQ = dS K / sqrt(d), dK = dSᵀ Q / sqrt(d), dV = Pᵀ dO.
 #include "fcp/runtime/reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "fcp/core/error.h"
@@ -80,6 +81,53 @@ double relativeL2(std::span<const float> a, std::span<const double> b) {
   }
   if (norm == 0) return diff == 0 ? 0 : INFINITY;
   return std::sqrt(diff / norm);
+}
+
+ReferenceErrors compareWithReference(const ReferenceResult& reference, std::span<const float> o,
+                                     std::span<const float> dq, std::span<const float> dk,
+                                     std::span<const float> dv) {
+  return {relativeL2(o, reference.o), relativeL2(dq, reference.dq), relativeL2(dk, reference.dk),
+          relativeL2(dv, reference.dv)};
+}
+
+std::vector<float> gatherToRoot(Transport& transport, std::span<const float> mine,
+                                std::span<const int64_t> rowStarts, int64_t rowWidth, int tag) {
+  const int ranks = transport.size(), rank = transport.rank();
+  if (static_cast<int64_t>(rowStarts.size()) != int64_t{ranks} + 1 || rowStarts[0] != 0 ||
+      rowWidth < 0) {
+    throwInvalidArgument("gather to rank 0: ", rowStarts.size(), " row starts from ",
+                         rowStarts.empty() ? -1 : rowStarts[0], ", row width ", rowWidth,
+                         ": expected ", ranks + 1, " starts from 0 and a width >= 0");
+  }
+  // Offsets in floats, checked to rise.
+  std::vector<size_t> offset(rowStarts.size());
+  for (size_t r = 0; r < rowStarts.size(); ++r) {
+    if (r > 0 && rowStarts[r] < rowStarts[r - 1]) {
+      throwInvalidArgument("gather to rank 0: rank ", r - 1, "'s rows [", rowStarts[r - 1], ", ",
+                           rowStarts[r], "): expected starts that do not fall");
+    }
+    offset[r] = static_cast<size_t>(rowStarts[r] * rowWidth);
+  }
+  const auto me = static_cast<size_t>(rank);
+  if (mine.size() != offset[me + 1] - offset[me]) {
+    throwInvalidArgument("gather to rank 0: rank ", rank, " holds ", mine.size(),
+                         " floats: expected ", rowStarts[me + 1] - rowStarts[me], " rows of ",
+                         rowWidth);
+  }
+  if (rank != 0) {
+    if (!mine.empty()) transport.wait(transport.isend(0, tag, asBytes(mine)));
+    return {};
+  }
+  std::vector<float> all(offset.back());
+  std::vector<RequestId> recvs;
+  for (int r = 1; r < ranks; ++r) {
+    const auto rs = static_cast<size_t>(r);
+    std::span<float> part(all.data() + offset[rs], offset[rs + 1] - offset[rs]);
+    if (!part.empty()) recvs.push_back(transport.irecv(r, tag, asWritableBytes(part)));
+  }
+  std::copy(mine.begin(), mine.end(), all.begin());
+  waitAll(transport, recvs);
+  return all;
 }
 
 }  // namespace fcp::runtime
