@@ -309,41 +309,23 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   const auto& att = s.config.attention;
   const int64_t qRow = att.numHeadsQ * att.headDim, kRow = att.numHeadsKv * att.headDim;
   const std::vector<int64_t> userStart = plan::userLayoutStarts(s.batch.numTokens(), t.size());
-  const auto tokensOf = [&](int rank) {
-    return userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)];
+  struct Outputs {
+    std::vector<float> o, dq, dk, dv;
   };
-  // Per strategy, this rank's O, dQ, dK, dV back to back.
-  std::vector<std::vector<float>> mine;
+  std::vector<Outputs> got;  // per strategy, the whole batch's (on rank 0)
   for (const auto& run : runs) {
-    std::vector<float>& m = mine.emplace_back();
-    for (const std::vector<float>* x : {&run->userO, &run->userDq, &run->userDk, &run->userDv})
-      m.insert(m.end(), x->begin(), x->end());
+    auto gather = [&](const std::vector<float>& mine, int64_t width) {
+      return runtime::gatherToRoot(t, mine, userStart, width, kGatherTag);
+    };
+    got.push_back({gather(run->userO, qRow), gather(run->userDq, qRow), gather(run->userDk, kRow),
+                   gather(run->userDv, kRow)});
   }
-  if (t.rank() != 0) {
-    std::vector<runtime::RequestId> sends;
-    for (const auto& m : mine) {
-      if (!m.empty()) sends.push_back(t.isend(0, kGatherTag, runtime::asBytes(m)));
-    }
-    runtime::waitAll(t, sends);
-    return;
-  }
-  // got[strategy][rank]
-  std::vector<std::vector<std::vector<float>>> got(
-      runs.size(), std::vector<std::vector<float>>(static_cast<size_t>(t.size())));
-  std::vector<runtime::RequestId> recvs;
-  for (int rank = 1; rank < t.size(); ++rank) {
-    for (size_t i = 0; i < runs.size(); ++i) {
-      auto& g = got[i][static_cast<size_t>(rank)];
-      g.assign(static_cast<size_t>(tokensOf(rank) * (2 * qRow + 2 * kRow)), 0.f);
-      if (!g.empty()) recvs.push_back(t.irecv(rank, kGatherTag, runtime::asWritableBytes(g)));
-    }
-  }
-  runtime::waitAll(t, recvs);
-  for (size_t i = 0; i < runs.size(); ++i) got[i][0] = std::move(mine[i]);
-
+  if (t.rank() != 0) return;
   Tensors all;
   for (int rank = 0; rank < t.size(); ++rank) {
-    const Tensors in = makeInputs(a.seed, rank, tokensOf(rank), att);
+    const Tensors in = makeInputs(
+        a.seed, rank,
+        userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)], att);
     for (auto [dst, src] :
          {std::pair{&all.q, &in.q}, {&all.k, &in.k}, {&all.v, &in.v}, {&all.dO, &in.dO}}) {
       dst->insert(dst->end(), src->begin(), src->end());
@@ -352,22 +334,14 @@ void checkAgainstReference(runtime::Transport& t, const Setup& s, const RunArgs&
   const runtime::ReferenceResult ref =
       runtime::referenceAttention(s.batch, att, all.q, all.k, all.v, all.dO);
   for (size_t i = 0; i < runs.size(); ++i) {
-    std::vector<float> o, dq, dk, dv;
-    for (int rank = 0; rank < t.size(); ++rank) {
-      const int64_t n = tokensOf(rank);
-      const float* p = got[i][static_cast<size_t>(rank)].data();
-      for (auto [dst, width] : {std::pair{&o, qRow}, {&dq, qRow}, {&dk, kRow}, {&dv, kRow}}) {
-        dst->insert(dst->end(), p, p + n * width);
-        p += n * width;
-      }
-    }
-    FCP_CHECK_EQ(static_cast<int64_t>(o.size()), s.batch.numTokens() * qRow);
+    const runtime::ReferenceErrors e =
+        runtime::compareWithReference(ref, got[i].o, got[i].dq, got[i].dk, got[i].dv);
     StrategyResult& r = results[i];
     r.checked = true;
-    r.errOut = runtime::relativeL2(o, ref.o);
-    r.errDq = runtime::relativeL2(dq, ref.dq);
-    r.errDk = runtime::relativeL2(dk, ref.dk);
-    r.errDv = runtime::relativeL2(dv, ref.dv);
+    r.errOut = e.o;
+    r.errDq = e.dq;
+    r.errDk = e.dk;
+    r.errDv = e.dv;
   }
 }
 
