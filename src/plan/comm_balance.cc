@@ -4,6 +4,8 @@
 #include <limits>
 #include <memory>
 
+#include "fcp/core/statistics.h"
+
 namespace fcp::plan::detail {
 namespace {
 
@@ -92,13 +94,8 @@ class CommState {
     }
     return bytes;
   }
-  /// (max − mean) / max of the per-worker bytes.
-  double imbalance() const {
-    double total = 0;
-    for (int64_t c : comm_) total += static_cast<double>(c);
-    const auto top = static_cast<double>(maxComm());
-    return top > 0 ? (top - total / static_cast<double>(n_)) / top : 0;
-  }
+  /// Imbalance of the per-worker bytes.
+  double imbalance() const { return fcp::imbalance(comm_); }
 
   void move(int32_t b, int32_t to) {
     const auto bs = static_cast<size_t>(b);

@@ -9,6 +9,7 @@
 #include "comm_balance.h"
 #include "communication.h"
 #include "fcp/core/error.h"
+#include "fcp/core/statistics.h"
 #include "fcp/plan/coloring.h"
 #include "violations.h"
 
@@ -278,22 +279,18 @@ std::vector<WorkerLoad> computeLoads(const Plan& plan) {
 
 PlanStats computeStats(const Plan& plan) {
   PlanStats s;
-  const auto n = static_cast<double>(plan.config.numWorkers);
-  double maxCost = 0, sumCost = 0;
-  int64_t maxTokens = 0, sumTokens = 0;
+  std::vector<double> cost;
+  std::vector<int64_t> tokens;
+  double maxCost = 0;
   for (const WorkerLoad& l : plan.loads) {
+    cost.push_back(l.cost);
+    tokens.push_back(l.numTokens);
     maxCost = std::max(maxCost, l.cost);
-    sumCost += l.cost;
-    maxTokens = std::max(maxTokens, l.numTokens);
-    sumTokens += l.numTokens;
+    s.maxWorkerTokens = std::max(s.maxWorkerTokens, l.numTokens);
   }
-  s.computeImbalance = maxCost > 0 ? (maxCost - sumCost / n) / maxCost : 0;
-  s.memoryImbalance = maxTokens > 0
-                          ? (static_cast<double>(maxTokens) - static_cast<double>(sumTokens) / n) /
-                                static_cast<double>(maxTokens)
-                          : 0;
+  s.computeImbalance = imbalance(cost);
+  s.memoryImbalance = imbalance(tokens);
   s.lowerBoundGap = plan.lowerBound > 0 ? maxCost / plan.lowerBound - 1 : 0;
-  s.maxWorkerTokens = maxTokens;
   s.memoryCapTokens = memoryCapTokens(distributorOptions(plan.config));
   for (const BlockPair& p : plan.pairs)
     s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
@@ -306,11 +303,7 @@ PlanStats computeStats(const Plan& plan) {
     moved[static_cast<size_t>(t.receiver)] += t.bytes;
     edges.push_back({t.sender, t.receiver, t.bytes});
   }
-  const int64_t maxMoved = *std::max_element(moved.begin(), moved.end());
-  s.commImbalance =
-      maxMoved > 0 ? (static_cast<double>(maxMoved) - 2.0 * static_cast<double>(s.commBytes) / n) /
-                         static_cast<double>(maxMoved)
-                   : 0;
+  s.commImbalance = imbalance(moved);  // each transfer counts at its sender and its receiver
   const auto& a = plan.config.attention;
   const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
   s.reshuffleBytes = movedTokens(plan.reshuffle) * bytesPerToken;

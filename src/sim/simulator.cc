@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "fcp/core/error.h"
+#include "fcp/core/statistics.h"
 
 namespace fcp::sim {
 namespace {
@@ -504,15 +505,6 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
   const double denominator = static_cast<double>(n) * hw.peakFlops * r.timeMs * 1e-3;
   r.mfu = denominator > 0 ? r.usefulFlops / denominator : 0;
   return r;
-}
-
-double imbalance(const std::vector<double>& load) {
-  double max = 0, sum = 0;
-  for (double x : load) {
-    max = std::max(max, x);
-    sum += x;
-  }
-  return max > 0 ? (max - sum / static_cast<double>(load.size())) / max : 0;
 }
 
 }  // namespace

@@ -1,0 +1,25 @@
+#include "fcp/core/statistics.h"
+
+#include <algorithm>
+
+namespace fcp {
+namespace {
+
+template <typename T>
+double imbalanceOf(std::span<const T> load) {
+  T max = 0, sum = 0;
+  for (const T x : load) {
+    max = std::max(max, x);
+    sum += x;
+  }
+  if (!(max > 0)) return 0;
+  const auto top = static_cast<double>(max);
+  return (top - static_cast<double>(sum) / static_cast<double>(load.size())) / top;
+}
+
+}  // namespace
+
+double imbalance(std::span<const double> load) { return imbalanceOf(load); }
+double imbalance(std::span<const int64_t> load) { return imbalanceOf(load); }
+
+}  // namespace fcp
