@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fcp/core/random.h"
+#include "fcp/core/statistics.h"
 #include "fcp/plan/coloring.h"
 
 namespace {
@@ -19,11 +20,6 @@ namespace {
 using fcp::plan::Edge;
 
 constexpr int64_t kFullBlockBytes = int64_t{1} << 24;  // 4K tokens x 8 KV heads x 128 x K,V x bf16
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 std::vector<int64_t> parseList(const char* text) {
   std::vector<int64_t> out;
@@ -116,7 +112,7 @@ int main(int argc, char** argv) {
         constexpr double kMiB = 1024.0 * 1024.0;
         std::printf("%-9s %7lld %9lld %7d %9.2f %11.0f %11.0f %11.0f %7.2f%%\n", kind.c_str(),
                     static_cast<long long>(n), static_cast<long long>(count), coloring.numColors,
-                    median(ms), static_cast<double>(bounds.maxWorkerBytes) / kMiB,
+                    fcp::median(ms), static_cast<double>(bounds.maxWorkerBytes) / kMiB,
                     static_cast<double>(bounds.sortedRoundBound) / kMiB,
                     static_cast<double>(achieved) / kMiB,
                     100.0 * (static_cast<double>(achieved) / lb - 1.0));

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
 #include "planner_bench_args.h"
 #include "fcp/core/workload.h"
@@ -54,7 +55,7 @@ int main(int argc, char** argv) {
       std::printf("%-17s %7lld %7zu %8.3f%% %8.3f%% %8.3f%% %9.3f%% %10.3f %9.2f %9.2f\n",
                   workload.name.c_str(), static_cast<long long>(n), blocks, 100 * worstImb,
                   100 * worstMem, 100 * worstGap, 100 * worstGreedy, worstMemRatio,
-                  fcp::bench::median(assignMs), fcp::bench::median(totalMs));
+                  fcp::median(assignMs), fcp::median(totalMs));
     }
   }
   return 0;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fcp/core/error.h"
+#include "fcp/core/statistics.h"
 #include "fcp/runtime/mpi_transport.h"
 #include "fcp/runtime/timeline.h"
 
@@ -53,11 +54,10 @@ int run(int argc, char** argv) {
       if (rep > 0)
         gbps.push_back(static_cast<double>(bytes) / (static_cast<double>(micros) * 1e-6) * 1e-9);
     }
-    std::sort(gbps.begin(), gbps.end());
     if (t->rank() == 0) {
       std::printf(
           "%5zu MiB each way: median %.2f GB/s, best %.2f GB/s (%d repeats, first dropped)\n", mib,
-          gbps[gbps.size() / 2], gbps.back(), kRepeats);
+          fcp::median(gbps), *std::max_element(gbps.begin(), gbps.end()), kRepeats);
     }
   }
   return 0;

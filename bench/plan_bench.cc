@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
 #include "planner_bench_args.h"
 #include "fcp/core/workload.h"
@@ -62,9 +63,9 @@ int main(int argc, char** argv) {
       std::printf("%-16s %5lld %8lld %5lld %6.2f%% %8.3f %7.3gG %7.3gG %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
                   workload.name.c_str(), static_cast<long long>(n), static_cast<long long>(transfers),
                   static_cast<long long>(rounds), 100 * worstComm, worstRoundRatio, reshuffle / 1e9,
-                  reshuffleNoLocality / 1e9, fcp::bench::median(shard), fcp::bench::median(assign),
-                  fcp::bench::median(balance), fcp::bench::median(xfers),
-                  fcp::bench::median(colour), fcp::bench::median(sched), fcp::bench::median(total));
+                  reshuffleNoLocality / 1e9, fcp::median(shard), fcp::median(assign),
+                  fcp::median(balance), fcp::median(xfers),
+                  fcp::median(colour), fcp::median(sched), fcp::median(total));
       std::fflush(stdout);
     }
   }

@@ -1,5 +1,5 @@
 #pragma once
-// Shared by the planner benchmarks: their common flags and the median they report.
+// Shared by the planner benchmarks: their common flags.
 
 #include <algorithm>
 #include <cstdint>
@@ -36,11 +36,6 @@ inline PlannerBenchArgs parsePlannerBenchArgs(int argc, char** argv, PlannerBenc
     }
   }
   return args;
-}
-
-inline double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace fcp::bench

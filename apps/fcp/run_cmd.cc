@@ -29,6 +29,7 @@
 #include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
+#include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
 #include "fcp/kernels/attention.h"
@@ -211,11 +212,6 @@ double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threa
                               static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
   }
   return best;
-}
-
-double median(std::vector<double> x) {
-  std::sort(x.begin(), x.end());
-  return x.empty() ? 0 : x[x.size() / 2];
 }
 
 /// Largest value over ranks, for doubles stored as integer nanoseconds / units.

@@ -22,4 +22,11 @@ double imbalanceOf(std::span<const T> load) {
 double imbalance(std::span<const double> load) { return imbalanceOf(load); }
 double imbalance(std::span<const int64_t> load) { return imbalanceOf(load); }
 
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
 }  // namespace fcp

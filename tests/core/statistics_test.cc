@@ -27,5 +27,14 @@ TEST(ImbalanceTest, ZeroWithoutWorkersOrLoad) {
   EXPECT_EQ(imbalance(std::vector<int64_t>{0, 0, 0}), 0);
 }
 
+TEST(MedianTest, MiddleValueOrTheUpperOfTheTwoMiddleOnes) {
+  EXPECT_EQ(median({5, 1, 3}), 3);
+  EXPECT_EQ(median({4, 1, 3, 2}), 3);  // a measured value, not the mean of 2 and 3
+  EXPECT_EQ(median({7}), 7);
+  EXPECT_EQ(median({2, 2, 9, 2}), 2);
+}
+
+TEST(MedianTest, ZeroForNone) { EXPECT_EQ(median({}), 0); }
+
 }  // namespace
 }  // namespace fcp

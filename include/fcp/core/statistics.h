@@ -1,8 +1,9 @@
 #pragma once
-/// Summaries FCP reports over workers, defined once.
+/// The two summaries FCP reports over workers and repeats, defined once.
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace fcp {
 
@@ -10,5 +11,9 @@ namespace fcp {
 /// carries the same, approaching 1 when one carries everything. 0 for no workers or no load.
 double imbalance(std::span<const double> load);
 double imbalance(std::span<const int64_t> load);
+
+/// The middle value of `values` (for an even count the upper of the two middle ones, so the
+/// result is always a measured value); 0 for none.
+double median(std::vector<double> values);
 
 }  // namespace fcp
