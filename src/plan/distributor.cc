@@ -344,8 +344,8 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     const int64_t m = tokens[static_cast<size_t>(i)];
     if (m > cap) {
       throwInvalidArgument("block ", i, " has ", m, " tokens: more than the memory cap of ", cap,
-                           " tokens per worker (M(1+delta)); raise --tokens-per-worker or lower "
-                           "--block-size");
+                           " tokens per worker (M(1+delta)); raise the tokens per worker or lower "
+                           "the block size");
     }
     totalTokens += m;
     totalCost += costs[static_cast<size_t>(i)];
@@ -353,8 +353,8 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   }
   if ((totalTokens + n - 1) / n > cap) {  // totalTokens > cap * n, without the product
     throwInvalidArgument("memory limit cannot hold the batch: ", totalTokens, " tokens > ", n,
-                         " workers x ", cap, " tokens (M(1+delta)); raise --tokens-per-worker, "
-                         "--memory-slack or --workers");
+                         " workers x ", cap, " tokens (M(1+delta)); raise the tokens per worker, "
+                         "the memory slack or the number of workers");
   }
 
   Assignment result;
@@ -399,7 +399,7 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     throwInvalidArgument("no worker has room for block ", firstHomeless, " (",
                          tokens[static_cast<size_t>(firstHomeless)], " tokens) under the memory "
                          "cap of ", cap, " tokens, and no moves or swaps could make room: raise "
-                         "--memory-slack or --tokens-per-worker, or lower --block-size");
+                         "the memory slack or the tokens per worker, or lower the block size");
   }
   result.memoryRepaired = firstHomeless >= 0;
   loads.syncTree();
