@@ -24,8 +24,6 @@ for ratio in 0 5920; do
     if [ "$ratio" = 5920 ] && [ "$layout" = transparent ]; then extra=(--timeline "$out/runtime_gpux_trace.json"); fi
     mpirun -n 2 --oversubscribe "$fcp" run "${common[@]}" --comm-ratio "$ratio" --layout "$layout" \
       "${extra[@]}" | tee "$out/$name.txt"
-    mpirun -n 2 --oversubscribe "$fcp" run "${common[@]}" --comm-ratio "$ratio" --layout "$layout" --json \
-      > "$out/$name.json"
   done
 done
 /usr/bin/python3 bench/runtime_timeline_plot.py "$out/runtime_gpux_trace.json" "$out/runtime_gpux_timeline.png"
