@@ -88,7 +88,7 @@ def _transport(group, timeout_seconds: float):
     if hasattr(group, "py2f"):  # an mpi4py communicator
         impl, keep = _fcp.mpi_transport(group.py2f(), timeout_seconds), None
     elif group is None and not dist.is_initialized():
-        impl, keep = _single_process_transport(), None
+        return _single_process_transport()  # not cached: a process group may be initialised later
     else:
         keep = _GroupTransport(group, timeout_seconds)
         impl = keep.impl
@@ -186,7 +186,9 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
                          f"{x.device}: expected {rows_in} rows on the CPU")
     x = x.contiguous()
     out = torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)
-    row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    if row_bytes == 0:  # nothing to move (every rank sees the same row shape)
+        return out
     if into_fcp:
         batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes)
     else:

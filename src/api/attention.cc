@@ -104,6 +104,17 @@ int64_t optionsHash(const BatchOptions& o) {
   }
   for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack})
     h.add(x);
+  // The planner's costs and the message tags must match too; the thread count may differ
+  // between ranks, but one rank refusing its own would leave the others waiting, so its
+  // validity is part of what ranks agree on.
+  for (const EfficiencyCurve* curve : {&o.costModel.forward, &o.costModel.backward}) {
+    for (const auto& [tokens, fraction] : curve->points()) {
+      h.add(tokens);
+      h.add(fraction);
+    }
+  }
+  h.add(int64_t{o.firstTag});
+  h.add(int64_t{o.numThreads >= 1});
   return h.value();
 }
 
@@ -124,8 +135,9 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
     throwInvalidArgument(
         "rank ", rank,
         ": the ranks passed different batches or settings (cu_seqlens, heads, "
-        "head dim, mask, dtype, layout, strategy or planner settings): expected the same on "
-        "every rank");
+        "head dim, mask, dtype, layout, strategy, planner settings, cost model or first tag; or a "
+        "thread count below 1, here ",
+        o.numThreads, "): expected the same on every rank");
   }
   const Batch batch = batchOf(o.cuSeqlens);
   const int64_t total = batch.numTokens();

@@ -389,6 +389,17 @@ TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
   });
 }
 
+TEST(AttentionBatchErrorTest, OneRankWithABadThreadCountFailsEveryRank) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  expectErrorOnEveryRank(2, "thread count below 1", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.numThreads = 0;
+    AttentionBatch batch(t, o);
+  });
+}
+
 TEST(AttentionBatchErrorTest, BadCuSeqlens) {
   Problem p;
   p.lengths = {100, 60};
