@@ -348,8 +348,7 @@ std::vector<std::byte> toStorage(const std::vector<float>& values, DType dtype) 
     return {p, p + values.size() * sizeof(float)};
   }
   std::vector<std::byte> out(values.size() * 2);
-  auto* p = reinterpret_cast<uint16_t*>(out.data());
-  for (size_t i = 0; i < values.size(); ++i) p[i] = kernels::toBf16(values[i]);
+  kernels::toBf16(values, {reinterpret_cast<uint16_t*>(out.data()), values.size()});
   return out;
 }
 
@@ -360,8 +359,7 @@ std::vector<float> fromStorage(const std::vector<std::byte>& bytes, DType dtype)
     return out;
   }
   std::vector<float> out(bytes.size() / 2);
-  const auto* p = reinterpret_cast<const uint16_t*>(bytes.data());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::fromBf16(p[i]);
+  kernels::fromBf16({reinterpret_cast<const uint16_t*>(bytes.data()), out.size()}, out);
   return out;
 }
 

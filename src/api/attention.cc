@@ -45,8 +45,6 @@ const char* rowsText(Layout layout) {
                                        : "this rank's tokens in the caller's layout";
 }
 
-int64_t dtypeBytes(DType dtype) { return dtype == DType::kBf16 ? 2 : 4; }
-
 // The batch's sequence lengths from cu_seqlens, checked.
 Batch batchOf(const std::vector<int64_t>& cu) {
   if (cu.size() < 2) {
@@ -165,7 +163,7 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
   plan::PlanConfig config = o.planConfig;
   config.numWorkers = ranks;
   config.tokensPerWorker = std::max<int64_t>(1, (total + ranks - 1) / ranks);
-  config.attention = {o.numHeadsQ, o.numHeadsKv, o.headDim, dtypeBytes(o.dtype), o.mask};
+  config.attention = {o.numHeadsQ, o.numHeadsKv, o.headDim, kernels::dtypeBytes(o.dtype), o.mask};
   config.userStarts = starts;
   CostModel costModel = o.costModel;
   costModel.attention = config.attention;
@@ -216,7 +214,7 @@ void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
               "this rank's tokens in the caller's layout");
   checkTensor("dispatch output", local, numLocalTokens(), user.numHeads, user.headDim, user.dtype,
               "this rank's tokens in FCP's layout");
-  const int64_t row = user.numHeads * user.headDim * dtypeBytes(user.dtype);
+  const int64_t row = user.numHeads * user.headDim * kernels::dtypeBytes(user.dtype);
   executor_.dispatch(
       {static_cast<const std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)},
       {static_cast<std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)}, row);
@@ -227,7 +225,7 @@ void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
               local.dtype, "this rank's tokens in FCP's layout");
   checkTensor("undispatch output", user, numUserTokens(), local.numHeads, local.headDim,
               local.dtype, "this rank's tokens in the caller's layout");
-  const int64_t row = local.numHeads * local.headDim * dtypeBytes(local.dtype);
+  const int64_t row = local.numHeads * local.headDim * kernels::dtypeBytes(local.dtype);
   executor_.undispatch(
       {static_cast<const std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)},
       {static_cast<std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)}, row);

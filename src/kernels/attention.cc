@@ -18,8 +18,8 @@
 #include "fcp/kernels/attention.h"
 
 #include <algorithm>
-#include <initializer_list>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -49,6 +49,18 @@ float fromBf16(uint16_t value) {
   detail::vectorOpsPortable().bf16ToFp32(&value, &out, 1);
   return out;
 }
+
+void toBf16(std::span<const float> in, std::span<uint16_t> out) {
+  FCP_CHECK_EQ(in.size(), out.size());
+  detail::vectorOps().fp32ToBf16(in.data(), out.data(), static_cast<int64_t>(in.size()));
+}
+
+void fromBf16(std::span<const uint16_t> in, std::span<float> out) {
+  FCP_CHECK_EQ(in.size(), out.size());
+  detail::vectorOps().bf16ToFp32(in.data(), out.data(), static_cast<int64_t>(in.size()));
+}
+
+int64_t dtypeBytes(DType dtype) { return dtype == DType::kBf16 ? 2 : 4; }
 
 namespace {
 
@@ -92,8 +104,8 @@ Shape checkShapes(const TensorView& q, const TensorView& k, const TensorView& v)
   if (q.numHeads % k.numHeads != 0)
     throwInvalidArgument("q has ", q.numHeads, " heads, expected a multiple of k's ", k.numHeads);
   if (q.dtype != k.dtype || q.dtype != v.dtype)
-    throwInvalidArgument("q, k, v have dtypes ", dtypeName(q.dtype), ", ", dtypeName(k.dtype),
-                         ", ", dtypeName(v.dtype), ", expected one dtype");
+    throwInvalidArgument("q, k, v have dtypes ", dtypeName(q.dtype), ", ", dtypeName(k.dtype), ", ",
+                         dtypeName(v.dtype), ", expected one dtype");
   return {q.numTokens, k.numTokens, q.numHeads, k.numHeads, q.numHeads / k.numHeads, q.headDim};
 }
 
@@ -134,8 +146,10 @@ GroupMajor toGroupMajor(const TensorView& t, int groups, bool bf16, const Vector
     out.data = t.data;
     return out;
   }
-  if (bf16) out.bf16Storage.resize(static_cast<size_t>(out.headStride) * groups);
-  else out.f32Storage.resize(static_cast<size_t>(out.headStride) * groups);
+  if (bf16)
+    out.bf16Storage.resize(static_cast<size_t>(out.headStride) * groups);
+  else
+    out.f32Storage.resize(static_cast<size_t>(out.headStride) * groups);
   const auto* srcF32 = static_cast<const float*>(t.data);
   const auto* srcBf16 = static_cast<const uint16_t*>(t.data);
   for (int h = 0; h < groups; ++h) {
@@ -311,8 +325,8 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
                    sc.scores.data(), kKTileTokens);
       if (!gemmOnly) {
         if (p.map.at(task.tile, kt) == TileClass::kPartial)
-          maskTile(sc.scores.data(), kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0,
-                   kCols, p.causal, ops);
+          maskTile(sc.scores.data(), kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0, kCols,
+                   p.causal, ops);
         ops.softmaxStep(sc.scores.data(), rows, kCols, kKTileTokens, sc.rowMax.data(),
                         sc.rowSum.data(), sc.correction.data());
         if (!first) ops.scaleRows(sc.acc.data(), rows, s.d, s.d, sc.correction.data());
@@ -455,8 +469,7 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
                    kKTileTokens);
       if (!gemmOnly) {
         if (p.map.at(qt, task.tile) == TileClass::kPartial)
-          maskTile(pt, kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0, kCols, p.causal,
-                   ops);
+          maskTile(pt, kKTileTokens, p.qInfo, q0, qTokens, s.g, p.kInfo, k0, kCols, p.causal, ops);
         ops.probabilities(pt, rows, kCols, kKTileTokens, lse2.data() + rowBase);
         if (bf16) roundRowsToBf16(pt, sc.roundedBf16.data(), rows, kCols, kKTileTokens, ops);
       }
@@ -501,9 +514,9 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   detail::runForward(q, k, v, mask, o, lse, options, /*gemmOnly=*/false);
 }
 
-void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-              const TensorView& dO, const float* lse, const float* delta, const BlockMask& mask,
-              float* dq, float* dk, float* dv, const KernelOptions& options) {
+void backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dO,
+              const float* lse, const float* delta, const BlockMask& mask, float* dq, float* dk,
+              float* dv, const KernelOptions& options) {
   detail::runBackward(q, k, v, dO, lse, delta, mask, dq, dk, dv, options, /*gemmOnly=*/false);
 }
 

@@ -16,14 +16,13 @@ void copyElements(std::byte* dst, Elem to, const std::byte* src, Elem from, int6
     return;
   }
   FCP_CHECK(to != Elem::kRaw && from != Elem::kRaw, "raw rows converted to a typed field");
+  const auto n = static_cast<size_t>(count);
   if (to == Elem::kBf16) {
-    auto* out = reinterpret_cast<uint16_t*>(dst);
-    const auto* in = reinterpret_cast<const float*>(src);
-    for (int64_t i = 0; i < count; ++i) out[i] = kernels::toBf16(in[i]);
+    kernels::toBf16({reinterpret_cast<const float*>(src), n},
+                    {reinterpret_cast<uint16_t*>(dst), n});
   } else {
-    auto* out = reinterpret_cast<float*>(dst);
-    const auto* in = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < count; ++i) out[i] = kernels::fromBf16(in[i]);
+    kernels::fromBf16({reinterpret_cast<const uint16_t*>(src), n},
+                      {reinterpret_cast<float*>(dst), n});
   }
 }
 

@@ -56,18 +56,18 @@ Whole randomInputs(const Problem& p, uint64_t seed) {
   return w;
 }
 
-int64_t elemBytes(DType d) { return d == DType::kBf16 ? 2 : 4; }
+using kernels::dtypeBytes;
 
 // Rows [begin, end) of a whole tensor of `width` floats per token, in the storage type.
 std::vector<std::byte> storage(const std::vector<float>& x, int64_t begin, int64_t end,
                                int64_t width, DType d) {
-  std::vector<std::byte> out(static_cast<size_t>((end - begin) * width * elemBytes(d)));
+  std::vector<std::byte> out(static_cast<size_t>((end - begin) * width * dtypeBytes(d)));
   const float* src = x.data() + begin * width;
   if (d == DType::kFp32) {
     std::memcpy(out.data(), src, out.size());
   } else {
-    auto* dst = reinterpret_cast<uint16_t*>(out.data());
-    for (int64_t i = 0; i < (end - begin) * width; ++i) dst[i] = kernels::toBf16(src[i]);
+    const auto n = static_cast<size_t>((end - begin) * width);
+    kernels::toBf16({src, n}, {reinterpret_cast<uint16_t*>(out.data()), n});
   }
   return out;
 }
@@ -78,8 +78,8 @@ void unstore(const std::vector<std::byte>& bytes, std::vector<float>& x, int64_t
   if (d == DType::kFp32) {
     std::memcpy(dst, bytes.data(), bytes.size());
   } else {
-    const auto* src = reinterpret_cast<const uint16_t*>(bytes.data());
-    for (size_t i = 0; i < bytes.size() / 2; ++i) dst[i] = kernels::fromBf16(src[i]);
+    const size_t n = bytes.size() / 2;
+    kernels::fromBf16({reinterpret_cast<const uint16_t*>(bytes.data()), n}, {dst, n});
   }
 }
 
@@ -120,14 +120,14 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
   auto callTensor = [&](const std::vector<float>& x, int64_t width) {
     std::vector<std::byte> user = storage(x, b, e, width, d);
     if (!dispatched) return user;
-    std::vector<std::byte> local(static_cast<size_t>(n * width * elemBytes(d)));
-    batch.dispatch(user, local, width * elemBytes(d));
+    std::vector<std::byte> local(static_cast<size_t>(n * width * dtypeBytes(d)));
+    batch.dispatch(user, local, width * dtypeBytes(d));
     return local;
   };
   auto keep = [&](const std::vector<std::byte>& call, std::vector<float>& x, int64_t width) {
     if (!dispatched) return unstore(call, x, b, width, d);
-    std::vector<std::byte> user(static_cast<size_t>((e - b) * width * elemBytes(d)));
-    batch.undispatch(call, user, width * elemBytes(d));
+    std::vector<std::byte> user(static_cast<size_t>((e - b) * width * dtypeBytes(d)));
+    batch.undispatch(call, user, width * dtypeBytes(d));
     unstore(user, x, b, width, d);
   };
   const size_t layers = in.size();
@@ -140,7 +140,7 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
     dO[l] = callTensor(in[l].dO, qw);
   }
   for (size_t l = 0; l < layers; ++l) {
-    std::vector<std::byte> o(static_cast<size_t>(n * qw * elemBytes(d)));
+    std::vector<std::byte> o(static_cast<size_t>(n * qw * dtypeBytes(d)));
     std::vector<float> lse(static_cast<size_t>(n * p.hq));
     layer[l].forward(batch, {q[l].data(), d, n, p.hq, p.dim}, {k[l].data(), d, n, p.hkv, p.dim},
                      {v[l].data(), d, n, p.hkv, p.dim}, {o.data(), d, n, p.hq, p.dim},
@@ -148,8 +148,8 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
     keep(o, out[l].o, qw);
   }
   for (size_t l = layers; l-- > 0;) {
-    std::vector<std::byte> dq(static_cast<size_t>(n * qw * elemBytes(d))),
-        dk(static_cast<size_t>(n * kw * elemBytes(d))), dv(dk.size());
+    std::vector<std::byte> dq(static_cast<size_t>(n * qw * dtypeBytes(d))),
+        dk(static_cast<size_t>(n * kw * dtypeBytes(d))), dv(dk.size());
     layer[l].backward(batch, {dO[l].data(), d, n, p.hq, p.dim}, {dq.data(), d, n, p.hq, p.dim},
                       {dk.data(), d, n, p.hkv, p.dim}, {dv.data(), d, n, p.hkv, p.dim});
     keep(dq, out[l].dq, qw);
@@ -171,7 +171,7 @@ std::vector<Outputs> run(const Problem& p, const std::vector<Whole>& in) {
 
 void expectMatchesReference(const Problem& p, const Whole& in, const Outputs& got, double tolerance,
                             const std::string& what) {
-  const AttentionConfig a{p.hq, p.hkv, p.dim, elemBytes(p.dtype), p.mask};
+  const AttentionConfig a{p.hq, p.hkv, p.dim, dtypeBytes(p.dtype), p.mask};
   const runtime::ReferenceResult ref =
       runtime::referenceAttention(Batch{p.lengths}, a, in.q, in.k, in.v, in.dO);
   EXPECT_LE(runtime::relativeL2(got.o, ref.o), tolerance) << what << ": out";

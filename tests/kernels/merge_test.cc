@@ -1,5 +1,5 @@
 // Merging partials: any split of the KV range, merged in any order, equals one pass; empty
-// partials (LSE = -inf) change nothing.
+// partials (LSE = -inf) change nothing. Also the bf16 array conversions the runtime uses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -7,6 +7,8 @@
 #include <limits>
 #include <numeric>
 
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
 #include "fcp/kernels/attention.h"
 #include "kernel_test_util.h"
 #include "mask_cases.h"
@@ -107,7 +109,8 @@ TEST(MergeTest, OrderDoesNotMatterBeyondRounding) {
   for (int trial = 0; trial < 6; ++trial) {
     std::shuffle(order.begin(), order.end(), rng);
     std::vector<float> accO(rows * d, 0.0f), accL(rows, kNegInf);
-    for (int p : order) mergePartials(rows, 1, d, accO.data(), accL.data(), os[p].data(), ls[p].data());
+    for (int p : order)
+      mergePartials(rows, 1, d, accO.data(), accL.data(), os[p].data(), ls[p].data());
     if (trial == 0) {
       firstO = accO, firstL = accL;
       continue;
@@ -115,6 +118,42 @@ TEST(MergeTest, OrderDoesNotMatterBeyondRounding) {
     EXPECT_LE(maxAbsDiff(accO, firstO), 1e-5);
     EXPECT_LE(maxAbsDiff(accL, firstL), 1e-5);
   }
+}
+
+}  // namespace
+}  // namespace fcp::kernels
+
+namespace fcp::kernels {
+namespace {
+
+// The array conversions (the CPU's fastest path) against the scalar ones, on random values,
+// ties that round to even, infinities and zeros, at lengths around a vector width.
+TEST(Bf16ConversionTest, ArraysMatchTheScalarConversions) {
+  Rng rng(17);
+  for (const size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{15}, size_t{16},
+                         size_t{17}, size_t{1000}}) {
+    std::vector<float> in(n);
+    for (size_t i = 0; i < n; ++i)
+      in[i] = static_cast<float>(rng.normal() * std::pow(10.0, rng.uniform() * 8 - 4));
+    const float specials[] = {0.f,
+                              -0.f,
+                              1.00390625f,
+                              1.01171875f,
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+    for (size_t i = 0; i < n && i < std::size(specials); ++i) in[i] = specials[i];
+    std::vector<uint16_t> half(n);
+    toBf16(in, half);
+    std::vector<float> back(n);
+    fromBf16(half, back);
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(half[i], toBf16(in[i])) << "n " << n << " element " << i << " = " << in[i];
+      EXPECT_EQ(back[i], fromBf16(half[i])) << "n " << n << " element " << i;
+    }
+  }
+  std::vector<float> two(2);
+  std::vector<uint16_t> one(1);
+  EXPECT_THROW(toBf16(two, one), Error);
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ struct Case {
   int layers = 1;
 };
 
-int64_t elemBytes(DType d) { return d == DType::kBf16 ? 2 : 4; }
+using kernels::dtypeBytes;
 
 std::vector<int64_t> cuOf(const std::vector<int64_t>& lengths) {
   std::vector<int64_t> cu{0};
@@ -91,12 +91,12 @@ std::vector<float> randomTensor(Rng& rng, int64_t size, DType d) {
 }
 
 std::vector<std::byte> storage(const float* x, int64_t count, DType d) {
-  std::vector<std::byte> out(static_cast<size_t>(count * elemBytes(d)));
+  std::vector<std::byte> out(static_cast<size_t>(count * dtypeBytes(d)));
   if (d == DType::kFp32) {
     std::memcpy(out.data(), x, out.size());
   } else {
-    auto* p = reinterpret_cast<uint16_t*>(out.data());
-    for (int64_t i = 0; i < count; ++i) p[i] = kernels::toBf16(x[i]);
+    const auto n = static_cast<size_t>(count);
+    kernels::toBf16({x, n}, {reinterpret_cast<uint16_t*>(out.data()), n});
   }
   return out;
 }
@@ -105,8 +105,8 @@ void unstore(const std::vector<std::byte>& bytes, float* x, DType d) {
   if (d == DType::kFp32) {
     std::memcpy(x, bytes.data(), bytes.size());
   } else {
-    const auto* p = reinterpret_cast<const uint16_t*>(bytes.data());
-    for (size_t i = 0; i < bytes.size() / 2; ++i) x[i] = kernels::fromBf16(p[i]);
+    const size_t n = bytes.size() / 2;
+    kernels::fromBf16({reinterpret_cast<const uint16_t*>(bytes.data()), n}, {x, n});
   }
 }
 
@@ -134,16 +134,16 @@ double runCase(MPI_Comm comm, runtime::Transport& t, const Case& c) {
   auto toCall = [&](const std::vector<float>& whole, int64_t width) {
     std::vector<std::byte> user = storage(whole.data() + b * width, (e - b) * width, d);
     if (!dispatched) return user;
-    std::vector<std::byte> local(static_cast<size_t>(n * width * elemBytes(d)));
-    batch.dispatch(user, local, width * elemBytes(d));
+    std::vector<std::byte> local(static_cast<size_t>(n * width * dtypeBytes(d)));
+    batch.dispatch(user, local, width * dtypeBytes(d));
     return local;
   };
   auto fromCall = [&](const std::vector<std::byte>& call, std::vector<float>& whole,
                       int64_t width) {
     std::vector<std::byte> user = call;
     if (dispatched) {
-      user.assign(static_cast<size_t>((e - b) * width * elemBytes(d)), std::byte{0});
-      batch.undispatch(call, user, width * elemBytes(d));
+      user.assign(static_cast<size_t>((e - b) * width * dtypeBytes(d)), std::byte{0});
+      batch.undispatch(call, user, width * dtypeBytes(d));
     }
     unstore(user, whole.data() + b * width, d);
   };
@@ -169,15 +169,15 @@ double runCase(MPI_Comm comm, runtime::Transport& t, const Case& c) {
     l.cdO = toCall(l.dO, qw);
   }
   for (Layer& l : layers) {
-    std::vector<std::byte> out(static_cast<size_t>(n * qw * elemBytes(d)));
+    std::vector<std::byte> out(static_cast<size_t>(n * qw * dtypeBytes(d)));
     l.attention.forward(batch, {l.cq.data(), d, n, hq, dim}, {l.ck.data(), d, n, hkv, dim},
                         {l.cv.data(), d, n, hkv, dim}, {out.data(), d, n, hq, dim});
     fromCall(out, l.o, qw);
   }
   for (size_t i = layers.size(); i-- > 0;) {
     Layer& l = layers[i];
-    std::vector<std::byte> dq(static_cast<size_t>(n * qw * elemBytes(d))),
-        dk(static_cast<size_t>(n * kw * elemBytes(d))), dv(dk.size());
+    std::vector<std::byte> dq(static_cast<size_t>(n * qw * dtypeBytes(d))),
+        dk(static_cast<size_t>(n * kw * dtypeBytes(d))), dv(dk.size());
     l.attention.backward(batch, {l.cdO.data(), d, n, hq, dim}, {dq.data(), d, n, hq, dim},
                          {dk.data(), d, n, hkv, dim}, {dv.data(), d, n, hkv, dim});
     fromCall(dq, l.dq, qw);
@@ -189,7 +189,7 @@ double runCase(MPI_Comm comm, runtime::Transport& t, const Case& c) {
     for (std::vector<float>* x : {&l.o, &l.dq, &l.dk, &l.dv}) {
       MPI_Allreduce(MPI_IN_PLACE, x->data(), static_cast<int>(x->size()), MPI_FLOAT, MPI_SUM, comm);
     }
-    const AttentionConfig a{hq, hkv, dim, elemBytes(d), c.mask};
+    const AttentionConfig a{hq, hkv, dim, dtypeBytes(d), c.mask};
     const auto ref = runtime::referenceAttention(Batch{c.lengths}, a, l.q, l.k, l.v, l.dO);
     for (const double err :
          {runtime::relativeL2(l.o, ref.o), runtime::relativeL2(l.dq, ref.dq),

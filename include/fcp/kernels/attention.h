@@ -32,6 +32,8 @@ enum class DType {
 
 /// Name of a dtype ("fp32", "bf16").
 std::string_view dtypeName(DType dtype);
+/// Bytes of one element of `dtype` (4 or 2).
+int64_t dtypeBytes(DType dtype);
 
 /// A read-only tensor [numTokens, numHeads, headDim], row major and contiguous.
 struct TensorView {
@@ -92,13 +94,16 @@ void computeDelta(const TensorView& o, const TensorView& dO, float* delta);
 /// `lse` and `delta` are the *final* values of the Q block (after merging every pair), so that
 /// per-pair gradients add up to the full gradient. Accumulates (+=) into dq [Nq, Hq, d],
 /// dk [Nk, Hkv, d] and dv [Nk, Hkv, d], all fp32. `dO` has the shape of q (either dtype).
-void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-              const TensorView& dO, const float* lse, const float* delta, const BlockMask& mask,
-              float* dq, float* dk, float* dv, const KernelOptions& options = {});
+void backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dO,
+              const float* lse, const float* delta, const BlockMask& mask, float* dq, float* dk,
+              float* dv, const KernelOptions& options = {});
 
 /// Rounds fp32 to bf16 (round to nearest even), for callers preparing bf16 inputs.
 uint16_t toBf16(float value);
 /// Widens bf16 to fp32 (exact).
 float fromBf16(uint16_t value);
+/// The same for arrays of equal length (the CPU's fastest path; throws on a length mismatch).
+void toBf16(std::span<const float> in, std::span<uint16_t> out);
+void fromBf16(std::span<const uint16_t> in, std::span<float> out);
 
 }  // namespace fcp::kernels
