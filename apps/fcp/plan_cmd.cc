@@ -16,6 +16,7 @@
 
 #include "commands.h"
 #include "fcp/core/error.h"
+#include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/json.h"
@@ -45,6 +46,8 @@ struct PlanArgs {
   int64_t coalesce = 16;
   int64_t buffers = 3;
   bool noLocality = false;
+  std::string placement = "local";
+  double localitySlack = 0.01;
   double commBalanceSlack = 0.002;
   bool json = false;
   std::string planOut;
@@ -116,6 +119,11 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
               static_cast<double>(s.sortedRoundBound));
   std::printf("  reshuffle: %.4g bytes\n", static_cast<double>(s.reshuffleBytes));
+  std::printf("  placement %s (%lld blocks moved off their home worker); a step (forward and "
+              "backward) moves %.4g bytes, the busiest worker %.4g\n",
+              std::string(plan::placementName(p.placement)).c_str(),
+              static_cast<long long>(p.localityMoves), static_cast<double>(s.stepBytes),
+              static_cast<double>(s.maxWorkerStepBytes));
   std::printf("  planned in %.2f ms (shard %.2f, assign %.2f, balance %.2f, transfers %.2f, "
               "colour %.2f, schedule %.2f)\n",
               t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
@@ -174,6 +182,8 @@ void runPlan(const PlanArgs& a) {
   config.coalesce = a.coalesce;
   config.bufferDepth = a.buffers;
   config.locality = !a.noLocality;
+  config.placement = plan::parsePlacement(a.placement);
+  config.localitySlack = a.localitySlack;
   config.commBalanceSlack = a.commBalanceSlack;
   config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(config.attention);
@@ -213,12 +223,30 @@ void runPlan(const PlanArgs& a) {
                 static_cast<double>(s.reshuffleBytesWithoutLocality));
     return;
   }
+  nlohmann::json traffic = nlohmann::json::array();
+  for (const plan::WorkerTraffic& w : plan::computeTraffic(p)) {
+    nlohmann::json passes;
+    for (const auto& [name, t] : {std::pair{"forward", w.forward}, std::pair{"backward", w.backward}}) {
+      passes[name] = {{"reshuffle_sent", t.reshuffleSent},
+                      {"reshuffle_received", t.reshuffleReceived},
+                      {"kv_sent", t.kvSent},
+                      {"kv_received", t.kvReceived}};
+    }
+    traffic.push_back(std::move(passes));
+  }
   const nlohmann::json out = {
       {"workers", config.numWorkers},
+      {"placement", std::string(plan::placementName(p.placement))},
+      {"locality_moves", p.localityMoves},
+      {"step_bytes", s.stepBytes},
+      {"max_worker_step_bytes", s.maxWorkerStepBytes},
+      {"traffic", std::move(traffic)},
       {"tokens_per_worker", config.tokensPerWorker},
       {"block_size", config.blockSize},
       {"mask", std::string(maskName(config.attention.mask))},
       {"sequences", p.batch.numSequences()},
+      {"median_sequence_length",
+       median(std::vector<double>(p.batch.sequenceLengths.begin(), p.batch.sequenceLengths.end()))},
       {"tokens", p.batch.numTokens()},
       {"blocks", p.blocks.size()},
       {"pairs", p.pairs.size()},
@@ -238,6 +266,8 @@ void runPlan(const PlanArgs& a) {
       {"round_max_bytes_lower_bounds",
        {{"busiest_worker", s.maxWorkerCommBytes}, {"sorted_transfers", s.sortedRoundBound}}},
       {"lower_bound_gap", s.lowerBoundGap},
+      {"lower_bound", p.lowerBound},
+      {"max_worker_cost", (1 + s.lowerBoundGap) * p.lowerBound},
       {"greedy_lower_bound_gap", p.greedyMaxCost / p.lowerBound - 1},
       {"improve_steps", p.improveSteps},
       {"max_worker_tokens", s.maxWorkerTokens},
@@ -293,8 +323,17 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--comm-balance-slack", args->commBalanceSlack,
                   "Compute above LB allowed to even out communication (negative: off)")
       ->capture_default_str();
+  cmd->add_option("--placement", args->placement,
+                  "local: blocks stay where the user layout holds their tokens unless balance "
+                  "needs them elsewhere; lpt: the paper's Zig-Zag blocks and LPT greedy")
+      ->capture_default_str();
+  cmd->add_option("--locality-slack", args->localitySlack,
+                  "With --placement local: compute above the lower bound the busiest worker may "
+                  "keep rather than move more bytes (0 to 1)")
+      ->capture_default_str();
   cmd->add_flag("--no-locality", args->noLocality,
-                "Do not relabel workers to keep blocks where the user layout holds them");
+                "With --placement lpt: do not relabel workers to keep blocks where the user "
+                "layout holds them");
   cmd->add_option("--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
   cmd->add_option("--plan-in", args->planIn,
                   "Check and summarise a plan written by --plan-out instead of planning");

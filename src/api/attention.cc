@@ -97,10 +97,12 @@ int64_t optionsHash(const BatchOptions& o) {
   for (const char c : o.strategy) h.add(int64_t{c});
   const plan::PlanConfig& c = o.planConfig;
   for (const int64_t x : {c.blockSize, c.memoryLimitTokens, c.coalesce, c.bufferDepth,
-                          c.improveStepsPerBlock, int64_t{c.locality}}) {
+                          c.improveStepsPerBlock, int64_t{c.locality},
+                          static_cast<int64_t>(c.placement)}) {
     h.add(x);
   }
-  for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack})
+  for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack,
+                         c.localitySlack})
     h.add(x);
   // The planner's costs and the message tags must match too; the thread count may differ
   // between ranks, but one rank refusing its own would leave the others waiting, so its

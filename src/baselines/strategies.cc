@@ -23,6 +23,7 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
   if (step < 0 || step > 4) throwInvalidArgument("invalid ablation step ", step, ": expected 0..4");
   plan::PlanConfig c = config;
   c.locality = step >= 4;
+  c.placement = plan::Placement::kLpt;  // the paper's method, step by step
   plan::Plan p = plan::buildPlan(batch, c, costModel);
   static const char* const kNames[] = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce", "fcp"};
   p.strategy = kNames[step];

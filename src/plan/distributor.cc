@@ -15,6 +15,8 @@ namespace {
 
 constexpr int64_t kNoMemory = std::numeric_limits<int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
+/// assignBlocksNearHome: the fraction of the target each worker's kept home blocks leave free.
+constexpr double kLocalityReserve = 0.1;
 /// How many of the least-loaded workers the improvement pass tries swaps with.
 constexpr int32_t kSwapCandidates = 8;
 
@@ -174,6 +176,9 @@ void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts
   if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
     throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
   }
+  if (!(o.localitySlack >= 0 && o.localitySlack <= 1)) {
+    throwInvalidArgument("invalid locality slack ", o.localitySlack, ": expected 0 to 1");
+  }
   if (o.improveStepsPerBlock < 0) {
     throwInvalidArgument("invalid improvement budget ", o.improveStepsPerBlock,
                          " steps per block: expected >= 0");
@@ -330,36 +335,120 @@ int64_t memoryCapTokens(const DistributorOptions& options) {
   return options.memoryLimitTokens + static_cast<int64_t>(extra);
 }
 
+namespace {
+
+/// The batch's totals, after checking that every block and the whole batch fit under the cap.
+struct Totals {
+  int64_t tokens = 0;
+  double cost = 0;
+  double maxBlockCost = 0;
+};
+
+Totals checkTotals(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                   int32_t n, int64_t cap) {
+  Totals t;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int64_t m = tokens[i];
+    if (m > cap) {
+      throwInvalidArgument("block ", i, " has ", m, " tokens: more than the memory cap of ", cap,
+                           " tokens per worker (M(1+delta)); raise the tokens per worker or lower "
+                           "the block size");
+    }
+    t.tokens += m;
+    t.cost += costs[i];
+    t.maxBlockCost = std::max(t.maxBlockCost, costs[i]);
+  }
+  if ((t.tokens + n - 1) / n > cap) {  // t.tokens > cap * n, without the product
+    throwInvalidArgument("memory limit cannot hold the batch: ", t.tokens, " tokens > ", n,
+                         " workers x ", cap, " tokens (M(1+delta)); raise the tokens per worker, "
+                         "the memory slack or the number of workers");
+  }
+  return t;
+}
+
+void throwNoRoom(const std::vector<int64_t>& tokens, int32_t block, int64_t cap) {
+  throwInvalidArgument("no worker has room for block ", block, " (",
+                       tokens[static_cast<size_t>(block)], " tokens) under the memory "
+                       "cap of ", cap, " tokens, and no moves or swaps could make room: raise "
+                       "the memory slack or the tokens per worker, or lower the block size");
+}
+
+/// The improvement pass: while the busiest worker is above `target`, apply the best single
+/// move or swap off it (bestChange), at most `budget` steps.
+void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& tokens,
+             const std::vector<double>& costs, int64_t cap, double target, int64_t budget) {
+  while (result.improveSteps < budget) {
+    const int32_t busiest = loads.tree.busiest();
+    const double cw = loads.cost[static_cast<size_t>(busiest)];
+    if (cw <= target) break;
+    const Change c = bestChange(loads, busiest, tokens, costs, cap);
+    if (c.block < 0 || !(c.newMax < cw)) break;
+    const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
+    const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
+    loads.remove(busiest, c.block, mOf(c.block), cOf(c.block));
+    if (c.other >= 0) {
+      loads.remove(c.to, c.other, mOf(c.other), cOf(c.other));
+      loads.add(busiest, c.other, mOf(c.other), cOf(c.other));
+      result.owner[static_cast<size_t>(c.other)] = busiest;
+    }
+    loads.add(c.to, c.block, mOf(c.block), cOf(c.block));
+    result.owner[static_cast<size_t>(c.block)] = c.to;
+    ++result.improveSteps;
+  }
+}
+
+/// Of each worker's home blocks, the least dense (least cost per token: the most tokens to
+/// move per unit of work) stay, up to `keep` cost and the `cap` in tokens; the rest are
+/// returned.
+std::vector<int32_t> keepLeastDense(Loads& loads, std::vector<int32_t>& owner,
+                                    const std::vector<int64_t>& tokens,
+                                    const std::vector<double>& costs,
+                                    const std::vector<int32_t>& home, double keep, int64_t cap) {
+  const auto n = static_cast<int32_t>(loads.cost.size());
+  std::vector<std::vector<int32_t>> byHome(static_cast<size_t>(n));
+  for (int32_t i = 0; i < static_cast<int32_t>(home.size()); ++i)
+    byHome[static_cast<size_t>(home[static_cast<size_t>(i)])].push_back(i);
+  const auto density = [&](int32_t i) {
+    return costs[static_cast<size_t>(i)] /
+           static_cast<double>(std::max<int64_t>(1, tokens[static_cast<size_t>(i)]));
+  };
+  std::vector<int32_t> rest;
+  for (int32_t w = 0; w < n; ++w) {
+    auto& list = byHome[static_cast<size_t>(w)];
+    std::sort(list.begin(), list.end(), [&](int32_t a, int32_t b) {
+      const double da = density(a), db = density(b);
+      return da != db ? da < db : a < b;
+    });
+    size_t kept = 0;
+    for (; kept < list.size(); ++kept) {
+      const int32_t i = list[kept];
+      if (loads.cost[static_cast<size_t>(w)] + costs[static_cast<size_t>(i)] > keep ||
+          loads.mem[static_cast<size_t>(w)] + tokens[static_cast<size_t>(i)] > cap) {
+        break;
+      }
+      loads.addUntracked(w, i, tokens[static_cast<size_t>(i)], costs[static_cast<size_t>(i)]);
+      owner[static_cast<size_t>(i)] = w;
+    }
+    rest.insert(rest.end(), list.begin() + static_cast<std::ptrdiff_t>(kept), list.end());
+  }
+  return rest;
+}
+
+}  // namespace
+
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options) {
   checkOptions(options, tokens.size(), costs.size());
   const auto n = static_cast<int32_t>(options.numWorkers);
   const int64_t cap = memoryCapTokens(options);
   const auto numBlocks = static_cast<int32_t>(tokens.size());
-
-  int64_t totalTokens = 0;
-  double totalCost = 0;
-  double maxBlockCost = 0;
-  for (int32_t i = 0; i < numBlocks; ++i) {
-    const int64_t m = tokens[static_cast<size_t>(i)];
-    if (m > cap) {
-      throwInvalidArgument("block ", i, " has ", m, " tokens: more than the memory cap of ", cap,
-                           " tokens per worker (M(1+delta)); raise the tokens per worker or lower "
-                           "the block size");
-    }
-    totalTokens += m;
-    totalCost += costs[static_cast<size_t>(i)];
-    maxBlockCost = std::max(maxBlockCost, costs[static_cast<size_t>(i)]);
-  }
-  if ((totalTokens + n - 1) / n > cap) {  // totalTokens > cap * n, without the product
-    throwInvalidArgument("memory limit cannot hold the batch: ", totalTokens, " tokens > ", n,
-                         " workers x ", cap, " tokens (M(1+delta)); raise the tokens per worker, "
-                         "the memory slack or the number of workers");
-  }
+  const Totals totals = checkTotals(tokens, costs, n, cap);
+  const int64_t totalTokens = totals.tokens;
+  const double totalCost = totals.cost;
 
   Assignment result;
   result.owner.assign(static_cast<size_t>(numBlocks), -1);
-  result.lowerBound = std::max(maxBlockCost, totalCost / n);
+  result.lowerBound = std::max(totals.maxBlockCost, totalCost / n);
   if (numBlocks == 0) return result;
 
   const double mHat = static_cast<double>(totalTokens) / n;
@@ -396,35 +485,86 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
     index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   }
   if (firstHomeless >= 0 && !repairMemory(loads, result.owner, tokens, costs, cap)) {
-    throwInvalidArgument("no worker has room for block ", firstHomeless, " (",
-                         tokens[static_cast<size_t>(firstHomeless)], " tokens) under the memory "
-                         "cap of ", cap, " tokens, and no moves or swaps could make room: raise "
-                         "the memory slack or the tokens per worker, or lower the block size");
+    throwNoRoom(tokens, firstHomeless, cap);
   }
   result.memoryRepaired = firstHomeless >= 0;
   loads.syncTree();
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
 
-  const double target = result.lowerBound * (1.0 + options.improveTarget);
-  const int64_t budget = options.improveStepsPerBlock * numBlocks;
-  while (result.improveSteps < budget) {
-    const int32_t busiest = loads.tree.busiest();
-    const double cw = loads.cost[static_cast<size_t>(busiest)];
-    if (cw <= target) break;
-    const Change c = bestChange(loads, busiest, tokens, costs, cap);
-    if (c.block < 0 || !(c.newMax < cw)) break;
-    const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
-    const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
-    loads.remove(busiest, c.block, mOf(c.block), cOf(c.block));
-    if (c.other >= 0) {
-      loads.remove(c.to, c.other, mOf(c.other), cOf(c.other));
-      loads.add(busiest, c.other, mOf(c.other), cOf(c.other));
-      result.owner[static_cast<size_t>(c.other)] = busiest;
-    }
-    loads.add(c.to, c.block, mOf(c.block), cOf(c.block));
-    result.owner[static_cast<size_t>(c.block)] = c.to;
-    ++result.improveSteps;
+  improve(loads, result, tokens, costs, cap, result.lowerBound * (1.0 + options.improveTarget),
+          options.improveStepsPerBlock * numBlocks);
+  return result;
+}
+
+
+Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
+                                const std::vector<double>& costs,
+                                const std::vector<int32_t>& home,
+                                const DistributorOptions& options) {
+  checkOptions(options, tokens.size(), costs.size());
+  FCP_CHECK_EQ(home.size(), tokens.size());
+  const auto n = static_cast<int32_t>(options.numWorkers);
+  const int64_t cap = memoryCapTokens(options);
+  const auto numBlocks = static_cast<int32_t>(tokens.size());
+  const Totals totals = checkTotals(tokens, costs, n, cap);
+  for (int32_t i = 0; i < numBlocks; ++i) {
+    const int32_t w = home[static_cast<size_t>(i)];
+    FCP_CHECK(w >= 0 && w < n, "block ", i, " has home worker ", w, " of ", n);
   }
+
+  Assignment result;
+  result.owner.assign(static_cast<size_t>(numBlocks), -1);
+  result.lowerBound = std::max(totals.maxBlockCost, totals.cost / n);
+  if (numBlocks == 0) return result;
+  const double target = result.lowerBound * (1.0 + options.improveTarget);
+  const double tolerance = result.lowerBound * (1.0 + std::max(options.improveTarget,
+                                                               options.localitySlack));
+  // 1. Each worker keeps its least dense home blocks up to most of the target (the rest of
+  // its room is left for the greedy to fill precisely) ...
+  Loads loads(n);
+  std::vector<int32_t> rest = keepLeastDense(loads, result.owner, tokens, costs, home,
+                                             target * (1.0 - kLocalityReserve), cap);
+  // 2. ... and the rest go in LPT order (as assignBlocks) to their home while it stays under
+  // the target and the cap, else to the worker the greedy's score picks.
+  const double mHat = static_cast<double>(totals.tokens) / n;
+  const double cHat = totals.cost > 0 ? totals.cost / n : 1.0;
+  const auto key = [&](int32_t i) {
+    return std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
+                    costs[static_cast<size_t>(i)] / cHat);
+  };
+  std::sort(rest.begin(), rest.end(), [&](int32_t x, int32_t y) {
+    const double kx = key(x), ky = key(y);
+    return kx != ky ? kx > ky : x < y;
+  });
+  detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
+  for (int32_t w = 0; w < n; ++w)
+    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
+  int32_t firstHomeless = -1;
+  for (const int32_t i : rest) {
+    const int64_t mi = tokens[static_cast<size_t>(i)];
+    const double ci = costs[static_cast<size_t>(i)];
+    int32_t w = home[static_cast<size_t>(i)];
+    const auto ws = static_cast<size_t>(w);
+    if (loads.cost[ws] + ci > target || loads.mem[ws] + mi > cap) {
+      w = index.argMin(cap - mi, mi, ci);
+      if (w < 0) {
+        if (firstHomeless < 0) firstHomeless = i;
+        w = static_cast<int32_t>(std::min_element(loads.mem.begin(), loads.mem.end()) -
+                                 loads.mem.begin());
+      }
+      ++result.localityMoves;
+    }
+    result.owner[static_cast<size_t>(i)] = w;
+    loads.addUntracked(w, i, mi, ci);
+    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
+  }
+  if (firstHomeless >= 0 && !repairMemory(loads, result.owner, tokens, costs, cap)) {
+    throwNoRoom(tokens, firstHomeless, cap);
+  }
+  result.memoryRepaired = firstHomeless >= 0;
+  loads.syncTree();
+  result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
+  improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
   return result;
 }
 

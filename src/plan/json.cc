@@ -25,6 +25,8 @@ json configToJson(const PlanConfig& c) {
           {"improve_steps_per_block", c.improveStepsPerBlock},
           {"coalesce", c.coalesce},
           {"buffer_depth", c.bufferDepth},
+          {"placement", std::string(placementName(c.placement))},
+          {"locality_slack", c.localitySlack},
           {"locality", c.locality},
           {"comm_balance_slack", c.commBalanceSlack},
           {"heads_q", c.attention.numHeadsQ},
@@ -98,6 +100,10 @@ PlanConfig configFromJson(const json& j) {
   c.improveStepsPerBlock = field<int64_t>(j, "improve_steps_per_block");
   c.coalesce = field<int64_t>(j, "coalesce");
   c.bufferDepth = field<int64_t>(j, "buffer_depth");
+  // Absent in plans saved before the locality-first placement: those were all LPT.
+  c.placement = j.contains("placement") ? parsePlacement(field<std::string>(j, "placement"))
+                                        : Placement::kLpt;
+  if (j.contains("locality_slack")) c.localitySlack = field<double>(j, "locality_slack");
   c.locality = field<bool>(j, "locality");
   c.commBalanceSlack = field<double>(j, "comm_balance_slack");
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
@@ -174,6 +180,8 @@ std::string planToJson(const Plan& plan) {
                     {"improve_steps", plan.improveSteps},
                     {"comm_balance_steps", plan.commBalanceSteps},
                     {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
+                    {"placement", std::string(placementName(plan.placement))},
+                    {"locality_moves", plan.localityMoves},
                     {"transfers", std::move(transfers)},
                     {"num_rounds", plan.numRounds},
                     {"forward", stagesToJson(plan.forward)},
@@ -245,6 +253,10 @@ Plan planFromJson(std::string_view text) {
   plan.commBalanceSteps = field<int64_t>(doc, "comm_balance_steps");
   plan.movedTokensWithoutLocality = field<int64_t>(doc, "moved_tokens_without_locality");
   plan.numRounds = field<int32_t>(doc, "num_rounds");
+  if (doc.contains("placement")) {
+    plan.placement = parsePlacement(field<std::string>(doc, "placement"));
+    plan.localityMoves = field<int64_t>(doc, "locality_moves");
+  }
   return plan;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <tuple>
 
@@ -32,7 +33,148 @@ DistributorOptions distributorOptions(const PlanConfig& config) {
   o.beta = config.beta;
   o.improveTarget = config.improveTarget;
   o.improveStepsPerBlock = config.improveStepsPerBlock;
+  o.localitySlack = config.localitySlack;
   return o;
+}
+
+/// The user worker holding most of each block's tokens (ties: the lower id).
+std::vector<int32_t> homeWorkers(const Batch& batch, const std::vector<Block>& blocks,
+                                 const std::vector<int64_t>& user) {
+  const std::vector<int64_t> seq = sequenceStarts(batch);
+  std::vector<int32_t> home;
+  home.reserve(blocks.size());
+  std::vector<std::pair<int32_t, int64_t>> held;  // (worker, tokens)
+  for (const Block& b : blocks) {
+    held.clear();
+    for (const Chunk& c : b.chunks) {
+      int64_t at = seq[static_cast<size_t>(c.sequence)] + c.begin;
+      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
+      while (at < end) {
+        const auto w = static_cast<int32_t>(std::upper_bound(user.begin(), user.end(), at) -
+                                            user.begin() - 1);
+        const int64_t stop = std::min(end, user[static_cast<size_t>(w) + 1]);
+        held.push_back({w, stop - at});
+        at = stop;
+      }
+    }
+    std::sort(held.begin(), held.end());
+    int32_t best = -1;
+    int64_t bestTokens = -1;
+    for (size_t i = 0; i < held.size();) {
+      int64_t tokens = 0;
+      size_t j = i;
+      for (; j < held.size() && held[j].first == held[i].first; ++j) tokens += held[j].second;
+      if (tokens > bestTokens) {
+        best = held[i].first;
+        bestTokens = tokens;
+      }
+      i = j;
+    }
+    home.push_back(best);
+  }
+  return home;
+}
+
+/// A plan through the distributor (blocks, pairs, owners, loads), before its transfers.
+struct Placed {
+  Plan plan;
+  std::vector<double> costs;
+  double shardMs = 0, assignMs = 0, balanceMs = 0;
+};
+
+Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+                 std::vector<Block> blocks) {
+  const auto start = std::chrono::steady_clock::now();
+  Placed p;
+  p.plan.config = config;
+  p.plan.batch = batch;
+  p.plan.blocks = std::move(blocks);
+  p.plan.pairs = blockPairs(p.plan.blocks, costModel);
+  p.costs = blockCosts(static_cast<int64_t>(p.plan.blocks.size()), p.plan.pairs);
+  p.shardMs = msSince(start);
+  return p;
+}
+
+void takeAssignment(Placed& p, Assignment a) {
+  p.plan.owner = std::move(a.owner);
+  p.plan.lowerBound = a.lowerBound;
+  p.plan.greedyMaxCost = a.greedyMaxCost;
+  p.plan.improveSteps = a.improveSteps;
+  p.plan.localityMoves = a.localityMoves;
+}
+
+std::vector<int64_t> blockTokens(const std::vector<Block>& blocks) {
+  std::vector<int64_t> tokens;
+  tokens.reserve(blocks.size());
+  for (const Block& b : blocks) tokens.push_back(b.numTokens());
+  return tokens;
+}
+
+/// The paper's placement: Zig-Zag blocks, the LPT greedy and its improvement, communication
+/// balancing, the locality relabelling.
+Placed placeLpt(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+                const DistributorOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  Placed p = placeWith(batch, config, costModel,
+                       shardBatch(batch, config.blockSize, config.attention.mask));
+  p.shardMs = msSince(start);
+  start = std::chrono::steady_clock::now();
+  takeAssignment(p, assignBlocks(blockTokens(p.plan.blocks), p.costs, options));
+  p.plan.placement = Placement::kLpt;
+  p.assignMs = msSince(start);
+  start = std::chrono::steady_clock::now();
+  Plan& plan = p.plan;
+  if (config.commBalanceSlack >= 0) {
+    double busiest = 0;
+    for (const WorkerLoad& l : computeLoads(plan)) busiest = std::max(busiest, l.cost);
+    const double cap = std::max(busiest, plan.lowerBound * (1.0 + config.commBalanceSlack));
+    plan.commBalanceSteps = detail::balanceCommunication(plan, p.costs, cap,
+                                                         memoryCapTokens(options),
+                                                         2 * config.numWorkers);
+  }
+  if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
+  plan.loads = computeLoads(plan);
+  p.balanceMs = msSince(start);
+  return p;
+}
+
+/// The locality-first placement: blocks cut along the user layout, each starting at home.
+Placed placeLocal(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+                  const DistributorOptions& options) {
+  const std::vector<int64_t> user =
+      config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
+                                : config.userStarts;
+  // Blocks are not cut for cost (maxBlockVisible): on the GPU-shaped efficiency curves the
+  // shorter kernels cost more than the balance they buy.
+  const double maxBlockVisible = std::numeric_limits<double>::infinity();
+  auto start = std::chrono::steady_clock::now();
+  Placed p = placeWith(batch, config, costModel,
+                       shardBatchForLayout(batch, config.blockSize, config.attention.mask, user,
+                                           maxBlockVisible));
+  p.shardMs = msSince(start);
+  start = std::chrono::steady_clock::now();
+  takeAssignment(p, assignBlocksNearHome(blockTokens(p.plan.blocks), p.costs,
+                                         homeWorkers(batch, p.plan.blocks, user), options));
+  p.plan.placement = Placement::kLocal;
+  p.plan.loads = computeLoads(p.plan);
+  p.assignMs = msSince(start);
+  return p;
+}
+
+double maxCost(const Plan& plan) {
+  double busiest = 0;
+  for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
+  return busiest;
+}
+
+/// Bytes a step moves (as PlanStats::stepBytes) from the owners alone: the transfers and the
+/// reshuffle they imply.
+int64_t stepBytes(Plan plan) {
+  plan.transfers = buildTransfers(plan);
+  plan.reshuffle = buildReshuffle(plan);
+  int64_t bytes = 0;
+  for (const WorkerTraffic& w : computeTraffic(plan)) bytes += w.forward.sent() + w.backward.sent();
+  return bytes;
 }
 
 void checkTokenCoverage(const Plan& plan, Violations& v) {
@@ -182,6 +324,16 @@ void checkPairs(const Plan& plan, Violations& v) {
 
 }  // namespace
 
+std::string_view placementName(Placement placement) {
+  return placement == Placement::kLocal ? "local" : "lpt";
+}
+
+Placement parsePlacement(std::string_view name) {
+  if (name == "local") return Placement::kLocal;
+  if (name == "lpt") return Placement::kLpt;
+  throwInvalidArgument("unknown placement '", name, "': expected local or lpt");
+}
+
 Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
                PlanTimings* timings) {
   const auto start = std::chrono::steady_clock::now();
@@ -212,37 +364,25 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   if (config.attention.mask != costModel.attention.mask) {
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
   }
-  Plan plan;
-  plan.config = config;
-  plan.batch = batch;
-  plan.blocks = shardBatch(batch, config.blockSize, config.attention.mask);
-  plan.pairs = blockPairs(plan.blocks, costModel);
-  const double shardMs = msSince(start);
-
-  const auto assignStart = std::chrono::steady_clock::now();
-  std::vector<int64_t> tokens;
-  tokens.reserve(plan.blocks.size());
-  for (const Block& b : plan.blocks) tokens.push_back(b.numTokens());
-  const std::vector<double> costs =
-      blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
-  Assignment a = assignBlocks(tokens, costs, distributorOptions(config));
-  plan.owner = std::move(a.owner);
-  plan.lowerBound = a.lowerBound;
-  plan.greedyMaxCost = a.greedyMaxCost;
-  plan.improveSteps = a.improveSteps;
-  const double assignMs = msSince(assignStart);
-
-  const auto balanceStart = std::chrono::steady_clock::now();
-  if (config.commBalanceSlack >= 0) {
-    double busiest = 0;
-    for (const WorkerLoad& l : computeLoads(plan)) busiest = std::max(busiest, l.cost);
-    const double cap = std::max(busiest, plan.lowerBound * (1.0 + config.commBalanceSlack));
-    plan.commBalanceSteps = detail::balanceCommunication(
-        plan, costs, cap, memoryCapTokens(distributorOptions(config)), 2 * config.numWorkers);
+  const DistributorOptions options = distributorOptions(config);
+  Placed lpt = placeLpt(batch, config, costModel, options);
+  double shardMs = lpt.shardMs, assignMs = lpt.assignMs, balanceMs = lpt.balanceMs;
+  if (config.placement == Placement::kLocal) {
+    Placed local = placeLocal(batch, config, costModel, options);
+    shardMs += local.shardMs;
+    assignMs += local.assignMs;
+    const auto chooseStart = std::chrono::steady_clock::now();
+    // The local placement wins when it balances within the slack of the paper's (or better)
+    // and moves no more bytes.
+    const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
+    const double busiestLpt = maxCost(lpt.plan);
+    if (maxCost(local.plan) <= std::max(busiestLpt, lpt.plan.lowerBound * slack) &&
+        stepBytes(local.plan) <= stepBytes(lpt.plan)) {
+      lpt = std::move(local);
+    }
+    balanceMs += msSince(chooseStart);
   }
-  if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
-  plan.loads = computeLoads(plan);
-  const double balanceMs = msSince(balanceStart);
+  Plan plan = std::move(lpt.plan);
 
   const auto transfersStart = std::chrono::steady_clock::now();
   plan.transfers = buildTransfers(plan);
@@ -253,7 +393,8 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   const auto scheduleStart = std::chrono::steady_clock::now();
   buildStages(plan);
   plan.reshuffle = buildReshuffle(plan);
-  if (!config.locality) plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
+  if (plan.placement == Placement::kLocal || !config.locality)
+    plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
   if (timings) {
     timings->shardMs = shardMs;
     timings->assignMs = assignMs;
@@ -275,6 +416,38 @@ std::vector<WorkerLoad> computeLoads(const Plan& plan) {
     loads[static_cast<size_t>(plan.owner[static_cast<size_t>(p.qBlock)])].cost += p.cost;
   }
   return loads;
+}
+
+std::vector<WorkerTraffic> computeTraffic(const Plan& plan) {
+  std::vector<WorkerTraffic> traffic(static_cast<size_t>(plan.config.numWorkers));
+  const AttentionConfig& a = plan.config.attention;
+  const int64_t q = a.qBytesPerToken(), kv = a.kvBytesPerToken();
+  const int64_t lse = a.numHeadsQ * static_cast<int64_t>(sizeof(float));
+  const int64_t kvGrad = 2 * a.numHeadsKv * a.headDim * static_cast<int64_t>(sizeof(float));
+  const auto at = [&](int32_t w) -> WorkerTraffic& { return traffic[static_cast<size_t>(w)]; };
+  for (const ReshufflePiece& p : plan.reshuffle) {
+    if (p.userWorker == p.fcpWorker) continue;
+    const int64_t t = p.end - p.begin;
+    WorkerTraffic& user = at(p.userWorker);
+    WorkerTraffic& fcp = at(p.fcpWorker);
+    user.forward.reshuffleSent += t * (q + kv);  // Q, K, V in
+    fcp.forward.reshuffleReceived += t * (q + kv);
+    fcp.forward.reshuffleSent += t * (q + lse);  // O and LSE out
+    user.forward.reshuffleReceived += t * (q + lse);
+    user.backward.reshuffleSent += t * q;  // dO in
+    fcp.backward.reshuffleReceived += t * q;
+    fcp.backward.reshuffleSent += t * (q + kv);  // dQ, dK, dV out
+    user.backward.reshuffleReceived += t * (q + kv);
+  }
+  for (const Transfer& t : plan.transfers) {
+    const int64_t tokens = plan.blocks[static_cast<size_t>(t.block)].numTokens();
+    for (PassTraffic* pass : {&at(t.sender).forward, &at(t.sender).backward}) pass->kvSent += t.bytes;
+    for (PassTraffic* pass : {&at(t.receiver).forward, &at(t.receiver).backward})
+      pass->kvReceived += t.bytes;
+    at(t.receiver).backward.kvSent += tokens * kvGrad;  // the dK/dV partial goes back
+    at(t.sender).backward.kvReceived += tokens * kvGrad;
+  }
+  return traffic;
 }
 
 PlanStats computeStats(const Plan& plan) {
@@ -317,6 +490,10 @@ PlanStats computeStats(const Plan& plan) {
   s.sumRoundMaxima = sumOfRoundMaxima(edges, coloring);
   s.maxDegree = maxDegree(numWorkers, edges);
   s.numForwardStages = plan.forward.empty() ? 0 : static_cast<int32_t>(plan.forward.front().size());
+  for (const WorkerTraffic& w : computeTraffic(plan)) {
+    s.stepBytes += w.forward.sent() + w.backward.sent();
+    s.maxWorkerStepBytes = std::max(s.maxWorkerStepBytes, w.forward.busier() + w.backward.busier());
+  }
   return s;
 }
 

@@ -1,6 +1,7 @@
 #include "fcp/plan/sharding.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <tuple>
 
@@ -41,39 +42,50 @@ void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, Mas
   }
 }
 
-/// First-fit decreasing over the short sequences. Bins live in a max-segment tree of free
-/// space over slots 0..S-1 (not yet opened slots are empty, so created bins are a prefix):
-/// the first bin with room is found by one descent, O(S log S) in all.
-void appendPackedSequences(const Batch& batch, int64_t blockSize, std::vector<Block>& blocks) {
-  std::vector<int32_t> shortSequences;
-  for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
-    if (batch.sequenceLengths[static_cast<size_t>(s)] < blockSize) shortSequences.push_back(s);
-  }
-  if (shortSequences.empty()) return;
-  std::stable_sort(shortSequences.begin(), shortSequences.end(), [&](int32_t a, int32_t b) {
-    return batch.sequenceLengths[static_cast<size_t>(a)] >
-           batch.sequenceLengths[static_cast<size_t>(b)];
-  });
+/// First-fit decreasing of `items` (chunks under blockSize tokens) into blocks of at most
+/// blockSize tokens, appended to `blocks`. Bins live in a max-segment tree of free space over
+/// slots 0..S-1 (not yet opened slots are empty, so created bins are a prefix): the first bin
+/// with room is found by one descent, O(S log S) in all. Ties keep the items' order.
+void appendPacked(std::vector<Chunk> items, int64_t blockSize, std::vector<Block>& blocks) {
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Chunk& a, const Chunk& b) { return a.numTokens() > b.numTokens(); });
   size_t leaves = 1;
-  while (leaves < shortSequences.size()) leaves *= 2;
+  while (leaves < items.size()) leaves *= 2;
   std::vector<int64_t> freeMax(2 * leaves, blockSize);
   std::vector<Block> bins;
-  for (int32_t s : shortSequences) {
-    const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
+  for (const Chunk& item : items) {
+    const int64_t len = item.numTokens();
     size_t node = 1;
     while (node < leaves) node = freeMax[2 * node] >= len ? 2 * node : 2 * node + 1;
     const size_t slot = node - leaves;
     if (slot == bins.size()) bins.emplace_back();
-    bins[slot].chunks.push_back({s, 0, len});
+    bins[slot].chunks.push_back(item);
     freeMax[node] -= len;
     for (node /= 2; node >= 1; node /= 2)
       freeMax[node] = std::max(freeMax[2 * node], freeMax[2 * node + 1]);
   }
   for (Block& bin : bins) {
-    // Order a packed block's sequences by index so the token layout inside it is canonical.
-    std::sort(bin.chunks.begin(), bin.chunks.end(),
-              [](const Chunk& a, const Chunk& b) { return a.sequence < b.sequence; });
+    // Order a packed block's chunks by position so the token layout inside it is canonical.
+    std::sort(bin.chunks.begin(), bin.chunks.end(), [](const Chunk& a, const Chunk& b) {
+      return std::tie(a.sequence, a.begin) < std::tie(b.sequence, b.begin);
+    });
     blocks.push_back(std::move(bin));
+  }
+}
+
+void checkShardInput(const Batch& batch, int64_t blockSize) {
+  if (blockSize <= 0) throwInvalidArgument("invalid block size ", blockSize, ": expected > 0");
+  checkBatch(batch);
+  if (batch.sequenceLengths.size() > static_cast<size_t>(INT32_MAX)) {
+    throwInvalidArgument("batch has ", batch.sequenceLengths.size(),
+                         " sequences: expected fewer than 2^31");
+  }
+}
+
+void checkBlockCount(const std::vector<Block>& blocks) {
+  if (blocks.size() > static_cast<size_t>(INT32_MAX)) {
+    throwInvalidArgument("batch makes ", blocks.size(), " blocks: expected fewer than 2^31");
   }
 }
 
@@ -86,21 +98,119 @@ int64_t Block::numTokens() const {
 }
 
 std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask) {
-  if (blockSize <= 0) throwInvalidArgument("invalid block size ", blockSize, ": expected > 0");
-  checkBatch(batch);
-  if (batch.sequenceLengths.size() > static_cast<size_t>(INT32_MAX)) {
-    throwInvalidArgument("batch has ", batch.sequenceLengths.size(),
-                         " sequences: expected fewer than 2^31");
-  }
+  checkShardInput(batch, blockSize);
   std::vector<Block> blocks;
+  std::vector<Chunk> shortSequences;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
     const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
-    if (len >= blockSize) appendLongSequence(s, len, blockSize, mask, blocks);
+    if (len >= blockSize) {
+      appendLongSequence(s, len, blockSize, mask, blocks);
+    } else {
+      shortSequences.push_back({s, 0, len});
+    }
   }
-  appendPackedSequences(batch, blockSize, blocks);
-  if (blocks.size() > static_cast<size_t>(INT32_MAX)) {
-    throwInvalidArgument("batch makes ", blocks.size(), " blocks: expected fewer than 2^31");
+  appendPacked(std::move(shortSequences), blockSize, blocks);
+  checkBlockCount(blocks);
+  return blocks;
+}
+
+double visibleInBatch(const Batch& batch, MaskKind mask) {
+  double total = 0;
+  for (const int64_t len : batch.sequenceLengths) {
+    const auto l = static_cast<double>(len);
+    total += mask == MaskKind::kCausal ? l * (l + 1) / 2 : l * l;
   }
+  return total;
+}
+
+namespace {
+
+/// The longest block starting at `position` of a sequence of `length` whose visible entries
+/// stay within `limit` (at least 1).
+int64_t longestWithin(MaskKind mask, int64_t position, int64_t length, double limit) {
+  double b = 0;
+  if (mask == MaskKind::kCausal) {
+    // b·p + b(b+1)/2 <= limit
+    const double p = static_cast<double>(position) + 0.5;
+    b = std::sqrt(p * p + 2 * limit) - p;
+  } else {
+    b = limit / static_cast<double>(length);
+  }
+  return std::max<int64_t>(1, static_cast<int64_t>(std::min(b, 1e18)));
+}
+
+}  // namespace
+
+std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, MaskKind mask,
+                                       const std::vector<int64_t>& userStarts,
+                                       double maxBlockVisible) {
+  checkShardInput(batch, blockSize);
+  if (userStarts.size() < 2 || userStarts.front() != 0 ||
+      userStarts.back() != batch.numTokens()) {
+    throwInvalidArgument("user layout of ", userStarts.size(),
+                         " slice starts does not cover the batch's ", batch.numTokens(),
+                         " tokens");
+  }
+  const size_t numWorkers = userStarts.size() - 1;
+  const int64_t minBlock = std::max<int64_t>(1, blockSize / 4);
+  std::vector<Block> blocks;
+  std::vector<std::vector<Chunk>> shortPieces(numWorkers);
+  struct Piece {
+    size_t worker;
+    int64_t begin, end;
+  };
+  std::vector<Piece> pieces;
+  int64_t first = 0;  // the sequence's first token in the packed stream
+  size_t worker = 0;  // the user worker holding token `first`
+  for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
+    const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
+    while (userStarts[worker + 1] <= first) ++worker;
+    // Each worker's piece of the sequence is cut into contiguous blocks (pieces under a
+    // block pack with that worker's other short pieces): no block draws tokens from two
+    // workers. Contiguous, not Zig-Zag, even for a sequence on one worker: a causal
+    // sequence's later blocks carry more work per token, so when balance must move work, the
+    // fewest tokens move. Where a block of blockSize would see more than maxBlockVisible
+    // entries (late in a long causal sequence) it is cut shorter, down to blockSize / 4.
+    pieces.clear();
+    for (size_t w = worker; w < numWorkers && userStarts[w] < first + len; ++w) {
+      const int64_t begin = std::max(first, userStarts[w]) - first;
+      const int64_t end = std::min(first + len, userStarts[w + 1]) - first;
+      if (end > begin) pieces.push_back({w, begin, end});
+    }
+    // A piece under a block at either end of a sequence split across workers joins its
+    // neighbour's: a few tokens move rather than a kernel running on a short piece (at the
+    // end of a long causal sequence, the densest).
+    if (pieces.size() > 1 && pieces.front().end - pieces.front().begin < blockSize) {
+      pieces[1].begin = pieces.front().begin;
+      pieces.erase(pieces.begin());
+    }
+    if (pieces.size() > 1 && pieces.back().end - pieces.back().begin < blockSize) {
+      pieces[pieces.size() - 2].end = pieces.back().end;
+      pieces.pop_back();
+    }
+    for (const auto& [w, begin, end] : pieces) {
+      const int64_t longest = std::max(
+          minBlock, std::min(blockSize, longestWithin(mask, begin, len, maxBlockVisible)));
+      if (end - begin < blockSize && end - begin <= longest) {
+        shortPieces[w].push_back({s, begin, end});
+        continue;
+      }
+      for (int64_t at = begin; at < end;) {
+        const int64_t size = std::min(
+            end - at, std::max(minBlock, std::min(blockSize, longestWithin(mask, at, len,
+                                                                           maxBlockVisible))));
+        // Near-equal pieces where nothing else limits them (as shardBatch's).
+        const int64_t k = (end - at + size - 1) / size;
+        const int64_t even = (end - at + k - 1) / k;
+        const int64_t take = std::min(size, even);
+        blocks.push_back(Block{{Chunk{s, at, at + take}}});
+        at += take;
+      }
+    }
+    first += len;
+  }
+  for (auto& pieces : shortPieces) appendPacked(std::move(pieces), blockSize, blocks);
+  checkBlockCount(blocks);
   return blocks;
 }
 

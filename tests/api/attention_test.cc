@@ -30,6 +30,8 @@ struct Problem {
   Layout layout = Layout::kTransparent;
   std::string strategy = "fcp";
   int64_t blockSize = 64;
+  plan::Placement placement = plan::Placement::kLocal;
+  double localitySlack = 0.01;
 };
 
 struct Whole {  // whole-batch tensors, fp32 (bf16-rounded when the problem is bf16)
@@ -97,6 +99,8 @@ BatchOptions optionsFor(const Problem& p, int rank) {
   o.strategy = p.strategy;
   o.planConfig.blockSize = p.blockSize;
   o.planConfig.coalesce = 2;
+  o.planConfig.placement = p.placement;
+  o.planConfig.localitySlack = p.localitySlack;
   return o;
 }
 
@@ -106,9 +110,14 @@ struct Outputs {
 
 // One rank's share of `layers` attention layers (forward 0..L-1, then backward L-1..0) over
 // one batch; writes this rank's rows of every layer's outputs into `out` (the whole batch).
+// Ranks whose plan used the locality-first placement, over all runs.
+std::atomic<int> localPlacements{0};
+
 void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
              std::vector<Outputs>& out) {
   AttentionBatch batch(t, optionsFor(p, t.rank()));
+  if (batch.plan().placement == plan::Placement::kLocal) ++localPlacements;
+  if (p.placement == plan::Placement::kLpt) EXPECT_EQ(batch.plan().placement, plan::Placement::kLpt);
   const int64_t b = p.starts[static_cast<size_t>(t.rank())],
                 e = p.starts[static_cast<size_t>(t.rank()) + 1];
   const int64_t qw = p.hq * p.dim, kw = p.hkv * p.dim;
@@ -155,6 +164,16 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
     keep(dq, out[l].dq, qw);
     keep(dk, out[l].dk, kw);
     keep(dv, out[l].dv, kw);
+  }
+  // The plan's account of each pass's bytes is what the runtime put on the wire (transparent
+  // layout: the reshuffle runs in every layer; these are the last layer's passes).
+  if (!dispatched && layers > 0) {
+    const plan::WorkerTraffic mine =
+        plan::computeTraffic(batch.plan())[static_cast<size_t>(t.rank())];
+    EXPECT_EQ(batch.forwardStats().sentBytes, mine.forward.sent()) << "rank " << t.rank();
+    EXPECT_EQ(batch.forwardStats().recvBytes, mine.forward.received()) << "rank " << t.rank();
+    EXPECT_EQ(batch.backwardStats().sentBytes, mine.backward.sent()) << "rank " << t.rank();
+    EXPECT_EQ(batch.backwardStats().recvBytes, mine.backward.received()) << "rank " << t.rank();
   }
 }
 
@@ -233,6 +252,32 @@ INSTANTIATE_TEST_SUITE_P(StrategiesAndRanks, StrategyTest,
                                                               "magi", "megatron", "fcp-base",
                                                               "fcp-coalesce"),
                                             ::testing::Values(1, 2, 3, 5)));
+
+// The locality-first placement and the paper's, each forced, on batches that need work moved
+// (one long causal sequence beside short ones) and that need none.
+TEST(AttentionBatchTest, BothPlacementsMatchTheReference) {
+  Rng rng(77);
+  localPlacements = 0;
+  for (const auto placement : {plan::Placement::kLocal, plan::Placement::kLpt}) {
+    for (const int ranks : {2, 3}) {
+      for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+        Problem p;
+        p.lengths = randomLengths(rng, 300, 60);
+        p.lengths.insert(p.lengths.begin() + 1, 260);
+        p.starts = plan::userLayoutStarts(cuOf(p.lengths).back(), ranks);
+        p.mask = mask;
+        p.placement = placement;
+        p.localitySlack = 1.0;  // the local placement whenever it moves fewer bytes
+        const Whole in = randomInputs(p, rng.next());
+        expectMatchesReference(p, in, run(p, {in})[0], 1e-5,
+                               std::string(plan::placementName(placement)) + " " +
+                                   std::to_string(ranks) + " ranks " +
+                                   std::string(maskName(mask)));
+      }
+    }
+  }
+  EXPECT_GE(localPlacements, 6) << "the local placement should win most of these batches";
+}
 
 TEST(AttentionBatchTest, AnyCallerSplitMatchesTheReference) {
   Rng rng(99);

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
+#include <set>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
@@ -165,6 +167,81 @@ TEST(ShardingTest, RejectsBadBlockSize) {
   EXPECT_THROW(shardBatch(Batch{{10}}, 0, MaskKind::kCausal), Error);
   EXPECT_THROW(shardBatch(Batch{{10}}, -4, MaskKind::kCausal), Error);
   EXPECT_THROW(shardBatch(Batch{{10, 0}}, 4, MaskKind::kCausal), Error);
+}
+
+}  // namespace
+}  // namespace fcp::plan
+
+namespace fcp::plan {
+namespace {
+
+// shardBatchForLayout: every token in exactly one block, no block over the block size, and
+// where each sequence lies inside one worker's slice, no block draws from two slices.
+TEST(ShardForLayoutTest, CoversEveryTokenAndKeepsBlocksInsideSlices) {
+  Rng rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    Batch batch;
+    const int numSequences = 1 + static_cast<int>(rng.next() % 12);
+    for (int s = 0; s < numSequences; ++s)
+      batch.sequenceLengths.push_back(1 + static_cast<int64_t>(rng.next() % 300));
+    const int64_t total = batch.numTokens();
+    const int workers = 1 + static_cast<int>(rng.next() % 5);
+    const bool aligned = trial % 2 == 0;  // slices end at sequence boundaries
+    std::vector<int64_t> starts{0};
+    for (int w = 1; w < workers; ++w) {
+      int64_t cut = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(total + 1));
+      if (aligned) {
+        int64_t at = 0;
+        for (const int64_t len : batch.sequenceLengths) {
+          if (at + len > cut) break;
+          at += len;
+        }
+        cut = at;
+      }
+      starts.push_back(cut);
+    }
+    std::sort(starts.begin(), starts.end());
+    starts.push_back(total);
+    const int64_t blockSize = 1 + static_cast<int64_t>(rng.next() % 64);
+    const MaskKind mask = trial % 3 == 0 ? MaskKind::kFull : MaskKind::kCausal;
+    const auto blocks = shardBatchForLayout(batch, blockSize, mask, starts,
+                                            std::numeric_limits<double>::infinity());
+    std::vector<int> seen(static_cast<size_t>(total), 0);
+    std::vector<int64_t> first(batch.sequenceLengths.size() + 1, 0);
+    for (size_t s = 0; s < batch.sequenceLengths.size(); ++s)
+      first[s + 1] = first[s] + batch.sequenceLengths[s];
+    for (const Block& b : blocks) {
+      EXPECT_LE(b.numTokens(), blockSize);
+      std::set<int64_t> slices;
+      for (const Chunk& c : b.chunks) {
+        for (int64_t t = c.begin; t < c.end; ++t) {
+          const int64_t g = first[static_cast<size_t>(c.sequence)] + t;
+          ++seen[static_cast<size_t>(g)];
+          slices.insert(std::upper_bound(starts.begin(), starts.end(), g) - starts.begin());
+        }
+      }
+      if (aligned) {
+        EXPECT_EQ(slices.size(), 1u) << "trial " << trial;
+      }
+    }
+    for (int64_t t = 0; t < total; ++t) ASSERT_EQ(seen[static_cast<size_t>(t)], 1) << "token " << t;
+  }
+}
+
+// A block that would see more entries than the limit is cut shorter, down to a quarter block.
+TEST(ShardForLayoutTest, CutsBlocksThatSeeTooMuch) {
+  const Batch batch{{4096}};
+  const auto blocks =
+      shardBatchForLayout(batch, 1024, MaskKind::kCausal, {0, 4096}, 1024.0 * 1024.0);
+  int64_t smallest = 1024;
+  for (const Block& b : blocks) {
+    const Chunk& c = b.chunks.front();
+    smallest = std::min(smallest, b.numTokens());
+    EXPECT_TRUE(visibleEntries(MaskKind::kCausal, c.begin, c.end, 0, c.end) <= 1024 * 1024 ||
+                b.numTokens() <= 256)
+        << "[" << c.begin << ", " << c.end << ")";
+  }
+  EXPECT_LE(smallest, 256);
 }
 
 }  // namespace

@@ -33,6 +33,9 @@ struct DistributorOptions {
   double improveTarget = 0.001;
   /// At most this many improvement steps per block (a deterministic budget).
   int64_t improveStepsPerBlock = 4;
+  /// assignBlocksNearHome: how far above LB the busiest worker may stay rather than move
+  /// another block (fewer bytes for a little compute).
+  double localitySlack = 0.01;
 };
 
 struct Assignment {
@@ -43,6 +46,8 @@ struct Assignment {
   /// The greedy found no room for some block (large blocks against a tight cap) and moves and
   /// swaps had to bring every worker back under the cap before the improvement pass.
   bool memoryRepaired = false;
+  /// assignBlocksNearHome: blocks moved off their home workers to shed excess work.
+  int64_t localityMoves = 0;
 };
 
 /// The cap in tokens: floor(M · (1 + δ)).
@@ -54,5 +59,20 @@ int64_t memoryCapTokens(const DistributorOptions& options);
 /// or swaps could make room (naming the block).
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
+
+/// Locality first: every block starts on `home[i]` (the worker whose user-layout slice holds
+/// its tokens), so nothing moves unless balance needs it. If the layout puts a worker over the
+/// cap, moves and swaps first bring it under (as the greedy's repair does). Then every worker
+/// above LB · (1 + improveTarget) sheds work, in descending load: its densest blocks first (the
+/// most cost per token, so the fewest tokens move), each to the least-loaded worker with room
+/// that stays under the target, skipping blocks larger than what is left to shed; then, if it
+/// is still above LB · (1 + localitySlack), the block with the fewest tokens that brings it
+/// under. The improvement pass above then runs with LB · (1 + localitySlack) as its target
+/// (greedyMaxCost is the home assignment's busiest worker). Same checks and errors as
+/// assignBlocks.
+Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
+                                const std::vector<double>& costs,
+                                const std::vector<int32_t>& home,
+                                const DistributorOptions& options);
 
 }  // namespace fcp::plan

@@ -3,8 +3,10 @@
 /// and what must be computed. Deterministic (same inputs, same plan on every rank), JSON
 /// serialisable, and checked by `validate`.
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fcp/core/config.h"
@@ -20,6 +22,21 @@ namespace fcp::plan {
 inline constexpr int64_t kMaxWorkers = int64_t{1} << 24;
 inline constexpr int64_t kMaxCoalesce = int64_t{1} << 20;
 inline constexpr int64_t kMaxBufferDepth = 1024;
+
+/// How blocks are cut and placed.
+enum class Placement {
+  /// Locality first (the default): sharding follows the user layout (shardBatchForLayout),
+  /// every block starts where its tokens are, and only the work balance needs moves
+  /// (assignBlocksNearHome). When that cannot balance as well as the paper's method, the
+  /// paper's method is used instead (the plan's `placement` says which).
+  kLocal,
+  /// The paper's §4.1: Zig-Zag sharding, the LPT greedy and its improvement pass, then the
+  /// communication balancing and the locality relabelling (when `locality`).
+  kLpt,
+};
+std::string_view placementName(Placement placement);
+/// Throws Error(kInvalidArgument) naming `name` unless it is "local" or "lpt".
+Placement parsePlacement(std::string_view name);
 
 /// Everything the planner was asked for.
 struct PlanConfig {
@@ -38,7 +55,12 @@ struct PlanConfig {
   int64_t coalesce = 16;
   /// Groups of remote KV a worker may hold at once; 2 is the least that overlaps.
   int64_t bufferDepth = 3;
-  /// Locality preference: the distributor's workers are interchangeable (any relabelling of
+  Placement placement = Placement::kLocal;
+  /// Local placement: how far above the lower bound the busiest worker may stay rather than
+  /// move another block (see assignBlocksNearHome); the paper's placement is used instead if
+  /// it balances better than this.
+  double localitySlack = 0.01;
+  /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
   /// them balances the same), so they are relabelled to keep blocks where the user layout
   /// already holds most of their tokens, shrinking the reshuffle.
   bool locality = true;
@@ -85,6 +107,10 @@ struct Plan {
   int64_t commBalanceSteps = 0;  ///< swaps applied by communication balancing
   /// Tokens the reshuffle would move off-worker without the locality relabelling.
   int64_t movedTokensWithoutLocality = 0;
+  /// The placement that made `owner`: config.placement, or kLpt where kLocal fell back.
+  Placement placement = Placement::kLpt;
+  /// kLocal: blocks moved off their home workers to balance work.
+  int64_t localityMoves = 0;
 
   std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
   int32_t numRounds = 0;                     ///< Δ of the transfer graph
@@ -116,6 +142,28 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
 /// Per-worker loads recomputed from a plan's blocks, pairs and owners.
 std::vector<WorkerLoad> computeLoads(const Plan& plan);
 
+/// Bytes one worker sends and receives in one pass, by kind: the reshuffle in and out of the
+/// FCP layout (transparent layout, once per layer; forward Q, K, V in and O, LSE out; backward
+/// dO in and dQ, dK, dV out) and the KV transfers (backward: KV again, and the fp32 dK/dV
+/// partials going back). These are the bytes the runtime puts on the wire.
+struct PassTraffic {
+  int64_t reshuffleSent = 0;
+  int64_t reshuffleReceived = 0;
+  int64_t kvSent = 0;
+  int64_t kvReceived = 0;
+  int64_t sent() const { return reshuffleSent + kvSent; }
+  int64_t received() const { return reshuffleReceived + kvReceived; }
+  /// What bounds the pass's time on a full-duplex link: the larger direction.
+  int64_t busier() const { return std::max(sent(), received()); }
+  friend bool operator==(const PassTraffic&, const PassTraffic&) = default;
+};
+struct WorkerTraffic {
+  PassTraffic forward;
+  PassTraffic backward;
+};
+/// Per worker, from the plan's reshuffle pieces and transfers.
+std::vector<WorkerTraffic> computeTraffic(const Plan& plan);
+
 /// Summary numbers of a plan.
 struct PlanStats {
   double computeImbalance = 0;  ///< (max - mean) / max of worker cost
@@ -133,6 +181,10 @@ struct PlanStats {
   int64_t sumRoundMaxima = 0;      ///< Σ over rounds of the largest transfer
   int32_t maxDegree = 0;
   int32_t numForwardStages = 0;
+  /// Every byte sent in a step (both passes, reshuffle and KV, all workers).
+  int64_t stepBytes = 0;
+  /// The busiest worker's bytes: max over workers of Σ over passes of the busier direction.
+  int64_t maxWorkerStepBytes = 0;
 };
 PlanStats computeStats(const Plan& plan);
 
