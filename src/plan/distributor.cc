@@ -436,49 +436,51 @@ std::vector<int32_t> keepLeastDense(Loads& loads, std::vector<int32_t>& owner,
 
 }  // namespace
 
-Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
-                        const DistributorOptions& options) {
-  checkOptions(options, tokens.size(), costs.size());
+namespace {
+
+/// The greedy of §4.1 over `order`'s blocks (the others already placed in `loads`): blocks in
+/// descending max(m_i / m̂, c_i / ĉ) (ties: lower id), each to `home[i]` when `home` is given
+/// and that worker stays under `homeTarget` and the cap, else to the worker minimising the
+/// score among those with room. A block no worker has room for goes to the emptiest worker,
+/// and repairMemory must then bring every worker back under the cap. Sets greedyMaxCost and
+/// memoryRepaired; counts blocks placed away from `home` in localityMoves.
+void placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& tokens,
+                   const std::vector<double>& costs, const std::vector<int32_t>* home,
+                   double homeTarget, const Totals& totals, const DistributorOptions& options,
+                   int64_t cap, Loads& loads, Assignment& result) {
   const auto n = static_cast<int32_t>(options.numWorkers);
-  const int64_t cap = memoryCapTokens(options);
-  const auto numBlocks = static_cast<int32_t>(tokens.size());
-  const Totals totals = checkTotals(tokens, costs, n, cap);
-  const int64_t totalTokens = totals.tokens;
-  const double totalCost = totals.cost;
-
-  Assignment result;
-  result.owner.assign(static_cast<size_t>(numBlocks), -1);
-  result.lowerBound = std::max(totals.maxBlockCost, totalCost / n);
-  if (numBlocks == 0) return result;
-
-  const double mHat = static_cast<double>(totalTokens) / n;
-  const double cHat = totalCost > 0 ? totalCost / n : 1.0;
-  std::vector<int32_t> order(static_cast<size_t>(numBlocks));
-  std::iota(order.begin(), order.end(), 0);
-  std::vector<double> key(static_cast<size_t>(numBlocks));
-  for (int32_t i = 0; i < numBlocks; ++i) {
-    key[static_cast<size_t>(i)] = std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
-                                           costs[static_cast<size_t>(i)] / cHat);
-  }
+  const double mHat = static_cast<double>(totals.tokens) / n;
+  const double cHat = totals.cost > 0 ? totals.cost / n : 1.0;
+  const auto key = [&](int32_t i) {
+    return std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
+                    costs[static_cast<size_t>(i)] / cHat);
+  };
   std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    const double ka = key[static_cast<size_t>(a)], kb = key[static_cast<size_t>(b)];
+    const double ka = key(a), kb = key(b);
     return ka != kb ? ka > kb : a < b;
   });
-
-  Loads loads(n);
-  const double a = options.alpha / mHat, b = options.beta / cHat;
-  detail::ScoreIndex index(n, a, b);
+  detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
+  for (int32_t w = 0; home && w < n; ++w)  // blocks kept at home are already placed
+    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   int32_t firstHomeless = -1;
-  for (int32_t i : order) {
+  for (const int32_t i : order) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
-    int32_t w = index.argMin(cap - mi, mi, ci);
+    int32_t w = home ? (*home)[static_cast<size_t>(i)] : -1;
+    if (w >= 0 && (loads.cost[static_cast<size_t>(w)] + ci > homeTarget ||
+                   loads.mem[static_cast<size_t>(w)] + mi > cap)) {
+      w = -1;
+    }
+    if (w < 0) {
+      if (home) ++result.localityMoves;
+      w = index.argMin(cap - mi, mi, ci);
+    }
     if (w < 0) {
       // No room anywhere: the greedy has painted itself into a corner (large blocks against a
-      // tight cap). Place the block on the emptiest worker for now; repairMemory below must
-      // then bring every worker back under the cap.
+      // tight cap). Place the block on the emptiest worker for now.
       if (firstHomeless < 0) firstHomeless = i;
-      w = static_cast<int32_t>(std::min_element(loads.mem.begin(), loads.mem.end()) - loads.mem.begin());
+      w = static_cast<int32_t>(std::min_element(loads.mem.begin(), loads.mem.end()) -
+                               loads.mem.begin());
     }
     result.owner[static_cast<size_t>(i)] = w;
     loads.addUntracked(w, i, mi, ci);  // the greedy reads the index, not the tree
@@ -490,12 +492,30 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   result.memoryRepaired = firstHomeless >= 0;
   loads.syncTree();
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
+}
 
+}  // namespace
+
+Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                        const DistributorOptions& options) {
+  checkOptions(options, tokens.size(), costs.size());
+  const auto n = static_cast<int32_t>(options.numWorkers);
+  const int64_t cap = memoryCapTokens(options);
+  const auto numBlocks = static_cast<int32_t>(tokens.size());
+  const Totals totals = checkTotals(tokens, costs, n, cap);
+
+  Assignment result;
+  result.owner.assign(static_cast<size_t>(numBlocks), -1);
+  result.lowerBound = std::max(totals.maxBlockCost, totals.cost / n);
+  if (numBlocks == 0) return result;
+  std::vector<int32_t> order(static_cast<size_t>(numBlocks));
+  std::iota(order.begin(), order.end(), 0);
+  Loads loads(n);
+  placeGreedily(std::move(order), tokens, costs, nullptr, 0, totals, options, cap, loads, result);
   improve(loads, result, tokens, costs, cap, result.lowerBound * (1.0 + options.improveTarget),
           options.improveStepsPerBlock * numBlocks);
   return result;
 }
-
 
 Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
                                 const std::vector<double>& costs,
@@ -519,51 +539,13 @@ Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
   const double target = result.lowerBound * (1.0 + options.improveTarget);
   const double tolerance = result.lowerBound * (1.0 + std::max(options.improveTarget,
                                                                options.localitySlack));
-  // 1. Each worker keeps its least dense home blocks up to most of the target (the rest of
-  // its room is left for the greedy to fill precisely) ...
+  // Each worker keeps its least dense home blocks up to most of the target (the rest of its
+  // room is left for the greedy to fill precisely); the rest go through the greedy, home first.
   Loads loads(n);
   std::vector<int32_t> rest = keepLeastDense(loads, result.owner, tokens, costs, home,
                                              target * (1.0 - kLocalityReserve), cap);
-  // 2. ... and the rest go in LPT order (as assignBlocks) to their home while it stays under
-  // the target and the cap, else to the worker the greedy's score picks.
-  const double mHat = static_cast<double>(totals.tokens) / n;
-  const double cHat = totals.cost > 0 ? totals.cost / n : 1.0;
-  const auto key = [&](int32_t i) {
-    return std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
-                    costs[static_cast<size_t>(i)] / cHat);
-  };
-  std::sort(rest.begin(), rest.end(), [&](int32_t x, int32_t y) {
-    const double kx = key(x), ky = key(y);
-    return kx != ky ? kx > ky : x < y;
-  });
-  detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
-  for (int32_t w = 0; w < n; ++w)
-    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
-  int32_t firstHomeless = -1;
-  for (const int32_t i : rest) {
-    const int64_t mi = tokens[static_cast<size_t>(i)];
-    const double ci = costs[static_cast<size_t>(i)];
-    int32_t w = home[static_cast<size_t>(i)];
-    const auto ws = static_cast<size_t>(w);
-    if (loads.cost[ws] + ci > target || loads.mem[ws] + mi > cap) {
-      w = index.argMin(cap - mi, mi, ci);
-      if (w < 0) {
-        if (firstHomeless < 0) firstHomeless = i;
-        w = static_cast<int32_t>(std::min_element(loads.mem.begin(), loads.mem.end()) -
-                                 loads.mem.begin());
-      }
-      ++result.localityMoves;
-    }
-    result.owner[static_cast<size_t>(i)] = w;
-    loads.addUntracked(w, i, mi, ci);
-    index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
-  }
-  if (firstHomeless >= 0 && !repairMemory(loads, result.owner, tokens, costs, cap)) {
-    throwNoRoom(tokens, firstHomeless, cap);
-  }
-  result.memoryRepaired = firstHomeless >= 0;
-  loads.syncTree();
-  result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
+  placeGreedily(std::move(rest), tokens, costs, &home, target, totals, options, cap, loads,
+                result);
   improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
   return result;
 }

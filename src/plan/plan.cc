@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <sstream>
 #include <tuple>
 
@@ -84,14 +83,12 @@ struct Placed {
 
 Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
                  std::vector<Block> blocks) {
-  const auto start = std::chrono::steady_clock::now();
   Placed p;
   p.plan.config = config;
   p.plan.batch = batch;
   p.plan.blocks = std::move(blocks);
   p.plan.pairs = blockPairs(p.plan.blocks, costModel);
   p.costs = blockCosts(static_cast<int64_t>(p.plan.blocks.size()), p.plan.pairs);
-  p.shardMs = msSince(start);
   return p;
 }
 
@@ -144,13 +141,9 @@ Placed placeLocal(const Batch& batch, const PlanConfig& config, const CostModel&
   const std::vector<int64_t> user =
       config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
                                 : config.userStarts;
-  // Blocks are not cut for cost (maxBlockVisible): on the GPU-shaped efficiency curves the
-  // shorter kernels cost more than the balance they buy.
-  const double maxBlockVisible = std::numeric_limits<double>::infinity();
   auto start = std::chrono::steady_clock::now();
   Placed p = placeWith(batch, config, costModel,
-                       shardBatchForLayout(batch, config.blockSize, config.attention.mask, user,
-                                           maxBlockVisible));
+                       shardBatchForLayout(batch, config.blockSize, user));
   p.shardMs = msSince(start);
   start = std::chrono::steady_clock::now();
   takeAssignment(p, assignBlocksNearHome(blockTokens(p.plan.blocks), p.costs,

@@ -1,7 +1,6 @@
 #include "fcp/plan/sharding.h"
 
 #include <algorithm>
-#include <cmath>
 #include <numeric>
 #include <tuple>
 
@@ -114,36 +113,8 @@ std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind ma
   return blocks;
 }
 
-double visibleInBatch(const Batch& batch, MaskKind mask) {
-  double total = 0;
-  for (const int64_t len : batch.sequenceLengths) {
-    const auto l = static_cast<double>(len);
-    total += mask == MaskKind::kCausal ? l * (l + 1) / 2 : l * l;
-  }
-  return total;
-}
-
-namespace {
-
-/// The longest block starting at `position` of a sequence of `length` whose visible entries
-/// stay within `limit` (at least 1).
-int64_t longestWithin(MaskKind mask, int64_t position, int64_t length, double limit) {
-  double b = 0;
-  if (mask == MaskKind::kCausal) {
-    // b·p + b(b+1)/2 <= limit
-    const double p = static_cast<double>(position) + 0.5;
-    b = std::sqrt(p * p + 2 * limit) - p;
-  } else {
-    b = limit / static_cast<double>(length);
-  }
-  return std::max<int64_t>(1, static_cast<int64_t>(std::min(b, 1e18)));
-}
-
-}  // namespace
-
-std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, MaskKind mask,
-                                       const std::vector<int64_t>& userStarts,
-                                       double maxBlockVisible) {
+std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
+                                       const std::vector<int64_t>& userStarts) {
   checkShardInput(batch, blockSize);
   if (userStarts.size() < 2 || userStarts.front() != 0 ||
       userStarts.back() != batch.numTokens()) {
@@ -152,7 +123,6 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, Ma
                          " tokens");
   }
   const size_t numWorkers = userStarts.size() - 1;
-  const int64_t minBlock = std::max<int64_t>(1, blockSize / 4);
   std::vector<Block> blocks;
   std::vector<std::vector<Chunk>> shortPieces(numWorkers);
   struct Piece {
@@ -169,8 +139,7 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, Ma
     // block pack with that worker's other short pieces): no block draws tokens from two
     // workers. Contiguous, not Zig-Zag, even for a sequence on one worker: a causal
     // sequence's later blocks carry more work per token, so when balance must move work, the
-    // fewest tokens move. Where a block of blockSize would see more than maxBlockVisible
-    // entries (late in a long causal sequence) it is cut shorter, down to blockSize / 4.
+    // fewest tokens move.
     pieces.clear();
     for (size_t w = worker; w < numWorkers && userStarts[w] < first + len; ++w) {
       const int64_t begin = std::max(first, userStarts[w]) - first;
@@ -189,27 +158,20 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, Ma
       pieces.pop_back();
     }
     for (const auto& [w, begin, end] : pieces) {
-      const int64_t longest = std::max(
-          minBlock, std::min(blockSize, longestWithin(mask, begin, len, maxBlockVisible)));
-      if (end - begin < blockSize && end - begin <= longest) {
+      if (end - begin < blockSize) {
         shortPieces[w].push_back({s, begin, end});
         continue;
       }
-      for (int64_t at = begin; at < end;) {
-        const int64_t size = std::min(
-            end - at, std::max(minBlock, std::min(blockSize, longestWithin(mask, at, len,
-                                                                           maxBlockVisible))));
-        // Near-equal pieces where nothing else limits them (as shardBatch's).
-        const int64_t k = (end - at + size - 1) / size;
-        const int64_t even = (end - at + k - 1) / k;
-        const int64_t take = std::min(size, even);
-        blocks.push_back(Block{{Chunk{s, at, at + take}}});
-        at += take;
+      const int64_t k = (end - begin + blockSize - 1) / blockSize;
+      for (Chunk c : splitEvenly(s, end - begin, k)) {
+        c.begin += begin;
+        c.end += begin;
+        blocks.push_back(Block{{c}});
       }
     }
     first += len;
   }
-  for (auto& pieces : shortPieces) appendPacked(std::move(pieces), blockSize, blocks);
+  for (auto& packed : shortPieces) appendPacked(std::move(packed), blockSize, blocks);
   checkBlockCount(blocks);
   return blocks;
 }

@@ -117,7 +117,9 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
              std::vector<Outputs>& out) {
   AttentionBatch batch(t, optionsFor(p, t.rank()));
   if (batch.plan().placement == plan::Placement::kLocal) ++localPlacements;
-  if (p.placement == plan::Placement::kLpt) EXPECT_EQ(batch.plan().placement, plan::Placement::kLpt);
+  if (p.placement == plan::Placement::kLpt) {
+    EXPECT_EQ(batch.plan().placement, plan::Placement::kLpt);
+  }
   const int64_t b = p.starts[static_cast<size_t>(t.rank())],
                 e = p.starts[static_cast<size_t>(t.rank()) + 1];
   const int64_t qw = p.hq * p.dim, kw = p.hkv * p.dim;

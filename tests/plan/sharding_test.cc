@@ -203,9 +203,7 @@ TEST(ShardForLayoutTest, CoversEveryTokenAndKeepsBlocksInsideSlices) {
     std::sort(starts.begin(), starts.end());
     starts.push_back(total);
     const int64_t blockSize = 1 + static_cast<int64_t>(rng.next() % 64);
-    const MaskKind mask = trial % 3 == 0 ? MaskKind::kFull : MaskKind::kCausal;
-    const auto blocks = shardBatchForLayout(batch, blockSize, mask, starts,
-                                            std::numeric_limits<double>::infinity());
+    const auto blocks = shardBatchForLayout(batch, blockSize, starts);
     std::vector<int> seen(static_cast<size_t>(total), 0);
     std::vector<int64_t> first(batch.sequenceLengths.size() + 1, 0);
     for (size_t s = 0; s < batch.sequenceLengths.size(); ++s)
@@ -226,22 +224,6 @@ TEST(ShardForLayoutTest, CoversEveryTokenAndKeepsBlocksInsideSlices) {
     }
     for (int64_t t = 0; t < total; ++t) ASSERT_EQ(seen[static_cast<size_t>(t)], 1) << "token " << t;
   }
-}
-
-// A block that would see more entries than the limit is cut shorter, down to a quarter block.
-TEST(ShardForLayoutTest, CutsBlocksThatSeeTooMuch) {
-  const Batch batch{{4096}};
-  const auto blocks =
-      shardBatchForLayout(batch, 1024, MaskKind::kCausal, {0, 4096}, 1024.0 * 1024.0);
-  int64_t smallest = 1024;
-  for (const Block& b : blocks) {
-    const Chunk& c = b.chunks.front();
-    smallest = std::min(smallest, b.numTokens());
-    EXPECT_TRUE(visibleEntries(MaskKind::kCausal, c.begin, c.end, 0, c.end) <= 1024 * 1024 ||
-                b.numTokens() <= 256)
-        << "[" << c.begin << ", " << c.end << ")";
-  }
-  EXPECT_LE(smallest, 256);
 }
 
 }  // namespace

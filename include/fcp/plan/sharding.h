@@ -57,20 +57,16 @@ struct BlockPair {
 std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask);
 
 /// Sharding for a given user layout (worker r holds tokens [userStarts[r], userStarts[r + 1])
-/// of the packed batch): no block draws tokens from two workers. Each worker's piece of each
-/// sequence is cut into contiguous blocks of at most blockSize tokens, near-equal, and shorter
-/// (down to blockSize / 4) where a block would see more than `maxBlockVisible` entries, so that
-/// no block is a large part of a worker's share; pieces shorter than blockSize are packed, per
-/// worker, by first-fit decreasing. Contiguous blocks of a causal sequence carry unequal work
-/// (later ones more per token), which is what lets the locality-first distributor move the
-/// most work with the fewest tokens. Deterministic: sequences' blocks in sequence order, then
-/// each worker's packed blocks in worker order.
-std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize, MaskKind mask,
-                                       const std::vector<int64_t>& userStarts,
-                                       double maxBlockVisible);
-
-/// Visible (query, key) entries of the whole batch under `mask`.
-double visibleInBatch(const Batch& batch, MaskKind mask);
+/// of the packed batch). Each worker's piece of each sequence is cut into
+/// ceil(piece / blockSize) contiguous near-equal blocks; a piece under blockSize at either end
+/// of a sequence split across workers first joins its neighbour's piece (the only blocks that
+/// draw tokens from two workers); the other pieces under blockSize are packed, per worker, by
+/// first-fit decreasing. Contiguous blocks of a causal sequence carry unequal work (later ones
+/// more per token), which is what lets the locality-first distributor move the most work with
+/// the fewest tokens. Deterministic: sequences' blocks in sequence order, then each worker's
+/// packed blocks in worker order.
+std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
+                                       const std::vector<int64_t>& userStarts);
 
 /// Every pair of blocks that shares visible entries under `mask`, sorted by (qBlock, kvBlock).
 /// A pair's cost sums, per sequence, forwardCost(visible, tokens of that sequence in the Q
