@@ -13,10 +13,15 @@ target_compile_options(fcp_options INTERFACE
   # Every rank must compute the same plan: no compiler may fuse a*b+c differently from
   # another (Clang fuses by default). Kernel files that want FMA set it per file.
   $<$<CXX_COMPILER_ID:GNU,Clang>:-ffp-contract=off>)
-if(FCP_SANITIZE)
-  target_compile_options(fcp_options INTERFACE -fsanitize=address,undefined
+if(FCP_SANITIZE STREQUAL "thread")
+  set(fcp_sanitizers thread)
+elseif(FCP_SANITIZE)
+  set(fcp_sanitizers address,undefined)
+endif()
+if(fcp_sanitizers)
+  target_compile_options(fcp_options INTERFACE -fsanitize=${fcp_sanitizers}
                          -fno-omit-frame-pointer -fno-sanitize-recover=all)
-  target_link_options(fcp_options INTERFACE -fsanitize=address,undefined)
+  target_link_options(fcp_options INTERFACE -fsanitize=${fcp_sanitizers})
 endif()
 
 # Public headers of target `target`: include/ of the source tree when building, of the install

@@ -65,6 +65,7 @@ std::vector<std::byte> storage(const std::vector<float>& x, int64_t begin, int64
                                int64_t width, DType d) {
   std::vector<std::byte> out(static_cast<size_t>((end - begin) * width * dtypeBytes(d)));
   const float* src = x.data() + begin * width;
+  if (out.empty()) return out;  // memcpy's pointers must not be null, even for 0 bytes
   if (d == DType::kFp32) {
     std::memcpy(out.data(), src, out.size());
   } else {

@@ -92,6 +92,7 @@ std::vector<float> randomTensor(Rng& rng, int64_t size, DType d) {
 
 std::vector<std::byte> storage(const float* x, int64_t count, DType d) {
   std::vector<std::byte> out(static_cast<size_t>(count * dtypeBytes(d)));
+  if (out.empty()) return out;  // memcpy's pointers must not be null, even for 0 bytes
   if (d == DType::kFp32) {
     std::memcpy(out.data(), x, out.size());
   } else {
