@@ -108,11 +108,14 @@ void runKernelBench(const KernelBenchArgs& a) {
       throwInvalidArgument("invalid --tokens ", tokens.back(), ": expected at most ", kMaxBenchTokens,
                            " (one measurement of a larger block takes minutes)");
     }
-    if (tokens.back() * std::max(a.headsQ, a.headsKv) * a.headDim > kMaxBenchTensorElements) {
+    const double flops = 4.0 * static_cast<double>(tokens.back()) *
+                         static_cast<double>(tokens.back()) * static_cast<double>(a.headsQ) *
+                         static_cast<double>(a.headDim);
+    if (flops > kMaxBenchPairFlops) {
       throwInvalidArgument("--tokens ", tokens.back(), " x --heads-q ", a.headsQ, " x --head-dim ",
-                           a.headDim, " passes ", kMaxBenchTensorElements,
-                           " elements per tensor: expected a smaller block, fewer heads or a "
-                           "smaller head dim");
+                           a.headDim, " is ", flops, " FLOP per forward pair: expected at most ",
+                           kMaxBenchPairFlops, " (8K tokens, 8 heads of 128; a measurement "
+                           "would take minutes): a smaller block, fewer heads or a smaller head dim");
     }
   }
   std::sort(tokens.begin(), tokens.end());

@@ -52,7 +52,8 @@ CLI::Option* addInteger(CLI::App* cmd, const std::string& name, int64_t& target,
           name, [&target, name, min, max](const std::string& text) {
             target = parseInteger(text, name, min, max);
           },
-          help)
+          help + " [" + show(min) + " to " + show(max) + "]")
+      ->type_name("INT")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->default_str(show(target));
 }
@@ -77,7 +78,8 @@ CLI::Option* addIntegerList(CLI::App* cmd, const std::string& name, std::vector<
               begin = comma + 1;
             }
           },
-          help)
+          help + " [each " + show(min) + " to " + show(max) + "]")
+      ->type_name("INT,...")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->default_str(shown);
 }
@@ -89,7 +91,8 @@ CLI::Option* addUnsigned(CLI::App* cmd, const std::string& name, uint64_t& targe
           name, [&target, name, max](const std::string& text) {
             target = parseUnsigned(text, name, max);
           },
-          help)
+          help + " [0 to " + show(max) + "]")
+      ->type_name("UINT")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->default_str(show(target));
 }
@@ -101,7 +104,8 @@ CLI::Option* addNumber(CLI::App* cmd, const std::string& name, double& target, d
           name, [&target, name, min, max](const std::string& text) {
             target = parseNumber(text, name, min, max);
           },
-          help)
+          help + " [" + show(min) + " to " + show(max) + "]")
+      ->type_name("NUMBER")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->default_str(show(target));
 }

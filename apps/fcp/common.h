@@ -15,10 +15,11 @@ namespace fcp::app {
 inline constexpr int64_t kMinBlockSize = 16;
 /// Most kernel threads per rank (--threads).
 inline constexpr int64_t kMaxThreads = 256;
-/// Largest block `fcp bench kernel --tokens` measures, and the most elements (tokens x heads x
-/// head dim) of one of its tensors: 256 MiB in fp32.
+/// Largest block `fcp bench kernel --tokens` measures, and the most forward FLOPs of one of its
+/// pairs, 4 x tokens^2 x heads x head dim: that of the default's largest case (8K tokens, 8
+/// heads of 128), about 2 minutes for its four measurements here.
 inline constexpr int64_t kMaxBenchTokens = 16 * 1024;
-inline constexpr int64_t kMaxBenchTensorElements = int64_t{1} << 26;
+inline constexpr double kMaxBenchPairFlops = 4.0 * 8192 * 8192 * 8 * 128;
 /// Longest --min-seconds of `fcp bench kernel`.
 inline constexpr double kMaxMinSeconds = 60;
 /// Most --warmup and --repeats of `fcp run`, and its longest --timeout.

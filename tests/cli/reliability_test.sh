@@ -74,7 +74,7 @@ expect block_size_1 "--block-size 1: expected at least 16" 10 plan --block-size 
 expect block_size_16 "block pairs" 20 plan --block-size 16
 expect simulate_block_size_1 "--block-size 1: expected at least 16" 10 simulate --block-size 1
 expect head_dim_1m "--head-dim '1000000': expected an integer from 1 to 1024" 10 bench kernel --head-dim 1000000
-expect bench_tensor "elements per tensor" 10 bench kernel --head-dim 1024 --heads-q 64 --heads-kv 8
+expect bench_tensor "FLOP per forward pair: expected at most" 10 bench kernel --head-dim 1024 --heads-q 64 --heads-kv 8
 expect bench_tokens "--tokens 1048576: expected at most 16384" 10 bench kernel --tokens 1M
 expect min_seconds_inf "--min-seconds 'inf'" 10 bench kernel --min-seconds inf
 expect min_seconds_big "--min-seconds '1e9'" 10 bench kernel --min-seconds 1e9
