@@ -20,6 +20,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/kernels/calibration.h"
 #include "fcp/kernels/cpu_dispatch.h"
@@ -37,23 +39,33 @@ struct Args {
   bool torch = true;
 };
 
+/// Numbers parsed strictly (fcp/core/input.h): a block of at most 16K tokens, 1 to 256
+/// threads, at most 60 s per measurement; anything else is one line and exit code 2.
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto list = [&](auto& out) {
-      out.clear();
-      while (i + 1 < argc && argv[i + 1][0] != '-') out.push_back(static_cast<typename std::decay_t<decltype(out)>::value_type>(std::atoll(argv[++i])));
-    };
-    if (flag == "--tokens") list(a.tokens);
-    else if (flag == "--threads") list(a.threads);
-    else if (flag == "--torch-tokens") list(a.torchTokens);
-    else if (flag == "--min-seconds" && i + 1 < argc) a.minSeconds = std::atof(argv[++i]);
-    else if (flag == "--no-torch") a.torch = false;
-    else {
-      std::fprintf(stderr, "kernel_bench: unknown argument '%s'\n", flag.c_str());
-      std::exit(2);
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string flag = argv[i];
+      auto list = [&](auto& out, int64_t max) {
+        out.clear();
+        while (i + 1 < argc && argv[i + 1][0] != '-') {
+          using T = typename std::decay_t<decltype(out)>::value_type;
+          out.push_back(static_cast<T>(fcp::parseInteger(argv[++i], flag, 1, max)));
+        }
+      };
+      if (flag == "--tokens") list(a.tokens, 16 * 1024);
+      else if (flag == "--threads") list(a.threads, 256);
+      else if (flag == "--torch-tokens") list(a.torchTokens, 16 * 1024);
+      else if (flag == "--min-seconds" && i + 1 < argc) a.minSeconds = fcp::parseNumber(argv[++i], flag, 0, 60);
+      else if (flag == "--no-torch") a.torch = false;
+      else {
+        std::fprintf(stderr, "kernel_bench: unknown argument '%s'\n", fcp::printable(flag).c_str());
+        std::exit(2);
+      }
     }
+  } catch (const fcp::Error& e) {
+    std::fprintf(stderr, "kernel_bench: %s\n", e.what());
+    std::exit(2);
   }
   return a;
 }

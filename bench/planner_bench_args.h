@@ -3,17 +3,21 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/units.h"
 
 namespace fcp::bench {
 
-/// --tokens-per-worker T, --block-size B, --seeds K, --workers 16,64,...
+/// --tokens-per-worker T, --block-size B, --seeds K, --workers 16,64,... (parsed strictly: a bad
+/// value is one line on stderr and exit code 2)
 struct PlannerBenchArgs {
   int64_t tokensPerWorker = 32 * 1024;
   int64_t blockSize = 4 * 1024;
@@ -22,18 +26,24 @@ struct PlannerBenchArgs {
 };
 
 inline PlannerBenchArgs parsePlannerBenchArgs(int argc, char** argv, PlannerBenchArgs args) {
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens-per-worker")) {
-      args.tokensPerWorker = parseTokenCount(argv[i + 1], "--tokens-per-worker");
-    } else if (!std::strcmp(argv[i], "--block-size")) {
-      args.blockSize = parseTokenCount(argv[i + 1], "--block-size");
-    } else if (!std::strcmp(argv[i], "--seeds")) {
-      args.seeds = std::max(1, std::atoi(argv[i + 1]));
-    } else if (!std::strcmp(argv[i], "--workers")) {
-      args.workerCounts.clear();
-      std::stringstream ss(argv[i + 1]);
-      for (std::string item; std::getline(ss, item, ',');) args.workerCounts.push_back(std::stoll(item));
+  try {
+    for (int i = 1; i + 1 < argc; i += 2) {
+      if (!std::strcmp(argv[i], "--tokens-per-worker")) {
+        args.tokensPerWorker = parseTokenCount(argv[i + 1], "--tokens-per-worker");
+      } else if (!std::strcmp(argv[i], "--block-size")) {
+        args.blockSize = parseTokenCount(argv[i + 1], "--block-size");
+      } else if (!std::strcmp(argv[i], "--seeds")) {
+        args.seeds = static_cast<int>(parseInteger(argv[i + 1], "--seeds", 1, 1000));
+      } else if (!std::strcmp(argv[i], "--workers")) {
+        args.workerCounts.clear();
+        std::stringstream ss(argv[i + 1]);
+        for (std::string item; std::getline(ss, item, ',');)
+          args.workerCounts.push_back(parseInteger(item, "--workers", 1, int64_t{1} << 24));
+      }
     }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+    std::exit(2);
   }
   return args;
 }

@@ -13,7 +13,6 @@
 // pairs are mostly off-diagonal, i.e. full.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -22,7 +21,10 @@
 #include <vector>
 
 #include "commands.h"
+#include "common.h"
+#include "fcp/core/config.h"
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/units.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/kernels/calibration.h"
@@ -35,10 +37,10 @@ struct KernelBenchArgs {
   std::string dtype = "fp32";
   std::vector<std::string> masks{"causal", "full"};
   std::vector<std::string> tokens{"256", "512", "1K", "2K", "4K", "8K"};
-  int threads = 1;
-  int headsQ = 8;
-  int headsKv = 1;
-  int headDim = 128;
+  int64_t threads = 1;
+  int64_t headsQ = 8;
+  int64_t headsKv = 1;
+  int64_t headDim = 128;
   double minSeconds = 0.2;
   std::string path = "auto";
   std::string bf16Gemm = "auto";
@@ -95,18 +97,26 @@ std::string formatOptional(const std::optional<double>& value) {
   return text;
 }
 
-void requirePositive(int64_t value, const char* flag) {
-  if (value <= 0)
-    throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
-}
-
 void runKernelBench(const KernelBenchArgs& a) {
   const kernels::DType dtype = parseDtype(a.dtype);
+  if (!a.curveOut.empty()) checkOutputPath(a.curveOut, "--curve-out file");
   for (const std::string& m : a.masks) parseMask(m);
   std::vector<int64_t> tokens;
   for (const std::string& t : a.tokens) {
     tokens.push_back(parseTokenCount(t, "--tokens"));
-    requirePositive(tokens.back(), "--tokens");
+    if (tokens.back() > kMaxBenchTokens) {
+      throwInvalidArgument("invalid --tokens ", tokens.back(), ": expected at most ", kMaxBenchTokens,
+                           " (one measurement of a larger block takes minutes)");
+    }
+    const double flops = 4.0 * static_cast<double>(tokens.back()) *
+                         static_cast<double>(tokens.back()) * static_cast<double>(a.headsQ) *
+                         static_cast<double>(a.headDim);
+    if (flops > kMaxBenchPairFlops) {
+      throwInvalidArgument("--tokens ", tokens.back(), " x --heads-q ", a.headsQ, " x --head-dim ",
+                           a.headDim, " is ", flops, " FLOP per forward pair: expected at most ",
+                           kMaxBenchPairFlops, " (8K tokens, 8 heads of 128; a measurement "
+                           "would take minutes): a smaller block, fewer heads or a smaller head dim");
+    }
   }
   std::sort(tokens.begin(), tokens.end());
   if (std::find(a.masks.begin(), a.masks.end(), "zigzag") != a.masks.end()) {
@@ -116,10 +126,6 @@ void runKernelBench(const KernelBenchArgs& a) {
                              " with --mask zigzag: expected an even block length");
     }
   }
-  requirePositive(a.threads, "--threads");
-  requirePositive(a.headsQ, "--heads-q");
-  requirePositive(a.headsKv, "--heads-kv");
-  requirePositive(a.headDim, "--head-dim");
   if (a.headsQ % a.headsKv != 0)
     throwInvalidArgument("invalid --heads-q ", a.headsQ, ": expected a multiple of --heads-kv ",
                          a.headsKv);
@@ -128,12 +134,15 @@ void runKernelBench(const KernelBenchArgs& a) {
   kernels::setCpuPath(parsePath(a.path));
   kernels::setBf16Gemm(parseBf16Gemm(a.bf16Gemm));
   const bool bf16 = dtype == kernels::DType::kBf16;
+  // The flags' ranges (common.h, fcp/core/config.h) fit int.
+  const int threads = static_cast<int>(a.threads), headsQ = static_cast<int>(a.headsQ),
+            headsKv = static_cast<int>(a.headsKv), headDim = static_cast<int>(a.headDim);
 
   const std::string device = kernels::cpuModelName();
   if (!a.json) {
     std::printf("fcp bench kernel: %s, vector path %s, %s, %d/%d heads x %d, %d thread(s), %s\n",
                 device.c_str(), std::string(kernels::cpuPathName(kernels::activeCpuPath())).c_str(),
-                a.dtype.c_str(), a.headsQ, a.headsKv, a.headDim, a.threads,
+                a.dtype.c_str(), headsQ, headsKv, headDim, threads,
                 a.sustained ? "sustained (mean, forward with merges)" : "best of repeats");
     std::printf("gemm columns: %s\n", gemmDescription(dtype).c_str());
     if (bf16)
@@ -145,7 +154,7 @@ void runKernelBench(const KernelBenchArgs& a) {
   }
   // Peak: the best GEMM speed seen in this run, on large tiles before and after the kernels
   // and on the kernels' own tiles, so that a disturbed measurement cannot inflate fractions.
-  double peak = kernels::measurePeakGemmGflops(a.threads, a.minSeconds);
+  double peak = kernels::measurePeakGemmGflops(threads, a.minSeconds);
   struct Row {
     std::string mask;
     int64_t tokens;
@@ -157,7 +166,7 @@ void runKernelBench(const KernelBenchArgs& a) {
     const int zigzag = maskName == "zigzag" ? kZigzagBlocks : 0;
     for (int64_t n : tokens) {
       const kernels::CalibrationResult r = kernels::calibrate(
-          {dtype, mask, n, a.headsQ, a.headsKv, a.headDim, a.threads, zigzag, a.sustained},
+          {dtype, mask, n, headsQ, headsKv, headDim, threads, zigzag, a.sustained},
           a.minSeconds);
       rows.push_back({maskName, n, r});
       peak = std::max({peak, r.forwardGemmGflops, r.backwardGemmGflops});
@@ -173,7 +182,7 @@ void runKernelBench(const KernelBenchArgs& a) {
       std::fflush(stdout);
     }
   }
-  peak = std::max(peak, kernels::measurePeakGemmGflops(a.threads, a.minSeconds));
+  peak = std::max(peak, kernels::measurePeakGemmGflops(threads, a.minSeconds));
   if (!a.json) std::printf("peak (best dnnl_sgemm GFLOP/s of this run): %.1f\n", peak);
 
   nlohmann::json forwardCurve = nlohmann::json::array(), backwardCurve = nlohmann::json::array();
@@ -195,10 +204,10 @@ void runKernelBench(const KernelBenchArgs& a) {
                                  {"mask", row.mask},
                                  {"direction", direction},
                                  {"tokens", row.tokens},
-                                 {"threads", a.threads},
-                                 {"heads_q", a.headsQ},
-                                 {"heads_kv", a.headsKv},
-                                 {"head_dim", a.headDim},
+                                 {"threads", threads},
+                                 {"heads_q", headsQ},
+                                 {"heads_kv", headsKv},
+                                 {"head_dim", headDim},
                                  {"gflops", gflops},
                                  {"gemm_gflops", fwd ? r.forwardGemmGflops : r.backwardGemmGflops},
                                  {"seconds", fwd ? r.forwardSeconds : r.backwardSeconds},
@@ -223,14 +232,12 @@ void runKernelBench(const KernelBenchArgs& a) {
   const nlohmann::json curve = {{"kind", "fcp-efficiency-curve"},
                                 {"device", device},
                                 {"dtype", a.dtype},
-                                {"threads", a.threads},
+                                {"threads", threads},
                                 {"peak_gflops", peak},
                                 {"timing", a.sustained ? "sustained" : "best"},
                                 {"forward", forwardCurve},
                                 {"backward", backwardCurve}};
-  std::ofstream out(a.curveOut);
-  out << curve.dump(2) << '\n';
-  if (!out.flush()) throwInvalidArgument("cannot write --curve-out file '", a.curveOut, "'");
+  writeUserFile(a.curveOut, "--curve-out file", curve.dump(2) + "\n");
   if (!a.json) std::printf("efficiency curve written to %s\n", a.curveOut.c_str());
 }
 
@@ -244,7 +251,7 @@ void addBenchCommand(CLI::App& app) {
       "kernel",
       "Block-attention kernels: GFLOP/s vs block length, beside dnnl_sgemm on the same "
       "tiles; writes the efficiency curve");
-  kernel->add_option("--dtype", args->dtype, "fp32 or bf16")->capture_default_str();
+  addText(kernel, "--dtype", args->dtype, "fp32 or bf16");
   kernel
       ->add_option(
           "--mask", args->masks,
@@ -253,14 +260,12 @@ void addBenchCommand(CLI::App& app) {
       ->capture_default_str();
   kernel->add_option("--tokens", args->tokens, "block lengths (e.g. 256 1K 8K)")
       ->capture_default_str();
-  kernel->add_option("--threads", args->threads, "worker threads")->capture_default_str();
-  kernel->add_option("--heads-q", args->headsQ, "query heads")->capture_default_str();
-  kernel->add_option("--heads-kv", args->headsKv, "key/value heads")->capture_default_str();
-  kernel->add_option("--head-dim", args->headDim, "head dimension")->capture_default_str();
-  kernel->add_option("--min-seconds", args->minSeconds, "time per measurement")
-      ->capture_default_str();
-  kernel->add_option("--path", args->path, "vector path: auto, portable, avx2, avx512")
-      ->capture_default_str();
+  addInteger(kernel, "--threads", args->threads, 1, kMaxThreads, "worker threads");
+  addInteger(kernel, "--heads-q", args->headsQ, 1, kMaxHeads, "query heads");
+  addInteger(kernel, "--heads-kv", args->headsKv, 1, kMaxHeads, "key/value heads");
+  addInteger(kernel, "--head-dim", args->headDim, 1, kMaxHeadDim, "head dimension");
+  addNumber(kernel, "--min-seconds", args->minSeconds, 0, kMaxMinSeconds, "time per measurement");
+  addText(kernel, "--path", args->path, "vector path: auto, portable, avx2, avx512");
   kernel
       ->add_option("--bf16-gemm", args->bf16Gemm,
                    "bf16 tile products: auto, native (oneDNN's bf16 GEMM), widen (fp32 sgemm)")
@@ -272,7 +277,7 @@ void addBenchCommand(CLI::App& app) {
       "with the GEMM)");
   kernel->add_flag("--json", args->json,
                    "one JSON record per (dtype, mask, direction, tokens, threads)");
-  kernel->add_option("--curve-out", args->curveOut, "write the efficiency curve (JSON) here");
+  addText(kernel, "--curve-out", args->curveOut, "write the efficiency curve (JSON) here");
   kernel->callback([args] { runKernelBench(*args); });
 }
 

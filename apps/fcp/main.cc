@@ -1,8 +1,11 @@
-// The `fcp` command. Errors end here: one line on stderr, exit code 1 (2 for usage errors).
+// The `fcp` command. Errors end here: one line on stderr (one write, so several MPI ranks'
+// lines never interleave), exit code 1 (2 for usage errors).
 #include <exception>
 #include <iostream>
+#include <new>
 
 #include "commands.h"
+#include "common.h"
 #include "fcp/core/error.h"
 
 int main(int argc, char** argv) {
@@ -25,13 +28,16 @@ int main(int argc, char** argv) {
     std::cout << app.help("", CLI::AppFormatMode::All);
     return 0;
   } catch (const CLI::ParseError& e) {
-    std::cerr << "fcp: error: " << e.what() << " (see fcp --help)\n";
+    fcp::app::printErrorLine("error", std::string(e.what()) + " (see fcp --help)");
     return 2;
   } catch (const fcp::Error& e) {
-    std::cerr << "fcp: error: " << e.what() << "\n";
+    fcp::app::printErrorLine("error", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fcp::app::printErrorLine("error", "out of memory (see the README's Limits for what each size costs)");
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fcp: internal error: " << e.what() << "\n";
+    fcp::app::printErrorLine("internal error", e.what());
     return 1;
   }
   return 0;

@@ -1,25 +1,21 @@
 // `fcp plan`: build a batch, shard it, assign its blocks, print the summary (and the plan).
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
-#include <sstream>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "common.h"
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/json.h"
+#include "fcp/plan/limits.h"
 #include "fcp/plan/plan.h"
 #include "fcp/sim/hardware.h"
 
@@ -58,35 +54,6 @@ int64_t elementBytes(const std::string& dtype) {
   if (dtype == "bf16" || dtype == "fp16") return 2;
   if (dtype == "fp32") return 4;
   throwInvalidArgument("unknown --dtype '", dtype, "': expected bf16, fp16 or fp32");
-}
-
-void requirePositive(int64_t value, const char* flag) {
-  if (value <= 0) throwInvalidArgument("invalid ", flag, " ", value, ": expected a positive integer");
-}
-
-/// Writes `text` to `path` through a uniquely named temporary file beside it, renamed into
-/// place, so a failure never leaves a half-written plan and concurrent writers never share a
-/// temporary.
-void writeFileAtomically(const std::string& path, const std::string& text) {
-  std::string tmp = path + ".XXXXXX";
-  const int fd = ::mkstemp(tmp.data());
-  if (fd < 0) throwInvalidArgument("cannot write --plan-out file '", path, "': ", std::strerror(errno));
-  ::fchmod(fd, 0644);  // mkstemp makes it private; a plan is an ordinary file
-  const std::string data = text + "\n";
-  size_t written = 0;
-  while (written < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
-    if (n <= 0) break;
-    written += static_cast<size_t>(n);
-  }
-  const bool ok = written == data.size() && ::fsync(fd) == 0;
-  const bool closed = ::close(fd) == 0;
-  std::error_code ec;
-  if (ok && closed) std::filesystem::rename(tmp, path, ec);
-  if (!ok || !closed || ec) {
-    std::remove(tmp.c_str());
-    throwInvalidArgument("cannot write --plan-out file '", path, "'");
-  }
 }
 
 void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings& t,
@@ -129,20 +96,21 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
 }
 
-std::string readFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throwInvalidArgument("cannot read --plan-in file '", path, "'");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
 /// `fcp plan --plan-in FILE`: a saved plan, checked, then summarised like a new one.
+/// Its pair costs are recomputed with --curve (the paper-shaped curve by default), so a plan
+/// made with `--curve X` must be loaded with `--curve X`.
 void runLoadedPlan(const PlanArgs& a) {
-  const plan::Plan p = plan::planFromJson(readFile(a.planIn));
-  const auto violations = plan::validate(p);
+  const plan::Plan p =
+      plan::planFromJson(readUserFile(a.planIn, "--plan-in file", kMaxPlanFileBytes));
+  auto violations = plan::validate(p);
+  if (violations.empty()) {
+    CostModel costModel{p.config.attention};
+    if (!a.curve.empty()) std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
+    violations = plan::validateCosts(p, costModel);
+  }
   if (!violations.empty()) {
-    throw Error(ErrorCode::kInvalidPlan, "plan '" + a.planIn + "' is invalid: " + violations.front() +
+    throw Error(ErrorCode::kInvalidPlan, "plan '" + printable(a.planIn) + "' is invalid: " +
+                                             violations.front() +
                                              (violations.size() > 1 ? " (and more)" : ""));
   }
   const plan::PlanStats s = plan::computeStats(p);
@@ -158,24 +126,14 @@ void runLoadedPlan(const PlanArgs& a) {
 }
 
 void runPlan(const PlanArgs& a) {
+  // Refuse an output that is not a regular file before any work, and again when writing.
+  if (!a.planOut.empty()) checkOutputPath(a.planOut, "--plan-out file");
   if (!a.planIn.empty()) return runLoadedPlan(a);
-  requirePositive(a.workers, "--workers");
-  if (a.workers > plan::kMaxWorkers) {
-    throwInvalidArgument("invalid --workers ", a.workers, ": expected at most ", plan::kMaxWorkers);
-  }
-  if (a.coalesce <= 0 || a.coalesce > plan::kMaxCoalesce) {
-    throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected 1 to ", plan::kMaxCoalesce);
-  }
-  if (a.buffers < 2 || a.buffers > plan::kMaxBufferDepth) {
-    throwInvalidArgument("invalid --buffers ", a.buffers, ": expected 2 (the least that overlaps "
-                         "receiving with computing) to ", plan::kMaxBufferDepth);
-  }
-  requirePositive(a.headsQ, "--heads-q");
-  requirePositive(a.headsKv, "--heads-kv");
-  requirePositive(a.headDim, "--head-dim");
   plan::PlanConfig config;
   config.numWorkers = a.workers;
   config.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  requireAtLeast(config.blockSize, kMinBlockSize, "--block-size",
+                 "smaller blocks make more pairs than any batch can use");
   config.memorySlack = a.memorySlack;
   config.alpha = a.alpha;
   config.beta = a.beta;
@@ -215,7 +173,7 @@ void runPlan(const PlanArgs& a) {
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
   plan::checkValid(p);
   const plan::PlanStats s = plan::computeStats(p);
-  if (!a.planOut.empty()) writeFileAtomically(a.planOut, plan::planToJson(p));
+  if (!a.planOut.empty()) writeUserFile(a.planOut, "--plan-out file", plan::planToJson(p) + "\n");
 
   if (!a.json) {
     printSummary(p, s, timings, source);
@@ -288,54 +246,49 @@ void runPlan(const PlanArgs& a) {
 void addPlanCommand(CLI::App& app) {
   auto args = std::make_shared<PlanArgs>();
   CLI::App* cmd = app.add_subcommand("plan", "Shard a batch into blocks and assign them to workers");
-  auto* workload = cmd->add_option("--workload", args->workload,
-                                   "Length distribution: lognormal, lognormal-narrow, bimodal")
-                       ->capture_default_str();
-  auto* trace = cmd->add_option("--trace", args->trace,
+  auto* workload = addText(cmd, "--workload", args->workload,
+                                   "Length distribution: lognormal, lognormal-narrow, bimodal");
+  auto* trace = addText(cmd, "--trace", args->trace,
                                 "File of sequence lengths, one per line (# comments allowed)");
   workload->excludes(trace);
-  cmd->add_option("--workers", args->workers, "Number of workers (ranks)")->capture_default_str();
-  cmd->add_option("--tokens-per-worker", args->tokensPerWorker,
+  addInteger(cmd, "--workers", args->workers, 1, plan::kMaxWorkers, "Number of workers (ranks)");
+  addText(cmd, "--tokens-per-worker", args->tokensPerWorker,
                   "Tokens per worker, e.g. 32K (default 32K; for a trace, its total / workers)");
-  cmd->add_option("--block-size", args->blockSize, "Tokens per block, e.g. 4K")->capture_default_str();
-  cmd->add_option("--memory-limit", args->memoryLimit,
+  addText(cmd, "--block-size", args->blockSize, "Tokens per block, e.g. 4K");
+  addText(cmd, "--memory-limit", args->memoryLimit,
                   "Per-worker memory budget M in tokens (default: tokens per worker)");
-  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot delta of M")
-      ->capture_default_str();
-  cmd->add_option("--alpha", args->alpha, "Weight of memory in the distributor's score")
-      ->capture_default_str();
-  cmd->add_option("--beta", args->beta, "Weight of compute in the distributor's score")
-      ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of the batch sampler")->capture_default_str();
-  cmd->add_option("--curve", args->curve,
+  addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100, "Tolerated overshoot delta of M");
+  addNumber(cmd, "--alpha", args->alpha, 1e-6, 1e6, "Weight of memory in the distributor's score");
+  addNumber(cmd, "--beta", args->beta, 1e-6, 1e6, "Weight of compute in the distributor's score");
+  addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
+              "Seed of the batch sampler");
+  addText(cmd, "--curve", args->curve,
                   "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
                   "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU curve");
-  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
-  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
-  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
-  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Element type: bf16, fp16 or fp32")->capture_default_str();
+  addText(cmd, "--mask", args->mask, "causal or full");
+  addInteger(cmd, "--heads-q", args->headsQ, 1, kMaxHeads, "Query heads");
+  addInteger(cmd, "--heads-kv", args->headsKv, 1, kMaxHeads, "Key/value heads (GQA)");
+  addInteger(cmd, "--head-dim", args->headDim, 1, kMaxHeadDim, "Head dimension");
+  addText(cmd, "--dtype", args->dtype, "Element type: bf16, fp16 or fp32");
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the summary");
-  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one pipeline stage")
-      ->capture_default_str();
-  cmd->add_option("--buffers", args->buffers, "Stages of remote KV a worker may hold (>= 2)")
-      ->capture_default_str();
-  cmd->add_option("--comm-balance-slack", args->commBalanceSlack,
-                  "Compute above LB allowed to even out communication (negative: off)")
-      ->capture_default_str();
-  cmd->add_option("--placement", args->placement,
+  addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce,
+             "Rounds merged into one pipeline stage");
+  addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth,
+             "Stages of remote KV a worker may hold (>= 2)");
+  addNumber(cmd, "--comm-balance-slack", args->commBalanceSlack, plan::kMinCommBalanceSlack,
+            plan::kMaxCommBalanceSlack,
+            "Compute above LB allowed to even out communication (negative: off)");
+  addText(cmd, "--placement", args->placement,
                   "local: blocks stay where the user layout holds their tokens unless balance "
-                  "needs them elsewhere; lpt: the paper's Zig-Zag blocks and LPT greedy")
-      ->capture_default_str();
-  cmd->add_option("--locality-slack", args->localitySlack,
-                  "With --placement local: compute above the lower bound the busiest worker may "
-                  "keep rather than move more bytes (0 to 1)")
-      ->capture_default_str();
+                  "needs them elsewhere; lpt: the paper's Zig-Zag blocks and LPT greedy");
+  addNumber(cmd, "--locality-slack", args->localitySlack, 0, 1,
+            "With --placement local: compute above the lower bound the busiest worker may "
+            "keep rather than move more bytes (0 to 1)");
   cmd->add_flag("--no-locality", args->noLocality,
                 "With --placement lpt: do not relabel workers to keep blocks where the user "
                 "layout holds them");
-  cmd->add_option("--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
-  cmd->add_option("--plan-in", args->planIn,
+  addText(cmd, "--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
+  addText(cmd, "--plan-in", args->planIn,
                   "Check and summarise a plan written by --plan-out instead of planning");
   cmd->callback([args] { runPlan(*args); });
 }

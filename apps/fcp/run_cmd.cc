@@ -18,16 +18,19 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <tuple>
 
 #include "commands.h"
+#include "common.h"
 #include "fcp/api/attention.h"
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/random.h"
 #include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
@@ -141,6 +144,8 @@ Setup validate(const RunArgs& a) {
     throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
   auto& c = s.config;
   c.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  requireAtLeast(c.blockSize, kMinBlockSize, "--block-size",
+                 "smaller blocks make more pairs than any batch can use");
   c.memorySlack = a.memorySlack;
   c.coalesce = a.coalesce;
   c.bufferDepth = a.buffers;
@@ -157,12 +162,7 @@ Setup validate(const RunArgs& a) {
     parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
     s.source = "workload " + a.workload + " (seed " + std::to_string(a.seed) + ")";
   }
-  if (!a.timeline.empty()) {
-    std::ofstream probe(a.timeline + ".tmp");
-    if (!probe) throwInvalidArgument("cannot write --timeline file '", a.timeline, "'");
-    probe.close();
-    std::remove((a.timeline + ".tmp").c_str());
-  }
+  if (!a.timeline.empty()) checkOutputPath(a.timeline, "--timeline file");
   return s;
 }
 
@@ -294,6 +294,38 @@ double referenceFlops(const Batch& batch, const AttentionConfig& att) {
     flops += forwardFlops(att, visible) + backwardFlops(att, visible);
   }
   return flops;
+}
+
+/// Refuses, in one line that every rank prints alike, a batch `fcp run` could not finish in
+/// bounded time and memory: its attention FLOPs per rank (forward and backward of every warm-up
+/// and timed repeat of every strategy) past kMaxRunFlopsPerRank, or its tensors per rank past
+/// kMaxRunBytesPerRank. A 600K-token sequence on 2 ranks needs ~10 PFLOP: days on a CPU.
+void checkRunSize(const Setup& s, const RunArgs& a, int ranks) {
+  const auto& att = s.config.attention;
+  const double passes = static_cast<double>(s.strategies.size()) *
+                        static_cast<double>(a.warmup + a.repeats);
+  const double flops = passes * referenceFlops(s.batch, att) / ranks;
+  if (flops > kMaxRunFlopsPerRank) {
+    throwInvalidArgument(
+        "the batch needs about ", std::llround(flops / 1e12), " TFLOP of attention per rank (",
+        s.strategies.size(), " strategies x ", a.warmup + a.repeats,
+        " forward and backward passes; ~", std::llround(flops / 20e9 / 3600),
+        " hours at 20 GFLOP/s): expected at most ", kMaxRunFlopsPerRank / 1e12,
+        " TFLOP; use shorter sequences, more ranks or fewer --repeats");
+  }
+  // Per token, fp32 q, k, v, dO (inputs), each strategy's eight call tensors and the runtime's
+  // buffers of about as many: a rough upper bound of what a rank holds.
+  const int64_t tokens = (s.batch.numTokens() + ranks - 1) / ranks;
+  const double rowBytes = 4.0 * static_cast<double>(2 * att.qBytesPerToken() / att.elementBytes +
+                                                    2 * att.kBytesPerToken() / att.elementBytes);
+  const double bytes = static_cast<double>(tokens) * rowBytes *
+                       (1.0 + 4.0 * static_cast<double>(s.strategies.size()));
+  if (bytes > kMaxRunBytesPerRank) {
+    throwInvalidArgument("the batch needs about ", std::llround(bytes / (1 << 20)),
+                         " MiB of tensors per rank (", tokens, " tokens per rank): expected at most ",
+                         std::llround(kMaxRunBytesPerRank / (1 << 20)),
+                         " MiB; use fewer tokens, more ranks, fewer heads or a smaller head dim");
+  }
 }
 
 /// Rank 0 gathers every rank's outputs of every strategy first (so no rank waits on a message
@@ -502,18 +534,10 @@ StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun&
   return r;
 }
 
-void writeFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out || !(out << text << '\n') || !out.flush()) {
-      std::remove(tmp.c_str());
-      throwInvalidArgument("cannot write --timeline file '", path, "'");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throwInvalidArgument("cannot write --timeline file '", path, "': ", ec.message());
+std::string formatNumber(double value) {
+  std::ostringstream os;
+  os << value;
+  return os.str();
 }
 
 void printTable(const std::vector<StrategyResult>& results, const Setup& s, const RunArgs& a,
@@ -529,8 +553,8 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
               std::string(maskName(att.mask)).c_str(), formatTokenCount(s.config.blockSize).c_str(),
               a.layout.c_str(),
               capBytesPerSecond > 0 ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) +
-                                       " GB/s per rank (--comm-ratio " +
-                                       std::to_string(static_cast<int64_t>(a.commRatio)) + ")")
+                                       " GB/s per rank (--comm-ratio " + formatNumber(a.commRatio) +
+                                       ")")
                                           .c_str()
                                     : "uncapped (shared memory)");
   std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
@@ -573,13 +597,6 @@ nlohmann::json toJson(const StrategyResult& r) {
   return j;
 }
 
-/// One write per line, so that lines of several ranks sharing stderr do not interleave.
-void printLine(const std::string& text) {
-  const std::string line = text + "\n";
-  std::fwrite(line.data(), 1, line.size(), stderr);
-  std::fflush(stderr);
-}
-
 /// The launcher ends the surviving ranks with SIGTERM when a peer dies; say so in one line
 /// (only async-signal-safe calls here).
 char terminatedMessage[128];
@@ -607,6 +624,7 @@ void runRun(const RunArgs& a) {
     } else {
       c.tokensPerWorker = (s.batch.numTokens() + ranks - 1) / ranks;
     }
+    checkRunSize(s, a, ranks);
     double cap = 0;
     std::unique_ptr<runtime::Transport> throttled;
     if (a.commRatio > 0) {
@@ -663,7 +681,7 @@ void runRun(const RunArgs& a) {
     }
     net->allreduce({&failed, 1}, runtime::ReduceOp::kMax, verdictTimeout);
     if (rank == 0) {
-      if (!a.timeline.empty()) writeFileAtomically(a.timeline, trace);
+      if (!a.timeline.empty()) writeUserFile(a.timeline, "--timeline file", trace + "\n");
       if (a.json) {
         for (const auto& r : results) std::cout << toJson(r).dump() << '\n';
       } else {
@@ -686,16 +704,16 @@ void runRun(const RunArgs& a) {
     if (shared) {
       // Every rank prints its line before any exits: the launcher kills the others as soon
       // as one rank exits nonzero, which could cut a slower rank's message.
-      printLine(std::string("fcp: error: ") + e.what());
+      printErrorLine("error", e.what());
       int64_t barrier = 0;
       net->allreduce({&barrier, 1}, runtime::ReduceOp::kMax);
       net.reset();  // MPI_Finalize
       std::exit(1);
     }
-    printLine(std::string("fcp: error: ") + e.what());
+    printErrorLine("error", e.what());
     net->abort(1);
   } catch (const std::exception& e) {
-    printLine(std::string("fcp: internal error: ") + e.what());
+    printErrorLine("internal error", e.what());
     net->abort(1);
   }
 }
@@ -706,62 +724,53 @@ void addRunCommand(CLI::App& app) {
   auto args = std::make_shared<RunArgs>();
   CLI::App* cmd = app.add_subcommand(
       "run", "Execute plans on MPI ranks (run under mpirun -n P), forward and backward");
-  auto* workload = cmd->add_option("--workload", args->workload,
-                                   "Length distribution: lognormal, lognormal-narrow, bimodal")
-                       ->capture_default_str();
-  auto* trace = cmd->add_option("--trace", args->trace, "File of sequence lengths, one per line");
+  auto* workload = addText(cmd, "--workload", args->workload,
+                                   "Length distribution: lognormal, lognormal-narrow, bimodal");
+  auto* trace = addText(cmd, "--trace", args->trace, "File of sequence lengths, one per line");
   workload->excludes(trace);
-  cmd->add_option("--tokens-per-worker", args->tokensPerWorker, "Tokens per rank for a workload")
-      ->capture_default_str();
-  cmd->add_option("--block-size", args->blockSize, "Tokens per block")->capture_default_str();
-  cmd->add_option("--memory-limit", args->memoryLimit, "Per-rank memory budget in tokens");
-  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
-      ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of the batch and of the tensors")
-      ->capture_default_str();
-  cmd->add_option(
-      "--curve", args->curve,
+  addText(cmd, "--tokens-per-worker", args->tokensPerWorker, "Tokens per rank for a workload");
+  addText(cmd, "--block-size", args->blockSize, "Tokens per block");
+  addText(cmd, "--memory-limit", args->memoryLimit, "Per-rank memory budget in tokens");
+  addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100,
+            "Tolerated overshoot of the memory budget");
+  addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
+              "Seed of the batch and of the tensors");
+  addText(
+      cmd, "--curve", args->curve,
       "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
       "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU "
       "curve");
-  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
-  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
-  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
-  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Storage type of the tensors: fp32 or bf16")
-      ->capture_default_str();
-  cmd->add_option("--layout", args->layout,
+  addText(cmd, "--mask", args->mask, "causal or full");
+  addInteger(cmd, "--heads-q", args->headsQ, 1, kMaxHeads, "Query heads");
+  addInteger(cmd, "--heads-kv", args->headsKv, 1, kMaxHeads, "Key/value heads (GQA)");
+  addInteger(cmd, "--head-dim", args->headDim, 1, kMaxHeadDim, "Head dimension");
+  addText(cmd, "--dtype", args->dtype, "Storage type of the tensors: fp32 or bf16");
+  addText(cmd, "--layout", args->layout,
                   "transparent (tensors in the user layout, each call reshuffles) or dispatched "
-                  "(tensors moved into FCP's layout once; calls move no tokens)")
-      ->capture_default_str();
-  cmd->add_option("--coalesce", args->coalesce, "Rounds merged into one stage (FCP)")
-      ->capture_default_str();
-  cmd->add_option("--buffers", args->buffers, "Stages of remote KV a rank may hold (FCP, >= 2)")
-      ->capture_default_str();
-  cmd->add_option(
-         "--strategy", args->strategies,
+                  "(tensors moved into FCP's layout once; calls move no tokens)");
+  addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce,
+             "Rounds merged into one stage (FCP)");
+  addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth,
+             "Stages of remote KV a rank may hold (FCP, >= 2)");
+  addText(
+         cmd, "--strategy", args->strategies,
          "Strategies to run, comma-separated: fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "
-         "fcp-pipeline, fcp-cfree, fcp-coalesce")
-      ->capture_default_str();
-  cmd->add_option("--warmup", args->warmup, "Untimed repeats first")->capture_default_str();
-  cmd->add_option("--repeats", args->repeats, "Timed forward+backward repeats")
-      ->capture_default_str();
-  cmd->add_option("--threads", args->threads, "Kernel threads per rank")->capture_default_str();
-  cmd->add_option(
-         "--comm-ratio", args->commRatio,
-         "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y 2500; "
-         "0 = uncapped)")
-      ->capture_default_str();
+         "fcp-pipeline, fcp-cfree, fcp-coalesce");
+  addInteger(cmd, "--warmup", args->warmup, 0, kMaxRepeats, "Untimed repeats first");
+  addInteger(cmd, "--repeats", args->repeats, 1, kMaxRepeats, "Timed forward+backward repeats");
+  addInteger(cmd, "--threads", args->threads, 1, kMaxThreads, "Kernel threads per rank");
+  addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
+            "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y "
+            "2500; 0 = uncapped)");
   cmd->add_flag("--check", args->check,
                 "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the "
                 "default batch: minutes)");
-  cmd->add_option("--tolerance", args->tolerance, "Largest relative L2 error --check accepts")
-      ->capture_default_str();
+  addNumber(cmd, "--tolerance", args->tolerance, 0, 1e6,
+            "Largest relative L2 error --check accepts (> 0)");
   cmd->add_flag("--json", args->json, "Print one JSON object per strategy");
-  cmd->add_option("--timeline", args->timeline, "Write a Chrome-trace JSON of the last repeat");
-  cmd->add_option("--timeout", args->timeoutSeconds,
-                  "Seconds a rank waits for a message before failing")
-      ->capture_default_str();
+  addText(cmd, "--timeline", args->timeline, "Write a Chrome-trace JSON of the last repeat");
+  addNumber(cmd, "--timeout", args->timeoutSeconds, 0, kMaxTimeoutSeconds,
+            "Seconds a rank waits for a message before failing (> 0)");
   cmd->callback([args] { runRun(*args); });
 }
 

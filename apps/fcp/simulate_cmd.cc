@@ -2,12 +2,14 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "common.h"
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
 #include "fcp/core/units.h"
@@ -17,6 +19,10 @@
 
 namespace fcp::app {
 namespace {
+
+/// Most workers one simulated cell may have, and most sampled batches per cell.
+constexpr int64_t kMaxSimulatedWorkers = int64_t{1} << 20;
+constexpr int64_t kMaxBatches = 10000;
 
 struct SimulateArgs {
   std::vector<std::string> strategies = {"fcp", "ring", "bytescale", "wlb", "magi", "megatron"};
@@ -139,6 +145,8 @@ void runSimulate(const SimulateArgs& a) {
   const sim::HardwareProfile hw = sim::loadHardwareProfile(a.hardware);
   plan::PlanConfig base;
   base.blockSize = parseTokenCount(a.blockSize, "--block-size");
+  requireAtLeast(base.blockSize, kMinBlockSize, "--block-size",
+                 "smaller blocks make more pairs than any batch can use");
   base.coalesce = a.coalesce;
   base.bufferDepth = a.buffers;
   base.memorySlack = a.memorySlack;
@@ -239,35 +247,39 @@ void runSimulate(const SimulateArgs& a) {
 void addSimulateCommand(CLI::App& app) {
   auto args = std::make_shared<SimulateArgs>();
   auto* cmd = app.add_subcommand("simulate", "Time FCP and the baselines on a simulated cluster");
-  cmd->add_option("--strategy", args->strategies,
-                  "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron (ablation: fcp-base, "
-                  "fcp-pipeline, fcp-cfree, fcp-coalesce)")
-      ->delimiter(',')
-      ->capture_default_str();
-  cmd->add_option("--workers", args->workers, "Comma-separated worker counts, e.g. 16,32,64")
-      ->delimiter(',')
-      ->capture_default_str();
-  cmd->add_option("--hardware", args->hardware, "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file")
-      ->capture_default_str();
-  auto* workload = cmd->add_option("--workload", args->workload,
-                                   "Built-in workload: lognormal, lognormal-narrow, bimodal")
-                       ->capture_default_str();
-  auto* trace = cmd->add_option("--trace", args->trace, "Trace file: one sequence length per line");
+  cmd->add_option_function<std::string>(
+         "--strategy",
+         [args](const std::string& text) {
+           // Split here: CLI11's delimiter would drop an empty item ("fcp,,ring").
+           args->strategies.clear();
+           size_t begin = 0;
+           for (size_t comma; (comma = text.find(',', begin)) != std::string::npos; begin = comma + 1)
+             args->strategies.push_back(text.substr(begin, comma - begin));
+           args->strategies.push_back(text.substr(begin));
+         },
+         "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron (ablation: fcp-base, "
+         "fcp-pipeline, fcp-cfree, fcp-coalesce)")
+      ->default_str("fcp,ring,bytescale,wlb,magi,megatron");
+  addIntegerList(cmd, "--workers", args->workers, 1, kMaxSimulatedWorkers,
+                 "Comma-separated worker counts, e.g. 16,32,64");
+  addText(cmd, "--hardware", args->hardware, "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file");
+  auto* workload = addText(cmd, "--workload", args->workload,
+                                   "Built-in workload: lognormal, lognormal-narrow, bimodal");
+  auto* trace = addText(cmd, "--trace", args->trace, "Trace file: one sequence length per line");
   workload->excludes(trace);
-  cmd->add_option("--block-size", args->blockSize, "Tokens per block, e.g. 4K")->capture_default_str();
-  cmd->add_option("--tokens-per-worker", args->tokensPerWorker,
+  addText(cmd, "--block-size", args->blockSize, "Tokens per block, e.g. 4K");
+  addText(cmd, "--tokens-per-worker", args->tokensPerWorker,
                   "Tokens per worker (default 32K; with --trace, the trace's share)");
-  cmd->add_option("--batches", args->batches, "Sampled batches per cell (mean reported)")->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of the first batch")->capture_default_str();
-  cmd->add_option("--mask", args->mask, "causal or full")->capture_default_str();
-  cmd->add_option("--coalesce", args->coalesce, "FCP: rounds per pipeline stage")->capture_default_str();
-  cmd->add_option("--buffers", args->buffers, "FCP: stages of remote KV held (>= 2)")->capture_default_str();
-  cmd->add_option("--memory-slack", args->memorySlack, "Tolerated overshoot of the memory budget")
-      ->capture_default_str();
-  cmd->add_option("--heads-q", args->headsQ, "Query heads")->capture_default_str();
-  cmd->add_option("--heads-kv", args->headsKv, "Key/value heads (GQA)")->capture_default_str();
-  cmd->add_option("--head-dim", args->headDim, "Head dimension")->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Element type: bf16, fp16 or fp32")->capture_default_str();
+  addInteger(cmd, "--batches", args->batches, 1, kMaxBatches, "Sampled batches per cell (mean reported)");
+  addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(), "Seed of the first batch");
+  addText(cmd, "--mask", args->mask, "causal or full");
+  addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce, "FCP: rounds per pipeline stage");
+  addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth, "FCP: stages of remote KV held (>= 2)");
+  addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100, "Tolerated overshoot of the memory budget");
+  addInteger(cmd, "--heads-q", args->headsQ, 1, kMaxHeads, "Query heads");
+  addInteger(cmd, "--heads-kv", args->headsKv, 1, kMaxHeads, "Key/value heads (GQA)");
+  addInteger(cmd, "--head-dim", args->headDim, 1, kMaxHeadDim, "Head dimension");
+  addText(cmd, "--dtype", args->dtype, "Element type: bf16, fp16 or fp32");
   cmd->add_flag("--forward-only", args->forwardOnly, "Simulate the forward pass only");
   cmd->add_flag("--no-reshuffle", args->noReshuffle, "Do not charge the reshuffle");
   cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");

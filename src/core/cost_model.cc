@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "fcp/core/error.h"
 
@@ -9,24 +10,30 @@ namespace fcp {
 
 int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin, int64_t kEnd) {
   if (qEnd <= qBegin || kEnd <= kBegin) return 0;
-  const int64_t width = kEnd - kBegin;
-  if (mask == MaskKind::kFull) return (qEnd - qBegin) * width;
+  // Counted in unsigned 128 bits: every factor below is a non-negative difference of int64
+  // positions (under 2^64, or 2^65 / 2), so each product stays under 2^128; each term is capped
+  // at INT64_MAX before they are added, so the count saturates instead of wrapping.
+  __extension__ typedef unsigned __int128 Wide;  // __extension__: no -Wpedantic warning
+  constexpr Wide kMax = std::numeric_limits<int64_t>::max();
+  const auto span = [](int64_t from, int64_t to) { return static_cast<Wide>(Wide(to) - Wide(from)); };
+  const Wide width = span(kBegin, kEnd);
+  if (mask == MaskKind::kFull) return static_cast<int64_t>(std::min(span(qBegin, qEnd) * width, kMax));
   // Causal: query i sees keys j <= i, so it sees clamp(i + 1 - kBegin, 0, width) keys of the
   // range. Queries in [kBegin, kEnd) see a growing prefix (an arithmetic series); queries at or
   // past kEnd see all `width` keys; queries before kBegin see none.
-  int64_t total = 0;
+  Wide series = 0, rest = 0;
   const int64_t a = std::max(qBegin, kBegin);
   const int64_t b = std::min(qEnd, kEnd);
   if (a < b) {
     // sum_{i=a}^{b-1} (i + 1 - kBegin) = n * (first + last) / 2; n + (first + last) is odd, so
     // exactly one factor is even and the division is exact.
-    const int64_t n = b - a;
-    const int64_t ends = (a + 1 - kBegin) + (b - kBegin);
-    total += (n % 2 == 0) ? (n / 2) * ends : n * (ends / 2);
+    const Wide n = span(a, b);
+    const Wide ends = span(kBegin, a) + 1 + span(kBegin, b);
+    series = std::min((n % 2 == 0) ? (n / 2) * ends : n * (ends / 2), kMax);
   }
   const int64_t fullFrom = std::max(qBegin, kEnd);
-  if (fullFrom < qEnd) total += (qEnd - fullFrom) * width;
-  return total;
+  if (fullFrom < qEnd) rest = std::min(span(fullFrom, qEnd) * width, kMax);
+  return static_cast<int64_t>(std::min(series + rest, kMax));
 }
 
 double forwardFlops(const AttentionConfig& config, int64_t visible) {

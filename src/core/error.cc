@@ -1,5 +1,7 @@
 #include "fcp/core/error.h"
 
+#include "fcp/core/input.h"
+
 namespace fcp {
 
 std::string_view errorCodeName(ErrorCode code) {
@@ -15,5 +17,11 @@ std::string_view errorCodeName(ErrorCode code) {
   }
   return "unknown";
 }
+
+namespace detail {
+std::string oneLine(const std::string& message) {
+  return printable(message, kMaxErrorMessageChars);
+}
+}  // namespace detail
 
 }  // namespace fcp

@@ -4,12 +4,13 @@
 #include <limits>
 
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 
 namespace fcp {
 
 int64_t parseTokenCount(std::string_view text, std::string_view what) {
   auto fail = [&](const char* why) {
-    throwInvalidArgument("invalid ", what, " '", text, "': expected ", why);
+    throwInvalidArgument("invalid ", what, " '", printable(text), "': expected ", why);
   };
   constexpr const char* kExpected = "a positive integer with an optional K, M or G suffix";
   if (text.empty()) fail(kExpected);

@@ -4,10 +4,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/random.h"
 
 namespace fcp {
@@ -83,14 +83,17 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
 }
 
 Batch readTrace(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throwInvalidArgument("cannot read trace file '", path, "'");
+  const std::string shown = printable(path);
+  const std::string content = readUserFile(path, "trace file", kMaxTraceFileBytes);
   Batch batch;
-  std::string line;
+  int64_t total = 0;
   int64_t lineNumber = 0;
-  while (std::getline(in, line)) {
+  for (size_t begin = 0; begin < content.size();) {
+    size_t end = content.find('\n', begin);
+    if (end == std::string::npos) end = content.size();
     ++lineNumber;
-    const std::string text = trim(line);
+    const std::string text = trim(content.substr(begin, end - begin));
+    begin = end + 1;
     if (text.empty()) continue;
     bool digits = text.size() <= 19;
     for (char ch : text) digits = digits && ch >= '0' && ch <= '9';
@@ -102,14 +105,22 @@ Batch readTrace(const std::string& path) {
       len = static_cast<int64_t>(v);
     }
     if (!digits || len <= 0) {
-      throwInvalidArgument("trace '", path, "' line ", lineNumber, ": '", text,
+      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": '", printable(text),
                            "' is not a positive integer sequence length");
     }
+    if (len > kMaxSequenceLength) {
+      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": sequence length ", len,
+                           " is over the limit: expected at most ", kMaxSequenceLength, " tokens");
+    }
+    if (len > kMaxBatchTokens - total) {
+      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": the batch passes ",
+                           kMaxBatchTokens, " tokens: expected a smaller total");
+    }
+    total += len;
     batch.sequenceLengths.push_back(len);
   }
-  if (in.bad()) throwInvalidArgument("error while reading trace file '", path, "'");
   if (batch.sequenceLengths.empty()) {
-    throwInvalidArgument("trace '", path, "' has no sequence lengths: expected one per line");
+    throwInvalidArgument("trace '", shown, "' has no sequence lengths: expected one per line");
   }
   checkBatch(batch);
   return batch;

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 
 namespace fcp::plan {
 namespace {
@@ -191,10 +192,15 @@ std::string planToJson(const Plan& plan) {
 }
 
 Plan planFromJson(std::string_view text) {
+  // nlohmann's parser recurses once per level: bound the depth before it sees the text.
+  checkJsonDepth(text, "plan JSON");
   json doc;
   try {
     doc = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::out_of_range& e) {
+    throwInvalidArgument("plan JSON has a number out of range (", e.what(),
+                         "): expected numbers that fit a double");
+  } catch (const json::exception& e) {
     throwInvalidArgument("plan JSON does not parse: ", e.what());
   }
   if (!doc.is_object() || !doc.contains("format") || doc["format"] != "fcp-plan") {

@@ -11,6 +11,7 @@
 #include "fcp/core/error.h"
 #include "fcp/core/statistics.h"
 #include "fcp/plan/coloring.h"
+#include "fcp/plan/limits.h"
 #include "violations.h"
 
 namespace fcp::plan {
@@ -315,7 +316,100 @@ void checkPairs(const Plan& plan, Violations& v) {
   }
 }
 
+/// The planner's knobs and counters a plan file may carry: each in the range its flag or the
+/// planner accepts, so a loaded plan cannot claim what no planner makes.
+void checkConfigRanges(const Plan& plan, Violations& v) {
+  const PlanConfig& c = plan.config;
+  static const char* const kStrategies[] = {"fcp",      "fcp-base", "fcp-pipeline", "fcp-cfree",
+                                            "fcp-coalesce", "ring", "bytescale",    "wlb",
+                                            "magi",     "megatron"};
+  if (std::find(std::begin(kStrategies), std::end(kStrategies), plan.strategy) ==
+      std::end(kStrategies)) {
+    v.add("plan has strategy '", plan.strategy,
+          "': expected fcp, ring, bytescale, wlb, magi, megatron or an fcp ablation");
+  }
+  if (c.blockSize <= 0 || c.blockSize > kMaxSequenceLength) {
+    v.add("plan has block size ", c.blockSize, ": expected 1 to ", kMaxSequenceLength, " tokens");
+  }
+  if (c.tokensPerWorker <= 0 || c.tokensPerWorker > kMaxBatchTokens) {
+    v.add("plan has ", c.tokensPerWorker, " tokens per worker: expected 1 to ", kMaxBatchTokens);
+  }
+  if (!(c.commBalanceSlack >= kMinCommBalanceSlack && c.commBalanceSlack <= kMaxCommBalanceSlack)) {
+    v.add("plan has communication balance slack ", c.commBalanceSlack, ": expected ",
+          kMinCommBalanceSlack, " to ", kMaxCommBalanceSlack);
+  }
+  if (!(c.localitySlack >= 0 && c.localitySlack <= 1)) {
+    v.add("plan has locality slack ", c.localitySlack, ": expected 0 to 1");
+  }
+  if (!(c.alpha > 0 && c.alpha <= 1e6) || !(c.beta > 0 && c.beta <= 1e6)) {
+    v.add("plan has alpha ", c.alpha, " and beta ", c.beta, ": expected each in (0, 1e6]");
+  }
+  if (!(c.improveTarget >= 0 && c.improveTarget <= 1) || c.improveStepsPerBlock < 0 ||
+      c.improveStepsPerBlock > kMaxImproveStepsPerBlock) {
+    v.add("plan has improvement target ", c.improveTarget, " and ", c.improveStepsPerBlock,
+          " steps per block: expected 0 to 1 and 0 to ", kMaxImproveStepsPerBlock);
+  }
+  for (auto [value, name] : {std::pair{plan.improveSteps, "improve_steps"},
+                             {plan.commBalanceSteps, "comm_balance_steps"},
+                             {plan.localityMoves, "locality_moves"},
+                             {plan.movedTokensWithoutLocality, "moved_tokens_without_locality"}}) {
+    if (value < 0) v.add("plan has ", name, " ", value, ": expected 0 or more");
+  }
+  if (!(plan.lowerBound >= 0 && std::isfinite(plan.lowerBound)) ||
+      !(plan.greedyMaxCost >= 0 && std::isfinite(plan.greedyMaxCost))) {
+    v.add("plan has lower bound ", plan.lowerBound, " and greedy maximum ", plan.greedyMaxCost,
+          ": expected finite costs >= 0");
+  }
+}
+
+/// Every pair cost a finite number >= 0 (a negative cost could hide work from a worker's load).
+void checkPairCosts(const Plan& plan, Violations& v) {
+  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+    const double cost = plan.pairs[p].cost;
+    if (!(cost >= 0 && std::isfinite(cost))) {
+      v.add("pair ", p, " costs ", cost, ": expected a finite cost >= 0");
+    }
+  }
+}
+
+/// LB = max(largest block cost, total cost / workers), recomputed from the pairs.
+void checkLowerBound(const Plan& plan, Violations& v) {
+  if (plan.strategy != "fcp" && plan.strategy.rfind("fcp-", 0) != 0) return;  // baselines set their own
+  const std::vector<double> costs =
+      blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs);
+  double total = 0, largest = 0;
+  for (double c : costs) {
+    total += c;
+    largest = std::max(largest, c);
+  }
+  const double lowerBound = std::max(largest, total / static_cast<double>(plan.config.numWorkers));
+  if (std::abs(plan.lowerBound - lowerBound) > 1e-9 * std::max(1.0, lowerBound)) {
+    v.add("plan says lower bound ", plan.lowerBound, " but its pair costs give ", lowerBound);
+  }
+}
+
 }  // namespace
+
+std::vector<std::string> validateCosts(const Plan& plan, const CostModel& costModel) {
+  Violations v;
+  if (costModel.attention != plan.config.attention) {
+    v.add("the cost model's attention differs from the plan's");
+    return v.take();
+  }
+  const std::vector<BlockPair> pairs = blockPairs(plan.blocks, costModel);
+  if (pairs.size() != plan.pairs.size()) {
+    v.add("plan has ", plan.pairs.size(), " pairs but its blocks make ", pairs.size());
+    return v.take();
+  }
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    const double want = pairs[p].cost, got = plan.pairs[p].cost;
+    if (std::abs(want - got) > 1e-9 * std::max(1.0, std::abs(want))) {
+      v.add("pair ", p, " (", plan.pairs[p].qBlock, ", ", plan.pairs[p].kvBlock, ") costs ", got,
+            " but the plan's heads, head dim, mask and efficiency curve give ", want);
+    }
+  }
+  return v.take();
+}
 
 std::string_view placementName(Placement placement) {
   return placement == Placement::kLocal ? "local" : "lpt";
@@ -354,6 +448,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   }
   if (!config.userStarts.empty())
     checkUserLayout(config.userStarts, batch.numTokens(), config.numWorkers);
+  if (config.blockSize <= 0) {
+    throwInvalidArgument("invalid block size ", config.blockSize, ": expected a positive token count");
+  }
+  checkPairCount(batch, config.blockSize);  // bounded time and memory (fcp/plan/limits.h)
   if (config.attention.mask != costModel.attention.mask) {
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
   }
@@ -508,6 +606,7 @@ std::vector<std::string> validate(const Plan& plan) {
     v.add("plan has memory limit ", c.memoryLimit(), " tokens with slack ", c.memorySlack,
           ": expected 1 to ", kMaxBatchTokens, " tokens and slack 0 to 100");
   }
+  checkConfigRanges(plan, v);
   try {
     checkAttentionConfig(c.attention);
   } catch (const Error& e) {
@@ -520,8 +619,10 @@ std::vector<std::string> validate(const Plan& plan) {
   }
   if (!v.empty()) return v.take();
   checkTokenCoverage(plan, v);
+  checkPairCosts(plan, v);
   checkOwnersAndLoads(plan, v);
   checkPairs(plan, v);
+  if (v.empty()) checkLowerBound(plan, v);
   if (v.empty()) detail::validateCommunication(plan, v);
   return v.take();
 }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 
 #ifndef FCP_SOURCE_DATA_DIR
 #define FCP_SOURCE_DATA_DIR "data"
@@ -23,12 +24,53 @@ std::string kindOf(const json& j) {
                                                                       : "";
 }
 
+/// `text` parsed, its nesting bounded first (the parser recurses once per level); every
+/// failure is one line naming `what` and `source`.
+json parseJson(const std::string& text, const char* what, const std::string& source) {
+  const std::string name = std::string(what) + " " + printable(source);
+  checkJsonDepth(text, name);
+  try {
+    return json::parse(text);
+  } catch (const json::out_of_range& e) {
+    throwInvalidArgument(name, " has a number out of range (", e.what(),
+                         "): expected numbers that fit a double");
+  } catch (const json::exception& e) {
+    throwInvalidArgument(name, " is not valid JSON: ", e.what());
+  }
+}
+
+/// Largest number a profile field may hold (TFLOP/s, GB/s, microseconds, workers per node):
+/// far above any device, and small enough that scaled to FLOP/s or bytes/s it stays finite.
+constexpr double kMaxProfileNumber = 1e9;
+
 double positiveNumber(const json& j, const char* field, const std::string& source) {
-  if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() > 0)) {
+  if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() > 0) ||
+      !(j[field].get<double>() <= kMaxProfileNumber)) {
     throwInvalidArgument("hardware profile ", source, ": field '", field,
-                         "' must be a positive number");
+                         "' must be a positive number of at most ", kMaxProfileNumber);
   }
   return j[field].get<double>();
+}
+
+/// An optional non-negative number (a latency), 0 when absent.
+double optionalNumber(const json& j, const char* field, const std::string& source) {
+  if (!j.contains(field)) return 0;
+  if (!j[field].is_number() || !(j[field].get<double>() >= 0) ||
+      !(j[field].get<double>() <= kMaxProfileNumber)) {
+    throwInvalidArgument("hardware profile ", source, ": field '", field,
+                         "' must be a number from 0 to ", kMaxProfileNumber);
+  }
+  return j[field].get<double>();
+}
+
+/// An optional string field, `fallback` when absent.
+std::string optionalString(const json& j, const char* field, const std::string& fallback,
+                           const std::string& source) {
+  if (!j.contains(field)) return fallback;
+  if (!j[field].is_string()) {
+    throwInvalidArgument("hardware profile ", source, ": field '", field, "' must be a string");
+  }
+  return j[field].get<std::string>();
 }
 
 EfficiencyCurve curve(const json& j, const char* field) {
@@ -37,8 +79,9 @@ EfficiencyCurve curve(const json& j, const char* field) {
   }
   std::vector<std::pair<int64_t, double>> points;
   for (const json& p : j[field]) {
-    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number()) {
-      throwInvalidArgument("'", field, "' entry ", p.dump(), " is not [tokens, fraction]");
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number() ||
+        (p[0].is_number_unsigned() && p[0].get<uint64_t>() > uint64_t{1} << 40)) {
+      throwInvalidArgument("'", field, "' entry ", printable(p.dump()), " is not [tokens, fraction]");
     }
     points.push_back({p[0].get<int64_t>(), p[1].get<double>()});
   }
@@ -58,19 +101,14 @@ CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
 }
 
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(jsonText);
-  } catch (const json::parse_error& e) {
-    throwInvalidArgument("hardware profile ", source, " is not valid JSON: ", e.what());
-  }
+  const json j = parseJson(jsonText, "hardware profile", source);
   if (kindOf(j) != "fcp-hardware") {
     throwInvalidArgument("hardware profile ", source,
                          ": expected an object with \"kind\": \"fcp-hardware\"");
   }
   HardwareProfile h;
-  h.name = j.value("name", source);
-  h.note = j.value("note", "");
+  h.name = optionalString(j, "name", source, source);
+  h.note = optionalString(j, "note", "", source);
   h.peakFlops = positiveNumber(j, "peak_tflops", source) * 1e12;
   const double perNode = positiveNumber(j, "workers_per_node", source);
   if (perNode != static_cast<double>(static_cast<int64_t>(perNode))) {
@@ -80,11 +118,8 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   h.workersPerNode = static_cast<int64_t>(perNode);
   h.intraNodeBytesPerSecond = positiveNumber(j, "intra_node_gbps", source) * 1e9;
   h.interNodeBytesPerSecond = positiveNumber(j, "inter_node_gbps", source) * 1e9;
-  h.intraNodeLatencySeconds = j.value("intra_node_latency_us", 0.0) * 1e-6;
-  h.interNodeLatencySeconds = j.value("inter_node_latency_us", 0.0) * 1e-6;
-  if (h.intraNodeLatencySeconds < 0 || h.interNodeLatencySeconds < 0) {
-    throwInvalidArgument("hardware profile ", source, ": latencies must be >= 0");
-  }
+  h.intraNodeLatencySeconds = optionalNumber(j, "intra_node_latency_us", source) * 1e-6;
+  h.interNodeLatencySeconds = optionalNumber(j, "inter_node_latency_us", source) * 1e-6;
   try {
     h.forward = curve(j, "forward");
     h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;
@@ -104,12 +139,10 @@ bool isProfileName(const std::string& nameOrPath) {
          !std::filesystem::is_regular_file(nameOrPath);
 }
 
+/// A profile or curve file: a regular file of at most kMaxSmallJsonFileBytes (never a FIFO,
+/// device or directory).
 std::string readText(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  if (!in) throwInvalidArgument("cannot read ", what, " '", path, "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  return readUserFile(path, what, kMaxSmallJsonFileBytes);
 }
 
 }  // namespace
@@ -136,12 +169,7 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
     return {h.forward, h.backward};
   }
   const std::string text = readText(nameOrPath, "efficiency curve");
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throwInvalidArgument("efficiency curve ", nameOrPath, " is not valid JSON: ", e.what());
-  }
+  const json j = parseJson(text, "efficiency curve", nameOrPath);
   const std::string kind = kindOf(j);
   if (kind == "fcp-hardware") {
     const HardwareProfile h = parseHardwareProfile(text, nameOrPath);

@@ -49,8 +49,8 @@ expect huge_trace_line "line 1" --trace "$tmp/huge.txt"
 expect trace_total "batch passes" --trace "$tmp/total.txt"
 expect empty_trace "no sequence lengths" --trace "$tmp/empty.txt"
 expect workload_and_trace "--trace" --workload lognormal --trace "$tmp/bad_line.txt"
-expect zero_workers "--workers 0" --workers 0
-expect negative_workers "--workers -4" --workers -4
+expect zero_workers "--workers '0'" --workers 0
+expect negative_workers "--workers '-4'" --workers -4
 expect zero_block "--block-size '0'" --block-size 0
 expect negative_block "--block-size '-4K'" --block-size -4K
 expect bad_suffix_block "--block-size '4Q'" --block-size 4Q
@@ -62,18 +62,18 @@ expect block_over_cap "more than the memory cap" --tokens-per-worker 2K --block-
 expect bad_mask "'diagonal'" --mask diagonal
 expect bad_heads "not a multiple" --heads-q 12 --heads-kv 8
 expect bad_dtype "'int3'" --dtype int3
-expect bad_slack "memory slack -1" --memory-slack -1
+expect bad_slack "--memory-slack '-1'" --memory-slack -1
 
-expect huge_heads "head dim" --head-dim 4294967296
-expect huge_workers "--workers 9223372036854775807" --workers 9223372036854775807
-expect huge_buffers "--buffers 10000000" --buffers 10000000
+expect huge_heads "--head-dim '4294967296'" --head-dim 4294967296
+expect huge_workers "--workers '9223372036854775807'" --workers 9223372036854775807
+expect huge_buffers "--buffers '10000000'" --buffers 10000000
 expect huge_memory "memory limit" --memory-limit 9223372036854775807
 printf '4096\n100\n' > "$tmp/small.txt"
 expect huge_trace_share "memory limit" --trace "$tmp/small.txt" --workers 3 --tokens-per-worker 9223372036854775807
 expect nan_slack "slack" --comm-balance-slack nan
 expect unwritable_plan_out "cannot write --plan-out" --workers 2 --plan-out "$tmp/no/such/dir/plan.json"
-expect zero_coalesce "--coalesce 0" --coalesce 0
-expect one_buffer "--buffers 1" --buffers 1
+expect zero_coalesce "--coalesce '0'" --coalesce 0
+expect one_buffer "--buffers '1'" --buffers 1
 expect missing_plan_in "$tmp/none.json" --plan-in "$tmp/none.json"
 printf '{"format": "fcp-plan", "version": 1}' > "$tmp/partial.json"
 expect partial_plan_in "missing field" --plan-in "$tmp/partial.json"

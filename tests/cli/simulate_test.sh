@@ -30,8 +30,8 @@ expect() {
 }
 
 expect unknown_strategy "'zigzag'" --strategy fcp,zigzag
-expect zero_workers "--workers 0" --workers 0
-expect zero_batches "--batches 0" --batches 0
+expect zero_workers "--workers item '0'" --workers 0
+expect zero_batches "--batches '0'" --batches 0
 expect unknown_hardware "'tpu-v9'" --hardware tpu-v9
 expect json_and_csv "--json and --csv" --json --csv
 expect zero_block "--block-size '0'" --block-size 0

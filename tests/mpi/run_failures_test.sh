@@ -82,4 +82,28 @@ fi
 expect_error "check above tolerance" "relative L2 error above --tolerance" 30 \
   "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15
 
+# Error lines of several ranks never interleave (issue 16: in 5 of 40 runs of `--heads-q abc`
+# under mpirun two ranks' lines were mixed mid-line): each line goes out in one write and names
+# its rank. The launcher may stop the other ranks before they print, so at least one line, and
+# every line whole.
+mixed=0
+for i in $(seq 1 10); do
+  "$mpirun" -n 4 "$fcp" run --heads-q abc >"$dir/out" 2>"$dir/err"
+  whole=$(grep -cxE "fcp: error: rank [0-3]: invalid --heads-q 'abc': expected an integer from 1 to 1024" "$dir/err")
+  if [ "$whole" -lt 1 ] || [ "$(grep -c 'fcp' "$dir/err")" -ne "$whole" ]; then
+    mixed=$((mixed + 1)); cat "$dir/err"
+  fi
+done
+[ "$mixed" -eq 0 ] && echo "ok: 10 runs of --heads-q abc on 4 ranks: every error line whole" ||
+  fail "--heads-q abc on 4 ranks: $mixed of 10 runs had a line that was not whole"
+
+# A batch too large to run (one 600K-token sequence: ~10 PFLOP) is refused in seconds, one
+# whole line per rank, instead of filling memory for hours (issue 16).
+echo 614400 >"$dir/one_600k.txt"
+expect_error "600K-token sequence" "the batch needs about [0-9]+ TFLOP of attention per rank" 20 \
+  "$mpirun" -n 2 "$fcp" run --trace "$dir/one_600k.txt"
+if [ "$(grep -cE '^fcp: error: rank [01]: the batch needs about' "$dir/err")" -ne 2 ]; then
+  fail "600K-token sequence: expected one whole line from each of the 2 ranks"; cat "$dir/err"
+fi
+
 [ "$failures" -eq 0 ] && echo "all passed" || { echo "$failures failed"; exit 1; }

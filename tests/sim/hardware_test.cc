@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <string>
 
@@ -81,6 +84,62 @@ TEST(EfficiencyCurvesTest, ABadPointNamesItsCurve) {
     EXPECT_NE(message.find("1.7"), std::string::npos) << message;
   }
   std::filesystem::remove(path);
+}
+
+/// The message of the Error `f` throws.
+std::string errorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+TEST(HardwareInputTest, DeepNestingIsAnErrorNotACrash) {
+  // Issue 16: 70,000 levels crashed the recursive parser (stack overflow).
+  const std::string nested = std::string(70000, '[') + std::string(70000, ']');
+  const std::string curve =
+      writeTemp("fcp_deep_curve.json", R"({"kind": "fcp-efficiency-curve", "forward": )" + nested + "}");
+  EXPECT_NE(errorOf([&] { loadEfficiencyCurves(curve); }).find("JSON nests"), std::string::npos);
+  const std::string profile =
+      writeTemp("fcp_deep_profile.json", R"({"kind": "fcp-hardware", "note": )" + nested + "}");
+  EXPECT_NE(errorOf([&] { loadHardwareProfile(profile); }).find("JSON nests"), std::string::npos);
+  std::filesystem::remove(curve);
+  std::filesystem::remove(profile);
+}
+
+TEST(HardwareInputTest, NumbersOutOfRangeAndWrongTypesAreOneLine) {
+  const std::string huge = writeTemp(
+      "fcp_huge_curve.json", R"({"kind": "fcp-efficiency-curve", "forward": [[256, 1e400]]})");
+  EXPECT_NE(errorOf([&] { loadEfficiencyCurves(huge); }).find("number out of range"),
+            std::string::npos);
+  const std::string base =
+      R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8, "intra_node_gbps": 1,)"
+      R"( "inter_node_gbps": 1, "forward": [[256, 0.5]])";
+  EXPECT_NE(errorOf([&] { parseHardwareProfile(base + R"(, "name": 7})", "p"); }).find("'name'"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { parseHardwareProfile(base + R"(, "intra_node_latency_us": "x"})", "p"); })
+                .find("'intra_node_latency_us'"),
+            std::string::npos);
+  const std::string tooFast = R"({"kind": "fcp-hardware", "peak_tflops": 1e300, "workers_per_node": 8,)"
+                              R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]]})";
+  EXPECT_NE(errorOf([&] { parseHardwareProfile(tooFast, "p"); }).find("'peak_tflops'"),
+            std::string::npos);
+  std::filesystem::remove(huge);
+}
+
+TEST(HardwareInputTest, ADirectoryOrFifoIsRefusedWithoutBlocking) {
+  const std::string dir = writeTemp("fcp_dir_curve.json", "");
+  std::filesystem::remove(dir);
+  std::filesystem::create_directory(dir);
+  EXPECT_NE(errorOf([&] { loadEfficiencyCurves(dir); }).find("a directory"), std::string::npos);
+  std::filesystem::remove(dir);
+  ASSERT_EQ(::mkfifo(dir.c_str(), 0600), 0);
+  EXPECT_NE(errorOf([&] { loadEfficiencyCurves(dir); }).find("a FIFO"), std::string::npos);
+  std::filesystem::remove(dir);
 }
 
 }  // namespace

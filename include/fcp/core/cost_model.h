@@ -12,7 +12,8 @@ namespace fcp {
 
 /// Number of (query, key) entries the mask lets through between query positions
 /// [qBegin, qEnd) and key positions [kBegin, kEnd) of one sequence (positions count from the
-/// sequence's first token). Exact, O(1); empty ranges give 0.
+/// sequence's first token). Exact, O(1); empty ranges give 0. Counts past int64 (ranges far
+/// beyond kMaxSequenceLength) saturate at INT64_MAX rather than overflow.
 int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin, int64_t kEnd);
 
 /// Useful forward FLOPs for `visible` entries: 4 · visible · numHeadsQ · headDim (QKᵀ and PV,

@@ -19,11 +19,21 @@ enum class ErrorCode {
 /// Name of an error code, for messages.
 std::string_view errorCodeName(ErrorCode code);
 
-/// Root of every exception FCP throws. `what()` is one line.
+/// Longest message an Error carries, in printable characters.
+inline constexpr size_t kMaxErrorMessageChars = 1024;
+
+namespace detail {
+/// `message` as one printable line: control bytes (NUL and newlines too), a byte-order mark
+/// and bytes that are not UTF-8 escaped, cut after kMaxErrorMessageChars.
+std::string oneLine(const std::string& message);
+}  // namespace detail
+
+/// Root of every exception FCP throws. `what()` is one printable line, whatever bytes of user
+/// input the message echoes.
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+      : std::runtime_error(detail::oneLine(message)), code_(code) {}
   ErrorCode code() const { return code_; }
 
  private:

@@ -52,8 +52,10 @@ const Workload& findWorkload(std::string_view name);
 Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed);
 
 /// Reads a trace: one positive sequence length per line; blank lines and text after '#' are
-/// ignored. Throws Error(kInvalidArgument) for a missing or unreadable file, a line that is
-/// not a positive integer (naming the line), an empty trace, or a total past int64.
+/// ignored. Throws Error(kInvalidArgument) for a missing or unreadable file, one that is not a
+/// regular file (a FIFO, device or directory: refused without blocking) or is over
+/// kMaxTraceFileBytes, a line that is not a positive integer or is over kMaxSequenceLength
+/// (naming the line), an empty trace, or a total over kMaxBatchTokens (naming the line).
 Batch readTrace(const std::string& path);
 
 /// Checks every length is in [1, kMaxSequenceLength] and the total at most kMaxBatchTokens;

@@ -195,8 +195,15 @@ PlanStats computeStats(const Plan& plan);
 /// = Δ; in both passes every pair computed once by its Q owner after its KV arrived, every
 /// transfer (and backward, every dK/dV partial) sent once and received once, at most
 /// `coalesce` per worker and stage, buffers never over depth; the reshuffle moves every token
-/// exactly once each way.
+/// exactly once each way. And the plan's own numbers: its configuration inside the ranges the
+/// planner and its flags accept (fcp/plan/limits.h), a known strategy, pair costs finite and
+/// >= 0, counters >= 0, and (FCP plans) the lower bound equal to the one its pair costs give.
 std::vector<std::string> validate(const Plan& plan);
+
+/// A plan's pair costs against `costModel` (whose attention must be the plan's): every pair's
+/// cost as blockPairs computes it, within a relative 1e-9. For plans read from a file, after
+/// `validate`: a plan made with one efficiency curve fails under another.
+std::vector<std::string> validateCosts(const Plan& plan, const CostModel& costModel);
 
 /// Throws Error(kInvalidPlan) listing the first violations unless `validate` finds none.
 void checkValid(const Plan& plan);

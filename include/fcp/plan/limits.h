@@ -1,0 +1,36 @@
+#pragma once
+/// What the planner accepts, so that every plan it makes takes bounded time and memory.
+///
+/// A sequence of L tokens in blocks of B tokens makes k = ceil(L / B) blocks, and under a
+/// causal (Zig-Zag) or full mask all k^2 of their pairs need computing: the pairs grow with
+/// the square of the block count. The planner holds every pair (24 bytes each, with the
+/// transfers and stages they imply), so it refuses batches whose pairs pass kMaxPairs.
+
+#include <cstdint>
+
+#include "fcp/core/config.h"
+#include "fcp/core/workload.h"
+
+namespace fcp::plan {
+
+struct PlanConfig;
+
+/// Most block pairs a plan may have: 2^25 (about 1.6 GB of pairs across the plan's two
+/// candidate placements, and a few minutes of planning here).
+inline constexpr int64_t kMaxPairs = int64_t{1} << 25;
+/// Most improvement steps per block a plan may ask of the distributor.
+inline constexpr int64_t kMaxImproveStepsPerBlock = 1024;
+/// The range of the communication balance slack (negative: balancing off).
+inline constexpr double kMinCommBalanceSlack = -1;
+inline constexpr double kMaxCommBalanceSlack = 0.99;
+
+/// An upper bound on the pairs sharding `batch` into blocks of `blockSize` makes: the sum of
+/// ceil(L / blockSize)^2 over sequences of at least blockSize tokens, plus one per shorter
+/// sequence (packed blocks). Saturates at a value above kMaxPairs.
+int64_t estimatePairs(const Batch& batch, int64_t blockSize);
+
+/// Throws Error(kInvalidArgument) when estimatePairs passes kMaxPairs, naming the longest
+/// sequence, its block count and pairs, and the smallest block size that would fit.
+void checkPairCount(const Batch& batch, int64_t blockSize);
+
+}  // namespace fcp::plan
