@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "fcp/core/det_math.h"
 #include "fcp/core/error.h"
 
 namespace fcp {
@@ -81,9 +82,9 @@ double EfficiencyCurve::at(int64_t tokens) const {
   const auto upper = std::upper_bound(points_.begin(), points_.end(), tokens,
                                       [](int64_t t, const auto& p) { return t < p.first; });
   const auto lower = upper - 1;
-  const double x = std::log2(static_cast<double>(tokens));
-  const double x0 = std::log2(static_cast<double>(lower->first));
-  const double x1 = std::log2(static_cast<double>(upper->first));
+  const double x = dmath::log2(static_cast<double>(tokens));
+  const double x0 = dmath::log2(static_cast<double>(lower->first));
+  const double x1 = dmath::log2(static_cast<double>(upper->first));
   const double w = (x - x0) / (x1 - x0);
   return lower->second + w * (upper->second - lower->second);
 }

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "fcp/core/det_math.h"
+
 namespace fcp {
 namespace {
 
@@ -15,7 +17,6 @@ uint64_t splitMix64(uint64_t& x) {
 uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 constexpr double kTwoPow53Inv = 1.0 / 9007199254740992.0;
-constexpr double kTwoPi = 6.283185307179586476925286766559;
 
 }  // namespace
 
@@ -43,7 +44,7 @@ double Rng::uniformOpenZero() { return static_cast<double>((next() >> 11) + 1) *
 double Rng::normal() {
   const double u1 = uniformOpenZero();
   const double u2 = uniform();
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2);
+  return std::sqrt(-2.0 * dmath::log(u1)) * dmath::cosTurns(u2);
 }
 
 }  // namespace fcp

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 
+#include "fcp/core/det_math.h"
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
 #include "fcp/core/random.h"
@@ -15,11 +16,11 @@ namespace {
 
 /// ln-space parameters of a lognormal whose mean (expectation) is `mean`.
 LognormalComponent withMean(double mean, double sigma) {
-  return {std::log(mean) - 0.5 * sigma * sigma, sigma};
+  return {dmath::log(mean) - 0.5 * sigma * sigma, sigma};
 }
 
 /// ln-space parameters of a lognormal whose median is `median`.
-LognormalComponent withMedian(double median, double sigma) { return {std::log(median), sigma}; }
+LognormalComponent withMedian(double median, double sigma) { return {dmath::log(median), sigma}; }
 
 std::string trim(const std::string& line) {
   const auto hash = line.find('#');
@@ -72,7 +73,7 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
   while (filled < numTokens) {
     // One draw picks the component (always drawn, so the stream does not depend on the count).
     const auto& c = workload.components[rng.next() % numComponents];
-    const double x = std::exp(c.mu + c.sigma * rng.normal());
+    const double x = dmath::exp(c.mu + c.sigma * rng.normal());
     const double clipped = std::clamp(x, static_cast<double>(kMinSampledLength),
                                       static_cast<double>(kMaxSampledLength));
     const auto len = std::min(static_cast<int64_t>(std::llround(clipped)), numTokens - filled);
@@ -83,8 +84,11 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
 }
 
 Batch readTrace(const std::string& path) {
-  const std::string shown = printable(path);
-  const std::string content = readUserFile(path, "trace file", kMaxTraceFileBytes);
+  return parseTrace(readUserFile(path, "trace file", kMaxTraceFileBytes), path);
+}
+
+Batch parseTrace(std::string_view content, const std::string& source) {
+  const std::string shown = printable(source);
   Batch batch;
   int64_t total = 0;
   int64_t lineNumber = 0;
@@ -92,7 +96,7 @@ Batch readTrace(const std::string& path) {
     size_t end = content.find('\n', begin);
     if (end == std::string::npos) end = content.size();
     ++lineNumber;
-    const std::string text = trim(content.substr(begin, end - begin));
+    const std::string text = trim(std::string(content.substr(begin, end - begin)));
     begin = end + 1;
     if (text.empty()) continue;
     bool digits = text.size() <= 19;
