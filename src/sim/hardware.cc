@@ -168,16 +168,20 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
     const HardwareProfile h = loadHardwareProfile(nameOrPath);
     return {h.forward, h.backward};
   }
-  const std::string text = readText(nameOrPath, "efficiency curve");
-  const json j = parseJson(text, "efficiency curve", nameOrPath);
+  return parseEfficiencyCurves(readText(nameOrPath, "efficiency curve"), nameOrPath);
+}
+
+std::pair<EfficiencyCurve, EfficiencyCurve> parseEfficiencyCurves(const std::string& jsonText,
+                                                                  const std::string& source) {
+  const json j = parseJson(jsonText, "efficiency curve", source);
   const std::string kind = kindOf(j);
   if (kind == "fcp-hardware") {
-    const HardwareProfile h = parseHardwareProfile(text, nameOrPath);
+    const HardwareProfile h = parseHardwareProfile(jsonText, source);
     return {h.forward, h.backward};
   }
   if (kind != "fcp-efficiency-curve") {
     throwInvalidArgument(
-        "efficiency curve ", nameOrPath,
+        "efficiency curve ", source,
         ": expected an object with \"kind\": \"fcp-efficiency-curve\" or \"fcp-hardware\"");
   }
   try {
@@ -186,7 +190,7 @@ std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::stri
     return {std::move(forward), std::move(backward)};
   } catch (const Error& e) {
     if (e.code() != ErrorCode::kInvalidArgument) throw;
-    throwInvalidArgument("efficiency curve ", nameOrPath, ": ", e.what());
+    throwInvalidArgument("efficiency curve ", source, ": ", e.what());
   }
 }
 

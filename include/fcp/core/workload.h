@@ -58,6 +58,10 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed);
 /// (naming the line), an empty trace, or a total over kMaxBatchTokens (naming the line).
 Batch readTrace(const std::string& path);
 
+/// The batch in the text of a trace file (what readTrace reads), checked the same way;
+/// `source` names it in messages.
+Batch parseTrace(std::string_view content, const std::string& source);
+
 /// Checks every length is in [1, kMaxSequenceLength] and the total at most kMaxBatchTokens;
 /// throws Error(kInvalidArgument) naming the bad entry.
 void checkBatch(const Batch& batch);

@@ -53,4 +53,9 @@ HardwareProfile loadHardwareProfile(const std::string& nameOrPath);
 /// expected.
 std::pair<EfficiencyCurve, EfficiencyCurve> loadEfficiencyCurves(const std::string& nameOrPath);
 
+/// The curves of the text of a curve or hardware-profile file (what loadEfficiencyCurves reads
+/// from a file); `source` names it in messages.
+std::pair<EfficiencyCurve, EfficiencyCurve> parseEfficiencyCurves(const std::string& jsonText,
+                                                                  const std::string& source);
+
 }  // namespace fcp::sim

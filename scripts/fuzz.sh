@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/, Clang, with ASan + UBSan) into ${FCP_FUZZ_BUILD_DIR:-build-fuzz}
+# and runs each for ${1:-60} seconds from its corpus fuzz/corpus/<name>/. New inputs go to a
+# temporary directory (the repository's corpus is only read). Prints executions and corpus size
+# per target; exits nonzero if any target crashed, naming the input it saved: fix the bug, then
+# add that input to fuzz/corpus/<name>/ so it stays a regression test (ctest fuzz.*_corpus).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+seconds=${1:-60}
+build_dir=${FCP_FUZZ_BUILD_DIR:-build-fuzz}
+targets=(trace plan hardware flags)
+
+CXX=clang++ cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFCP_BUILD_FUZZERS=ON \
+  -DFCP_SANITIZE=ON -DFCP_BUILD_TESTS=OFF -DFCP_BUILD_BENCH=OFF -DFCP_BUILD_PYTHON=OFF \
+  -DFCP_INSTALL=OFF >/dev/null
+fuzzers=()
+for t in "${targets[@]}"; do fuzzers+=("fcp_${t}_fuzzer"); done
+cmake --build "$build_dir" -j "$(nproc)" --target "${fuzzers[@]}"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export ASAN_OPTIONS=detect_leaks=1
+failed=0
+for t in "${targets[@]}"; do
+  mkdir -p "$work/$t" "$work/$t-crash"
+  log="$work/$t.log"
+  if "$build_dir/fuzz/fcp_${t}_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+      -max_len=65536 -artifact_prefix="$work/$t-crash/" "$work/$t" "fuzz/corpus/$t" >"$log" 2>&1; then
+    status=ok
+  else
+    status=CRASH
+    failed=1
+    kept=build-fuzz-crashes/$t
+    mkdir -p "$kept"
+    cp "$work/$t-crash/"* "$kept/" 2>/dev/null || true
+    tail -n 40 "$log"
+  fi
+  execs=$(grep -o '^#[0-9]*' "$log" | tail -n 1 | tr -d '#')
+  corpus=$(ls "fuzz/corpus/$t" | wc -l)
+  found=$(ls "$work/$t" | wc -l)
+  echo "fuzz: $t: $status, ${execs:-0} executions in ${seconds} s, corpus $corpus files (+$found new)"
+done
+if [ "$failed" -ne 0 ]; then
+  echo "fuzz: crash inputs saved under build-fuzz-crashes/ (add each to fuzz/corpus/<target>/ once fixed)" >&2
+fi
+exit "$failed"
