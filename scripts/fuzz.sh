@@ -37,7 +37,7 @@ for t in "${targets[@]}"; do
     cp "$work/$t-crash/"* "$kept/" 2>/dev/null || true
     tail -n 40 "$log"
   fi
-  execs=$(grep -o '^#[0-9]*' "$log" | tail -n 1 | tr -d '#')
+  execs=$(sed -n 's/^Done \([0-9]*\) runs.*/\1/p' "$log" | tail -n 1)
   corpus=$(ls "fuzz/corpus/$t" | wc -l)
   found=$(ls "$work/$t" | wc -l)
   echo "fuzz: $t: $status, ${execs:-0} executions in ${seconds} s, corpus $corpus files (+$found new)"

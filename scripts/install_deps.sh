@@ -18,6 +18,8 @@ packages=(
   # Debian's torch calls the libblas.so.3 alternative, which is the reference BLAS (6 GFLOP/s
   # here) unless an optimised one is installed: OpenBLAS gives the model's GEMMs ~160 GFLOP/s.
   libopenblas0-pthread
+  # scripts/fuzz.sh: libFuzzer needs Clang and its runtime libraries.
+  clang libclang-rt-14-dev
 )
 
 missing=()
