@@ -3,11 +3,15 @@
 // fcp::Error(kTransport) within seconds instead of waiting forever. faults_test.sh launches this
 // program under mpirun and checks the exit status, the time taken and stderr.
 //
-// Usage: faults_mpi_test {none|exit|stall} FAULT_RANK
+// Usage: faults_mpi_test {none|exit|stall|short|long|slow} FAULT_RANK
 //   none   no fault: forward and backward complete on every rank (exit 0); shows the wrapper
-//          itself changes nothing.
+//          itself changes nothing. Rank 0 prints a checksum of the outputs and gradients.
 //   exit   FAULT_RANK exits (code 3) as a crashed process would.
 //   stall  FAULT_RANK stops answering (sleeps until killed) as a hung process would.
+//   short  FAULT_RANK's first message is one byte short (a peer on another plan or shape).
+//   long   FAULT_RANK's first message is one byte long.
+//   slow   every message FAULT_RANK sends leaves 50 ms late (a slow link): the passes complete
+//          (exit 0) with the same checksum as without the fault.
 // A surviving rank that catches an fcp::Error prints one line with its code and message and
 // ends the job (exit 2 for a transport error, 4 for any other code, which the script rejects).
 // A surviving rank that the launcher ends first says so in one line.
@@ -33,10 +37,11 @@ namespace {
 
 using namespace fcp;
 
-enum class Fault { kNone, kExit, kStall };
+enum class Fault { kNone, kExit, kStall, kShort, kLong, kSlow };
 
-/// Passes everything through to `inner`, except that once armed, rank `faultRank`'s next isend
-/// never happens: the process exits or sleeps instead.
+/// Passes everything through to `inner`, except that once armed, rank `faultRank`'s sends go
+/// wrong: the next one never happens (the process exits or sleeps instead), is a byte short or
+/// long, or every one is late.
 class FaultyTransport final : public runtime::Transport {
  public:
   FaultyTransport(runtime::Transport& inner, Fault fault, int faultRank)
@@ -51,9 +56,24 @@ class FaultyTransport final : public runtime::Transport {
 
   runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
     if (armed_ && inner_.rank() == faultRank_) {
-      if (fault_ == Fault::kExit) std::_Exit(3);
-      if (fault_ == Fault::kStall) {
-        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));  // until the launcher kills it
+      switch (fault_) {
+        case Fault::kNone: break;
+        case Fault::kExit: std::_Exit(3);
+        case Fault::kStall:
+          for (;;) std::this_thread::sleep_for(std::chrono::hours(1));  // until the launcher kills it
+        case Fault::kShort:
+          if (!data.empty() && !fired_.exchange(true)) {
+            return inner_.isend(peer, tag, data.first(data.size() - 1));
+          }
+          break;
+        case Fault::kLong:
+          if (!fired_.exchange(true)) {
+            longMessage_.assign(data.begin(), data.end());
+            longMessage_.push_back(std::byte{0});
+            return inner_.isend(peer, tag, longMessage_);
+          }
+          break;
+        case Fault::kSlow: std::this_thread::sleep_for(std::chrono::milliseconds(50)); break;
       }
     }
     return inner_.isend(peer, tag, data);
@@ -77,11 +97,14 @@ class FaultyTransport final : public runtime::Transport {
   const Fault fault_;
   const int faultRank_;
   std::atomic<bool> armed_{false};
+  std::atomic<bool> fired_{false};
+  std::vector<std::byte> longMessage_;  // outlives its request: kept until the job ends
 };
 
 /// One small causal batch (three sequences split evenly over the ranks), planned, then one
 /// forward and one backward pass; the fault is armed between the two.
-void runBatch(FaultyTransport& t) {
+/// Returns the sum of this rank's outputs and gradients.
+double runBatch(FaultyTransport& t) {
   const int64_t hq = 2, hkv = 1, dim = 16, total = 2048;
   BatchOptions o;
   o.cuSeqlens = {0, 700, 1000, total};
@@ -105,6 +128,11 @@ void runBatch(FaultyTransport& t) {
                  {dk.data(), f, n, hkv, dim}, {dv.data(), f, n, hkv, dim});
   int64_t done = 1;
   t.allreduce({&done, 1}, runtime::ReduceOp::kMin);
+  double sum = 0;
+  for (const auto* v : {&out, &dq, &dk, &dv}) {
+    for (float x : *v) sum += x;
+  }
+  return sum;
 }
 
 /// The launcher ends the surviving ranks with SIGTERM when a peer exits; say so in one line
@@ -120,13 +148,17 @@ void onTerminate(int) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 3 ? argv[1] : "";
-  if (mode != "none" && mode != "exit" && mode != "stall") {
-    std::fprintf(stderr, "usage: faults_mpi_test {none|exit|stall} FAULT_RANK\n");
+  const Fault fault = mode == "none"    ? Fault::kNone
+                      : mode == "exit"  ? Fault::kExit
+                      : mode == "stall" ? Fault::kStall
+                      : mode == "short" ? Fault::kShort
+                      : mode == "long"  ? Fault::kLong
+                      : mode == "slow"  ? Fault::kSlow
+                                        : static_cast<Fault>(-1);
+  if (fault == static_cast<Fault>(-1)) {
+    std::fprintf(stderr, "usage: faults_mpi_test {none|exit|stall|short|long|slow} FAULT_RANK\n");
     return 64;
   }
-  const Fault fault = mode == "exit"    ? Fault::kExit
-                      : mode == "stall" ? Fault::kStall
-                                        : Fault::kNone;
   const int faultRank = std::atoi(argv[2]);
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
@@ -142,13 +174,16 @@ int main(int argc, char** argv) {
     MPI_Finalize();
     return 64;
   }
+  double checksum = 0;
   {
-    // A short timeout, so that a survivor gives up within seconds.
+    // A short timeout, so that a survivor gives up within seconds (a slow link gets a longer
+    // one: late is not dead).
     std::unique_ptr<runtime::Transport> mpi = runtime::makeMpiTransport(
-        runtime::MpiCommHandle{MPI_Comm_c2f(MPI_COMM_WORLD)}, {.timeoutSeconds = 2});
+        runtime::MpiCommHandle{MPI_Comm_c2f(MPI_COMM_WORLD)},
+        {.timeoutSeconds = fault == Fault::kSlow ? 20.0 : 2.0});
     FaultyTransport t(*mpi, fault, faultRank);
     try {
-      runBatch(t);
+      checksum = runBatch(t);
     } catch (const Error& e) {
       std::fprintf(stderr, "faults_mpi_test: rank %d: %s error: %s\n", rank,
                    std::string(errorCodeName(e.code())).c_str(), e.what());
@@ -156,11 +191,12 @@ int main(int argc, char** argv) {
       t.abort(e.code() == ErrorCode::kTransport ? 2 : 4);
     }
   }
-  // With a fault armed, no rank can get here: the faulty rank never sent its message.
+  // Only without a fault or with a slow link may a rank get here.
+  const bool completes = fault == Fault::kNone || fault == Fault::kSlow;
   if (rank == 0) {
-    std::printf("%s: forward and backward completed on %d ranks\n",
-                fault == Fault::kNone ? "no fault" : "FAILED: the fault never fired", size);
+    std::printf("%s: forward and backward completed on %d ranks, checksum %.9e\n",
+                completes ? mode.c_str() : "FAILED: the fault never fired", size, checksum);
   }
   MPI_Finalize();
-  return fault == Fault::kNone ? 0 : 5;
+  return completes ? 0 : 5;
 }

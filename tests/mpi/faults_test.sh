@@ -32,11 +32,12 @@ expect_error() {
 # No fault: the wrapper passes everything through.
 if ! timeout 60 "$mpirun" -n 2 --oversubscribe "$prog" none 1 >"$dir/out" 2>"$dir/err"; then
   fail "no fault: nonzero exit"; cat "$dir/out" "$dir/err"
-elif ! grep -q "no fault: forward and backward completed on 2 ranks" "$dir/out"; then
+elif ! grep -q "none: forward and backward completed on 2 ranks" "$dir/out"; then
   fail "no fault: no completion line"; cat "$dir/out"
 else
   echo "ok: $(cat "$dir/out")"
 fi
+cp "$dir/out" "$dir/none.out"
 
 # A peer that dies after the plan agreement: rank 0 times out on it (a transport error) or the
 # launcher ends it first.
@@ -50,5 +51,26 @@ expect_error "peer stops answering" \
 # Three ranks, rank 0 hung: one of the others gives up first and ends the job.
 expect_error "rank 0 stops answering (3 ranks)" \
   "rank [12]: transport error: rank [12]: timed out after 2 s waiting for" 20 3 stall 0
+
+# A message a byte short or long (a peer on another plan or tensor shape): the receiver fails
+# with a transport error naming the sizes (or MPI's truncation), never reads stale bytes.
+expect_error "message one byte short" \
+  "transport error: rank 0: a receive of [0-9]+ bytes from rank 1 .* got [0-9]+ bytes: expected" \
+  20 2 short 1
+expect_error "message one byte long" "transport error: rank 0: .*(truncat|TRUNCATE)" 20 2 long 1
+
+# A slow link (every message of rank 1 leaves 50 ms late): the passes complete, with the same
+# result as without a fault.
+reference=$(sed -n 's/.*checksum //p' "$dir/none.out")
+if ! timeout 60 "$mpirun" -n 2 --oversubscribe "$prog" slow 1 >"$dir/out" 2>"$dir/err"; then
+  fail "slow link: nonzero exit"; cat "$dir/out" "$dir/err"
+elif ! grep -q "slow: forward and backward completed on 2 ranks" "$dir/out"; then
+  fail "slow link: no completion line"; cat "$dir/out"
+elif ! awk -v a="$reference" -v b="$(sed -n 's/.*checksum //p' "$dir/out")" \
+    'BEGIN { d = a - b; if (d < 0) d = -d; s = a < 0 ? -a : a; exit !(a != "" && d <= 1e-5 * (s + 1)) }'; then
+  fail "slow link: checksum $(sed -n 's/.*checksum //p' "$dir/out"), expected $reference"
+else
+  echo "ok: slow link: $(cat "$dir/out")"
+fi
 
 [ "$failures" -eq 0 ] && echo "all passed" || { echo "$failures failed"; exit 1; }

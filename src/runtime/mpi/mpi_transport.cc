@@ -263,7 +263,17 @@ class MpiTransport final : public Transport {
       slot.done = true;
       return;
     }
-    if (flag) slot.done = true;
+    if (!flag) return;
+    slot.done = true;
+    // A receive takes exactly the bytes it was posted for: a longer message fails above
+    // (MPI_ERR_TRUNCATE), a shorter one is caught here rather than leaving stale bytes.
+    int count = 0;
+    if (!slot.isSend && MPI_Get_count(&status, MPI_BYTE, &count) == MPI_SUCCESS &&
+        static_cast<size_t>(count) != slot.bytes) {
+      slot.error = "rank " + std::to_string(rank_) + ": " + describe(slot) + " got " +
+                   std::to_string(count) + " bytes: expected " + std::to_string(slot.bytes) +
+                   " (do the ranks run the same plan and tensor shapes?)";
+    }
   }
 
   bool anyPending() const {
