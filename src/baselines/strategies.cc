@@ -4,6 +4,7 @@
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/limits.h"
 #include "ring_schedule.h"
 
 namespace fcp::baselines {
@@ -59,8 +60,30 @@ const std::vector<std::string>& strategyNames() {
   return kNames;
 }
 
+namespace {
+
+/// The baselines hold their pairs like FCP does, so they are bounded by the same kMaxPairs
+/// (fcp/plan/limits.h): ring, megatron, bytescale and wlb pair every two workers of a ring
+/// group (groups partition the workers: at most N^2 pairs); magi pairs its 512-token chunks.
+void checkBaselineSize(const std::string& name, const Batch& batch, const plan::PlanConfig& config) {
+  if (name == "magi") {
+    plan::checkPairCount(batch, kMagiChunkTokens);
+    return;
+  }
+  if (name != "ring" && name != "megatron" && name != "bytescale" && name != "wlb") return;
+  const int64_t n = config.numWorkers;
+  if (n > 0 && n <= plan::kMaxPairs / n) return;
+  int64_t fits = 1;
+  while ((fits + 1) * (fits + 1) <= plan::kMaxPairs) ++fits;
+  throwInvalidArgument(name, " on ", n, " workers pairs up to ", n, "^2 worker blocks: expected at most ",
+                       fits, " workers (", plan::kMaxPairs, " pairs, as for every plan)");
+}
+
+}  // namespace
+
 plan::Plan makePlan(const std::string& name, const Batch& batch, const plan::PlanConfig& config,
                     const CostModel& costModel, const PlanOracle& oracle) {
+  checkBaselineSize(name, batch, config);
   static const std::map<std::string, int> kAblation = {
       {"fcp-base", 0}, {"fcp-pipeline", 1}, {"fcp-cfree", 2}, {"fcp-coalesce", 3}};
   if (name == "fcp") return plan::buildPlan(batch, config, costModel);

@@ -105,3 +105,39 @@ TEST(BaselinesTest, WlbTakesTheOraclesChoice) {
 
 }  // namespace
 }  // namespace fcp::baselines
+
+namespace fcp::baselines {
+namespace {
+
+// Baselines are bounded like FCP's planner (fcp/plan/limits.h): past kMaxPairs worker pairs a
+// one-line refusal, at once, instead of minutes and gigabytes.
+TEST(BaselineLimitsTest, RingStylePlannersRefusePastThePairLimit) {
+  plan::PlanConfig c;
+  c.numWorkers = 8192;  // 8192^2 = 2^26 > 2^25 pairs
+  c.tokensPerWorker = 1024;
+  const Batch batch{{c.numWorkers * c.tokensPerWorker}};
+  for (const char* name : {"ring", "megatron", "bytescale", "wlb"}) {
+    try {
+      makePlan(name, batch, c, CostModel{c.attention}, [](const plan::Plan&) { return 0.0; });
+      ADD_FAILURE() << name << " planned 8192 workers";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("expected at most 5792 workers"), std::string::npos)
+          << e.what();
+    }
+  }
+  c.numWorkers = 64;  // well inside: plans
+  const Batch small{{c.numWorkers * c.tokensPerWorker}};
+  EXPECT_NO_THROW(makePlan("ring", small, c, CostModel{c.attention}));
+}
+
+TEST(BaselineLimitsTest, MagiIsBoundedByItsChunkPairs) {
+  plan::PlanConfig c;
+  c.numWorkers = 64;
+  c.tokensPerWorker = 64 * 1024;
+  // One sequence of 4M tokens: 8192 chunks of 512, 2^26 pairs.
+  const Batch batch{{c.numWorkers * c.tokensPerWorker}};
+  EXPECT_THROW(makePlan("magi", batch, c, CostModel{c.attention}), Error);
+}
+
+}  // namespace
+}  // namespace fcp::baselines
