@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -82,6 +83,13 @@ struct Placed {
   double shardMs = 0, assignMs = 0, balanceMs = 0;
 };
 
+/// How a placement cuts the batch: one block size, and optionally a smaller one per sequence
+/// (see shardBatch).
+struct Sharding {
+  int64_t blockSize = 0;
+  std::vector<int64_t> sequenceSizes;
+};
+
 Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
                  std::vector<Block> blocks) {
   Placed p;
@@ -109,15 +117,19 @@ std::vector<int64_t> blockTokens(const std::vector<Block>& blocks) {
 }
 
 /// The paper's placement: Zig-Zag blocks, the LPT greedy and its improvement, communication
-/// balancing, the locality relabelling.
-Placed placeLpt(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
-                const DistributorOptions& options) {
+/// balancing, the locality relabelling. Nullopt when the memory cap cannot place the blocks.
+std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
+                               const CostModel& costModel, const DistributorOptions& options,
+                               const Sharding& sharding) {
   auto start = std::chrono::steady_clock::now();
   Placed p = placeWith(batch, config, costModel,
-                       shardBatch(batch, config.blockSize, config.attention.mask));
+                       shardBatch(batch, sharding.blockSize, config.attention.mask,
+                                  sharding.sequenceSizes));
   p.shardMs = msSince(start);
   start = std::chrono::steady_clock::now();
-  takeAssignment(p, assignBlocks(blockTokens(p.plan.blocks), p.costs, options));
+  std::optional<Assignment> a = tryAssignBlocks(blockTokens(p.plan.blocks), p.costs, options);
+  if (!a) return std::nullopt;
+  takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLpt;
   p.assignMs = msSince(start);
   start = std::chrono::steady_clock::now();
@@ -137,18 +149,23 @@ Placed placeLpt(const Batch& batch, const PlanConfig& config, const CostModel& c
 }
 
 /// The locality-first placement: blocks cut along the user layout, each starting at home.
-Placed placeLocal(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
-                  const DistributorOptions& options) {
+std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
+                                 const CostModel& costModel, const DistributorOptions& options,
+                                 const Sharding& sharding) {
   const std::vector<int64_t> user =
       config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
                                 : config.userStarts;
   auto start = std::chrono::steady_clock::now();
   Placed p = placeWith(batch, config, costModel,
-                       shardBatchForLayout(batch, config.blockSize, user));
+                       shardBatchForLayout(batch, sharding.blockSize, user,
+                                           sharding.sequenceSizes));
   p.shardMs = msSince(start);
   start = std::chrono::steady_clock::now();
-  takeAssignment(p, assignBlocksNearHome(blockTokens(p.plan.blocks), p.costs,
-                                         homeWorkers(batch, p.plan.blocks, user), options));
+  std::optional<Assignment> a =
+      tryAssignBlocksNearHome(blockTokens(p.plan.blocks), p.costs,
+                              homeWorkers(batch, p.plan.blocks, user), options);
+  if (!a) return std::nullopt;
+  takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLocal;
   p.plan.loads = computeLoads(p.plan);
   p.assignMs = msSince(start);
@@ -159,6 +176,133 @@ double maxCost(const Plan& plan) {
   double busiest = 0;
   for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
   return busiest;
+}
+
+/// Cost-aware blocks: a giant block's sequence (kCostCutShare) is cut so that its blocks cost
+/// about that fraction of a worker's share. Granularity bounds how close LPT gets to the lower bound, so the finer plan is
+/// tried only when the busiest worker ends more than kCostCutMinGap above it.
+constexpr double kCostCutMinGap = 0.005;
+/// Cost-aware blocks are at least 1/kCostCutMaxFactor of the sharding's block size: smaller
+/// kernels run too far down the efficiency curve to pay.
+constexpr int64_t kCostCutMaxFactor = 4;
+
+using PlaceFn = std::optional<Placed> (*)(const Batch&, const PlanConfig&, const CostModel&,
+                                          const DistributorOptions&, const Sharding&);
+
+/// Always a plan: shards at config.blockSize and places; when the memory cap cannot place the
+/// blocks, cuts every block finer (half the size, never below safeBlockTokens, where the
+/// greedy provably finds room) and tries again. Sizes over the cap are skipped (such blocks
+/// can never be placed). Deterministic: the sizes tried depend only on the inputs.
+Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config,
+                     const CostModel& costModel, const DistributorOptions& options) {
+  const int64_t safe = safeBlockTokens(batch.numTokens(), options);
+  const int64_t cap = memoryCapTokens(options);
+  int64_t size = config.blockSize;
+  int64_t retries = 0;
+  double shardMs = 0, assignMs = 0;
+  for (;;) {
+    if (size > cap && size > safe) {
+      size = std::max(safe, size / 2);
+      ++retries;
+      continue;
+    }
+    checkPairCount(batch, size);
+    std::optional<Placed> p = place(batch, config, costModel, options, Sharding{size, {}});
+    if (p) {
+      p->shardMs += shardMs;
+      p->assignMs += assignMs;
+      p->plan.shardBlockSize = size;
+      p->plan.smallestBlockSize = size;
+      p->plan.memoryRetries = retries;
+      return std::move(*p);
+    }
+    FCP_CHECK(size > safe, "blocks of ", size, " tokens found no room under the cap of ", cap,
+              " tokens although ", safe, "-token blocks always fit");
+    size = std::max(safe, size / 2);
+    ++retries;
+  }
+}
+
+/// The per-sequence block sizes that bring every giant block of `p` down to about
+/// kCostCutShare of a worker's share (empty when no block is giant). A block's cost scales
+/// about linearly with its size for a given sequence, so its size is scaled by share / cost.
+/// Packed blocks (several sequences) are left alone: they are whole short sequences.
+std::vector<int64_t> costCutSizes(const Placed& p) {
+  const Plan& plan = p.plan;
+  double total = 0;
+  for (double c : p.costs) total += c;
+  const double limit = kCostCutShare * total / static_cast<double>(plan.config.numWorkers);
+  const int64_t size = plan.shardBlockSize;
+  const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
+  std::vector<int64_t> sizes;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const double cost = p.costs[b];
+    const std::vector<Chunk>& chunks = plan.blocks[b].chunks;
+    if (!(cost > limit) || chunks.empty()) continue;
+    const int32_t s = chunks.front().sequence;
+    if (std::any_of(chunks.begin(), chunks.end(), [&](const Chunk& c) { return c.sequence != s; }))
+      continue;
+    if (plan.batch.sequenceLengths[static_cast<size_t>(s)] < size) continue;
+    const auto scaled = static_cast<int64_t>(
+        static_cast<double>(plan.blocks[b].numTokens()) * (limit / cost));
+    const int64_t want = std::clamp<int64_t>(scaled, floor, size);
+    if (want >= size) continue;
+    if (sizes.empty()) sizes.assign(plan.batch.sequenceLengths.size(), 0);
+    int64_t& current = sizes[static_cast<size_t>(s)];
+    current = current == 0 ? want : std::min(current, want);
+  }
+  return sizes;
+}
+
+/// estimatePairs for per-sequence sizes: the sum of k^2 over cut sequences, one per other.
+int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<int64_t>& sizes) {
+  int64_t pairs = 0;
+  for (size_t s = 0; s < batch.sequenceLengths.size(); ++s) {
+    const int64_t length = batch.sequenceLengths[s];
+    const int64_t size = sizes[s] == 0 ? blockSize : sizes[s];
+    const int64_t k = length >= blockSize ? (length + size - 1) / size : 1;
+    pairs += k * k;
+    if (pairs > kMaxPairs) return kMaxPairs + 1;
+  }
+  return pairs;
+}
+
+/// Cost-aware blocks (see kCostCutShare): when `base` ends more than kCostCutMinGap above its
+/// lower bound and has giant blocks, their sequences are cut finer and placed again; the finer
+/// plan replaces `base` only if its busiest worker costs less.
+Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
+                   const CostModel& costModel, const DistributorOptions& options) {
+  if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
+  const double busiest = maxCost(base.plan);
+  if (busiest <= base.plan.lowerBound * (1.0 + kCostCutMinGap)) return base;
+  const std::vector<int64_t> sizes = costCutSizes(base);
+  if (sizes.empty()) return base;
+  if (pairsWithSizes(batch, base.plan.shardBlockSize, sizes) > kMaxPairs) return base;
+  const int64_t size = base.plan.shardBlockSize;
+  std::optional<Placed> fine =
+      place(batch, config, costModel, options, Sharding{size, sizes});
+  base.shardMs += fine ? fine->shardMs : 0;
+  base.assignMs += fine ? fine->assignMs : 0;
+  if (!fine || !(maxCost(fine->plan) < busiest)) return base;
+  fine->shardMs = base.shardMs;
+  fine->assignMs = base.assignMs;
+  fine->balanceMs += base.balanceMs;
+  fine->plan.shardBlockSize = size;
+  fine->plan.memoryRetries = base.plan.memoryRetries;
+  fine->plan.smallestBlockSize = size;
+  for (int64_t s : sizes) {
+    if (s == 0) continue;
+    ++fine->plan.costCutSequences;
+    fine->plan.smallestBlockSize = std::min(fine->plan.smallestBlockSize, s);
+  }
+  return std::move(*fine);
+}
+
+/// One placement, always feasible and cost-aware.
+Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
+                 const CostModel& costModel, const DistributorOptions& options) {
+  return refineCosts(place, placeFeasibly(place, batch, config, costModel, options), batch,
+                     config, costModel, options);
 }
 
 /// Bytes a step moves (as PlanStats::stepBytes) from the owners alone: the transfers and the
@@ -352,8 +496,16 @@ void checkConfigRanges(const Plan& plan, Violations& v) {
   for (auto [value, name] : {std::pair{plan.improveSteps, "improve_steps"},
                              {plan.commBalanceSteps, "comm_balance_steps"},
                              {plan.localityMoves, "locality_moves"},
+                             {plan.memoryRetries, "memory_retries"},
+                             {plan.costCutSequences, "cost_cut_sequences"},
                              {plan.movedTokensWithoutLocality, "moved_tokens_without_locality"}}) {
     if (value < 0) v.add("plan has ", name, " ", value, ": expected 0 or more");
+  }
+  if (plan.shardBlockSize < 0 || plan.shardBlockSize > std::max<int64_t>(c.blockSize, 0) ||
+      plan.smallestBlockSize < 0 || plan.smallestBlockSize > plan.shardBlockSize) {
+    v.add("plan has sharding block size ", plan.shardBlockSize, " and smallest block size ",
+          plan.smallestBlockSize, ": expected 0 <= smallest <= sharding <= the configured ",
+          c.blockSize);
   }
   if (!(plan.lowerBound >= 0 && std::isfinite(plan.lowerBound)) ||
       !(plan.greedyMaxCost >= 0 && std::isfinite(plan.greedyMaxCost))) {
@@ -456,10 +608,18 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     throw Error(ErrorCode::kInternal, "cost model mask differs from the plan's mask");
   }
   const DistributorOptions options = distributorOptions(config);
-  Placed lpt = placeLpt(batch, config, costModel, options);
+  checkDistributorOptions(options);
+  const int64_t cap = memoryCapTokens(options);
+  if (safeBlockTokens(batch.numTokens(), options) == 0) {
+    throwInvalidArgument("memory cap cannot hold the batch: ", batch.numTokens(), " tokens > ",
+                         config.numWorkers, " workers x ", cap,
+                         " tokens (M(1+delta)); raise the tokens per worker, the memory limit or "
+                         "slack, or the number of workers");
+  }
+  Placed lpt = placeBest(&placeLpt, batch, config, costModel, options);
   double shardMs = lpt.shardMs, assignMs = lpt.assignMs, balanceMs = lpt.balanceMs;
   if (config.placement == Placement::kLocal) {
-    Placed local = placeLocal(batch, config, costModel, options);
+    Placed local = placeBest(&placeLocal, batch, config, costModel, options);
     shardMs += local.shardMs;
     assignMs += local.assignMs;
     const auto chooseStart = std::chrono::steady_clock::now();
