@@ -116,8 +116,8 @@ std::vector<int64_t> blockTokens(const std::vector<Block>& blocks) {
   return tokens;
 }
 
-/// The paper's placement: Zig-Zag blocks, the LPT greedy and its improvement, communication
-/// balancing, the locality relabelling. Nullopt when the memory cap cannot place the blocks.
+/// The paper's placement, up to its assignment: Zig-Zag blocks, the LPT greedy and its
+/// improvement (finishLpt adds the rest). Nullopt when the memory cap cannot place the blocks.
 std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
                                const CostModel& costModel, const DistributorOptions& options,
                                const Sharding& sharding) {
@@ -131,12 +131,18 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
   if (!a) return std::nullopt;
   takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLpt;
+  p.plan.loads = computeLoads(p.plan);
   p.assignMs = msSince(start);
-  start = std::chrono::steady_clock::now();
+  return p;
+}
+
+/// The rest of the paper's placement: communication balancing and the locality relabelling.
+void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
   Plan& plan = p.plan;
   if (config.commBalanceSlack >= 0) {
     double busiest = 0;
-    for (const WorkerLoad& l : computeLoads(plan)) busiest = std::max(busiest, l.cost);
+    for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
     const double cap = std::max(busiest, plan.lowerBound * (1.0 + config.commBalanceSlack));
     plan.commBalanceSteps = detail::balanceCommunication(plan, p.costs, cap,
                                                          memoryCapTokens(options),
@@ -144,8 +150,7 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
   }
   if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
   plan.loads = computeLoads(plan);
-  p.balanceMs = msSince(start);
-  return p;
+  p.balanceMs += msSince(start);
 }
 
 /// The locality-first placement: blocks cut along the user layout, each starting at home.
@@ -178,10 +183,21 @@ double maxCost(const Plan& plan) {
   return busiest;
 }
 
-/// Cost-aware blocks: a giant block's sequence (kCostCutShare) is cut so that its blocks cost
-/// about that fraction of a worker's share. Granularity bounds how close LPT gets to the lower bound, so the finer plan is
-/// tried only when the busiest worker ends more than kCostCutMinGap above it.
+/// Cost-aware blocks. A block is giant when it costs more than kCostCutShare of a worker's
+/// share (total cost / workers). Two finer cuttings are tried, and the one whose busiest
+/// worker costs least wins (the base cutting included: smaller blocks run less efficiently):
+/// - "by share": each giant block's sequence is cut so that its blocks cost about
+///   kCostCutShare of a share (a block's cost is about linear in its size);
+/// - "even count": the sequences with blocks over kEvenCountShare of a share get more blocks,
+///   scaled alike, until their count is a multiple of the workers, so each worker can hold
+///   the same number (89 blocks of a dominant sequence on 64 workers leave 25 workers with
+///   two; 128 leave none);
+/// - "halved": every block at half the size, for batches whose blocks are too large for the
+///   memory cap to leave room for balance (two 4K blocks per worker of 8K).
+/// Both run only when the busiest worker ends more than kCostCutMinGap above where the
+/// distributor stops (its improvement target, plus the locality slack for kLocal).
 constexpr double kCostCutMinGap = 0.005;
+constexpr double kEvenCountShare = 0.05;
 /// Cost-aware blocks are at least 1/kCostCutMaxFactor of the sharding's block size: smaller
 /// kernels run too far down the efficiency curve to pay.
 constexpr int64_t kCostCutMaxFactor = 4;
@@ -223,34 +239,85 @@ Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config
   }
 }
 
-/// The per-sequence block sizes that bring every giant block of `p` down to about
-/// kCostCutShare of a worker's share (empty when no block is giant). A block's cost scales
-/// about linearly with its size for a given sequence, so its size is scaled by share / cost.
-/// Packed blocks (several sequences) are left alone: they are whole short sequences.
-std::vector<int64_t> costCutSizes(const Placed& p) {
+/// Blocks of `p` holding one sequence that was cut (not packed), with each one's sequence.
+struct SequenceBlocks {
+  std::vector<int32_t> blocksOf;  ///< per sequence: its own blocks
+  std::vector<double> maxCostOf;  ///< per sequence: its costliest own block
+};
+
+SequenceBlocks sequenceBlocks(const Placed& p) {
   const Plan& plan = p.plan;
-  double total = 0;
-  for (double c : p.costs) total += c;
-  const double limit = kCostCutShare * total / static_cast<double>(plan.config.numWorkers);
-  const int64_t size = plan.shardBlockSize;
-  const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
-  std::vector<int64_t> sizes;
+  SequenceBlocks sb{std::vector<int32_t>(plan.batch.sequenceLengths.size(), 0),
+                    std::vector<double>(plan.batch.sequenceLengths.size(), 0.0)};
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
-    const double cost = p.costs[b];
     const std::vector<Chunk>& chunks = plan.blocks[b].chunks;
-    if (!(cost > limit) || chunks.empty()) continue;
+    if (chunks.empty()) continue;
     const int32_t s = chunks.front().sequence;
     if (std::any_of(chunks.begin(), chunks.end(), [&](const Chunk& c) { return c.sequence != s; }))
       continue;
-    if (plan.batch.sequenceLengths[static_cast<size_t>(s)] < size) continue;
-    const auto scaled = static_cast<int64_t>(
-        static_cast<double>(plan.blocks[b].numTokens()) * (limit / cost));
-    const int64_t want = std::clamp<int64_t>(scaled, floor, size);
-    if (want >= size) continue;
-    if (sizes.empty()) sizes.assign(plan.batch.sequenceLengths.size(), 0);
-    int64_t& current = sizes[static_cast<size_t>(s)];
-    current = current == 0 ? want : std::min(current, want);
+    if (plan.batch.sequenceLengths[static_cast<size_t>(s)] < plan.shardBlockSize) continue;
+    ++sb.blocksOf[static_cast<size_t>(s)];
+    sb.maxCostOf[static_cast<size_t>(s)] =
+        std::max(sb.maxCostOf[static_cast<size_t>(s)], p.costs[b]);
   }
+  return sb;
+}
+
+double shareOf(const Placed& p) {
+  double total = 0;
+  for (double c : p.costs) total += c;
+  return total / static_cast<double>(p.plan.config.numWorkers);
+}
+
+/// Per-sequence sizes "by share" (see kCostCutShare); empty when no block is giant.
+std::vector<int64_t> sizesByShare(const Placed& p) {
+  const Plan& plan = p.plan;
+  const double limit = kCostCutShare * shareOf(p);
+  const int64_t size = plan.shardBlockSize;
+  const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
+  const SequenceBlocks sb = sequenceBlocks(p);
+  std::vector<int64_t> sizes(plan.batch.sequenceLengths.size(), 0);
+  bool any = false;
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    if (!(sb.maxCostOf[s] > limit)) continue;
+    const int64_t length = plan.batch.sequenceLengths[s];
+    // Its blocks hold about length / count tokens; scale the costliest to the limit.
+    const double tokens = static_cast<double>(length) / sb.blocksOf[s];
+    const auto want = std::clamp<int64_t>(
+        static_cast<int64_t>(tokens * (limit / sb.maxCostOf[s])), floor, size);
+    if (want >= size) continue;
+    sizes[s] = want;
+    any = true;
+  }
+  if (!any) sizes.clear();
+  return sizes;
+}
+
+/// Per-sequence sizes "even count" (see kEvenCountShare); empty when there is nothing to do.
+std::vector<int64_t> sizesForEvenCount(const Placed& p) {
+  const Plan& plan = p.plan;
+  const double limit = kEvenCountShare * shareOf(p);
+  const int64_t size = plan.shardBlockSize;
+  const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
+  const int64_t n = plan.config.numWorkers;
+  const SequenceBlocks sb = sequenceBlocks(p);
+  int64_t count = 0;
+  for (size_t s = 0; s < sb.blocksOf.size(); ++s)
+    if (sb.maxCostOf[s] > limit) count += sb.blocksOf[s];
+  if (count == 0 || count % n == 0) return {};
+  const double scale = static_cast<double>((count + n - 1) / n * n) / static_cast<double>(count);
+  std::vector<int64_t> sizes(plan.batch.sequenceLengths.size(), 0);
+  bool any = false;
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    if (!(sb.maxCostOf[s] > limit)) continue;
+    const int64_t length = plan.batch.sequenceLengths[s];
+    const auto blocks = static_cast<int64_t>(std::ceil(sb.blocksOf[s] * scale));
+    const int64_t want = std::clamp<int64_t>((length + blocks - 1) / blocks, floor, size);
+    if (want >= size) continue;
+    sizes[s] = want;
+    any = true;
+  }
+  if (!any) sizes.clear();
   return sizes;
 }
 
@@ -267,42 +334,60 @@ int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<
   return pairs;
 }
 
-/// Cost-aware blocks (see kCostCutShare): when `base` ends more than kCostCutMinGap above its
-/// lower bound and has giant blocks, their sequences are cut finer and placed again; the finer
-/// plan replaces `base` only if its busiest worker costs less.
+/// Cost-aware blocks (see kCostCutMinGap): when `base` ends well above its lower bound, the
+/// finer cuttings are placed too and the one whose busiest worker costs least is kept.
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
-  const double busiest = maxCost(base.plan);
-  if (busiest <= base.plan.lowerBound * (1.0 + kCostCutMinGap)) return base;
-  const std::vector<int64_t> sizes = costCutSizes(base);
-  if (sizes.empty()) return base;
-  if (pairsWithSizes(batch, base.plan.shardBlockSize, sizes) > kMaxPairs) return base;
+  // The local placement stops once within the locality slack of its bound, by design.
+  const double stop = config.improveTarget +
+                      (place == &placeLocal ? config.localitySlack : 0.0) + kCostCutMinGap;
+  if (maxCost(base.plan) <= base.plan.lowerBound * (1.0 + stop)) return base;
   const int64_t size = base.plan.shardBlockSize;
-  std::optional<Placed> fine =
-      place(batch, config, costModel, options, Sharding{size, sizes});
-  base.shardMs += fine ? fine->shardMs : 0;
-  base.assignMs += fine ? fine->assignMs : 0;
-  if (!fine || !(maxCost(fine->plan) < busiest)) return base;
-  fine->shardMs = base.shardMs;
-  fine->assignMs = base.assignMs;
-  fine->balanceMs += base.balanceMs;
-  fine->plan.shardBlockSize = size;
-  fine->plan.memoryRetries = base.plan.memoryRetries;
-  fine->plan.smallestBlockSize = size;
-  for (int64_t s : sizes) {
-    if (s == 0) continue;
-    ++fine->plan.costCutSequences;
-    fine->plan.smallestBlockSize = std::min(fine->plan.smallestBlockSize, s);
+  const int64_t retries = base.plan.memoryRetries;
+  double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;
+  Placed best = std::move(base);
+  std::vector<Sharding> candidates;
+  for (const std::vector<int64_t>& sizes : {sizesByShare(best), sizesForEvenCount(best)}) {
+    if (!sizes.empty() && pairsWithSizes(batch, size, sizes) <= kMaxPairs)
+      candidates.push_back({size, sizes});
   }
-  return std::move(*fine);
+  if (size / 2 >= std::max<int64_t>(1, size / kCostCutMaxFactor) &&
+      estimatePairs(batch, size / 2) <= kMaxPairs) {
+    candidates.push_back({size / 2, {}});
+  }
+  for (const Sharding& sharding : candidates) {
+    std::optional<Placed> fine = place(batch, config, costModel, options, sharding);
+    if (!fine) continue;  // finer blocks that the cap refuses: keep what packed
+    shardMs += fine->shardMs;
+    assignMs += fine->assignMs;
+    balanceMs += fine->balanceMs;
+    if (!(maxCost(fine->plan) < maxCost(best.plan))) continue;
+    fine->plan.shardBlockSize = size;
+    fine->plan.memoryRetries = retries;
+    fine->plan.smallestBlockSize = sharding.blockSize;
+    for (size_t s = 0; s < batch.sequenceLengths.size(); ++s) {
+      const int64_t own = sharding.sequenceSizes.empty() ? 0 : sharding.sequenceSizes[s];
+      if (own > 0 || (sharding.blockSize < size && batch.sequenceLengths[s] > sharding.blockSize))
+        ++fine->plan.costCutSequences;
+      if (own > 0) fine->plan.smallestBlockSize = std::min(fine->plan.smallestBlockSize, own);
+    }
+    best = std::move(*fine);
+  }
+  best.shardMs = shardMs;
+  best.assignMs = assignMs;
+  best.balanceMs = balanceMs;
+  return best;
 }
 
-/// One placement, always feasible and cost-aware.
+/// One placement, always feasible and cost-aware; candidates are compared by their
+/// assignment, and only the winner is finished (finishLpt).
 Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
                  const CostModel& costModel, const DistributorOptions& options) {
-  return refineCosts(place, placeFeasibly(place, batch, config, costModel, options), batch,
-                     config, costModel, options);
+  Placed p = refineCosts(place, placeFeasibly(place, batch, config, costModel, options), batch,
+                         config, costModel, options);
+  if (place == &placeLpt) finishLpt(p, config, options);
+  return p;
 }
 
 /// Bytes a step moves (as PlanStats::stepBytes) from the owners alone: the transfers and the

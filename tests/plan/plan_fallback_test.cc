@@ -163,5 +163,68 @@ TEST(PlanFallbackTest, OldPlansWithoutTheShardingRecordStillLoad) {
   EXPECT_EQ(planFromJson(planToJson(p)), p);
 }
 
+/// Issue 15's long-tailed batch, built like data/traces/longtail_64x32k.txt: one sequence of
+/// 354K tokens among shorter ones of 1K to 16K, 64 x 32K tokens in all.
+Batch longTailedBatch(uint64_t seed) {
+  Rng rng(seed);
+  Batch batch{{354 * 1024}};
+  for (int64_t left = 64 * 32768 - batch.sequenceLengths[0]; left > 0;) {
+    const int64_t length = std::min(left, int64_t{1024} << (rng.next() % 5));
+    batch.sequenceLengths.push_back(length);
+    left -= length;
+  }
+  return batch;
+}
+
+double busiest(const Plan& p) {
+  double m = 0;
+  for (const WorkerLoad& l : p.loads) m = std::max(m, l.cost);
+  return m;
+}
+
+TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
+  // Each 4K Zig-Zag block of the 354K-token sequence costs most of a worker's share: 89 of
+  // them on 64 workers leave 25 workers with two. Cutting them finer must lower the busiest
+  // worker's cost (not only its gap to a lower bound that finer blocks raise).
+  for (uint64_t seed : {1, 2}) {
+    const Batch batch = longTailedBatch(seed);
+    for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
+      PlanConfig c;
+      c.numWorkers = 64;
+      c.placement = placement;
+      c.costAwareBlocks = false;
+      const Plan before = buildPlan(batch, c, CostModel{c.attention});
+      c.costAwareBlocks = true;
+      const Plan after = buildPlan(batch, c, CostModel{c.attention});
+      const std::string what = "seed " + std::to_string(seed) + " " +
+                               std::string(placementName(placement));
+      ASSERT_TRUE(validate(after).empty()) << what;
+      EXPECT_EQ(before.costCutSequences, 0) << what;
+      EXPECT_GE(after.costCutSequences, 1) << what;
+      EXPECT_LT(after.smallestBlockSize, 4096) << what;
+      EXPECT_LT(busiest(after), 0.97 * busiest(before)) << what;
+      EXPECT_LT(busiest(after), after.lowerBound * 1.02) << what;
+      // The per-sequence sizes are deterministic: the same plan twice.
+      EXPECT_EQ(planToJson(after), planToJson(buildPlan(batch, c, CostModel{c.attention})));
+    }
+  }
+}
+
+TEST(CostAwareBlocksTest, BalancedBatchesKeepTheirBlocks) {
+  // Built-in workloads at 64 workers x 32K balance within the target with 4K blocks: nothing
+  // is cut, and the plan is the same with and without cost-aware blocks.
+  for (const Workload& w : builtinWorkloads()) {
+    PlanConfig c;
+    c.numWorkers = 64;
+    const Batch batch = sampleBatch(w, 64 * 32768, 7);
+    const Plan after = buildPlan(batch, c, CostModel{c.attention});
+    EXPECT_EQ(after.costCutSequences, 0) << w.name;
+    c.costAwareBlocks = false;
+    Plan before = buildPlan(batch, c, CostModel{c.attention});
+    before.config.costAwareBlocks = true;
+    EXPECT_EQ(before, after) << w.name;
+  }
+}
+
 }  // namespace
 }  // namespace fcp::plan

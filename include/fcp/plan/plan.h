@@ -126,8 +126,8 @@ struct Plan {
   int64_t shardBlockSize = 0;
   /// Shardings the memory cap refused before this one.
   int64_t memoryRetries = 0;
-  /// Sequences given blocks smaller than shardBlockSize because their blocks cost a large
-  /// fraction of a worker's share (cost-aware blocks).
+  /// Sequences given blocks smaller than shardBlockSize by cost-aware blocks (their blocks
+  /// cost a large fraction of a worker's share, or the blocks were too coarse to balance).
   int64_t costCutSequences = 0;
   /// The smallest block size any sequence was given (shardBlockSize when none was cut).
   int64_t smallestBlockSize = 0;
