@@ -68,10 +68,10 @@ void printSharding(const plan::Plan& p) {
                 static_cast<long long>(p.memoryRetries));
   }
   if (p.costCutSequences > 0) {
-    std::printf("  cost-aware blocks: %lld sequences cut finer (smallest blocks %s), their "
-                "blocks cost over %.0f%% of a worker's share\n",
+    std::printf("  cost-aware blocks: %lld sequences cut finer (smallest blocks %s): their "
+                "blocks were too costly to balance\n",
                 static_cast<long long>(p.costCutSequences),
-                formatTokenCount(p.smallestBlockSize).c_str(), 100 * plan::kCostCutShare);
+                formatTokenCount(p.smallestBlockSize).c_str());
   }
 }
 
