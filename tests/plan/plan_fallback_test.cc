@@ -136,6 +136,18 @@ TEST(PlanFallbackTest, BlocksOverTheCapAreCutToFit) {
   }
 }
 
+TEST(PlanFallbackTest, TheLocalPlacementCutsFinerToo) {
+  // 3 workers x 8K tokens in 8K blocks (lognormal, seed 3): the layout's blocks do not pack
+  // under the cap of 9011; the local placement's own finer blocks win (not the paper's).
+  const Batch batch = sampleBatch(findWorkload("lognormal"), 3 * 8192, 3);
+  const PlanConfig c = configFor(3, 8192, 8192, Placement::kLocal);
+  const Plan p = buildPlan(batch, c, CostModel{c.attention});
+  expectValidFinerPlan(p, "local");
+  EXPECT_EQ(p.placement, Placement::kLocal);
+  EXPECT_GE(p.memoryRetries, 1);
+  EXPECT_LT(p.shardBlockSize, 8192);
+}
+
 TEST(PlanFallbackTest, OnlyABatchOverWorkersTimesCapIsAnError) {
   PlanConfig c = configFor(2, 100, 60, Placement::kLpt);
   c.memorySlack = 0;
