@@ -61,17 +61,17 @@ int64_t elementBytes(const std::string& dtype) {
 /// and cost-aware blocks did.
 void printSharding(const plan::Plan& p) {
   if (p.memoryRetries > 0) {
-    std::printf("  memory cap: blocks of %s did not pack under it; every block cut to %s "
-                "(%lld retries)\n",
-                formatTokenCount(p.config.blockSize).c_str(),
-                formatTokenCount(p.shardBlockSize).c_str(),
-                static_cast<long long>(p.memoryRetries));
+    std::printf(
+        "  memory cap: blocks of %s did not pack under it; every block cut to %s "
+        "(%lld retries)\n",
+        formatTokenCount(p.config.blockSize).c_str(), formatTokenCount(p.shardBlockSize).c_str(),
+        static_cast<long long>(p.memoryRetries));
   }
   if (p.costCutSequences > 0) {
-    std::printf("  cost-aware blocks: %lld sequences cut finer (smallest blocks %s): their "
-                "blocks were too costly to balance\n",
-                static_cast<long long>(p.costCutSequences),
-                formatTokenCount(p.smallestBlockSize).c_str());
+    std::printf(
+        "  cost-aware blocks: %lld sequences cut finer (smallest blocks %s): their "
+        "blocks were too costly to balance\n",
+        static_cast<long long>(p.costCutSequences), formatTokenCount(p.smallestBlockSize).c_str());
   }
 }
 

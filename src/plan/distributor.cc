@@ -1,10 +1,10 @@
 #include "fcp/plan/distributor.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <array>
 #include <optional>
 
 #include "fcp/core/error.h"
@@ -603,8 +603,7 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
 }
 
 Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
-                                const std::vector<double>& costs,
-                                const std::vector<int32_t>& home,
+                                const std::vector<double>& costs, const std::vector<int32_t>& home,
                                 const DistributorOptions& options) {
   int32_t unplaced = -1;
   std::optional<Assignment> a = tryAssignBlocksNearHome(tokens, costs, home, options, &unplaced);

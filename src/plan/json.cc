@@ -109,8 +109,7 @@ PlanConfig configFromJson(const json& j) {
   c.locality = field<bool>(j, "locality");
   c.commBalanceSlack = field<double>(j, "comm_balance_slack");
   // Absent in plans saved before cost-aware blocks: those were made without them.
-  c.costAwareBlocks =
-      j.contains("cost_aware_blocks") ? field<bool>(j, "cost_aware_blocks") : false;
+  c.costAwareBlocks = j.contains("cost_aware_blocks") ? field<bool>(j, "cost_aware_blocks") : false;
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
   c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
   c.attention.headDim = field<int64_t>(j, "head_dim");

@@ -122,9 +122,9 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
                                const CostModel& costModel, const DistributorOptions& options,
                                const Sharding& sharding) {
   auto start = std::chrono::steady_clock::now();
-  Placed p = placeWith(batch, config, costModel,
-                       shardBatch(batch, sharding.blockSize, config.attention.mask,
-                                  sharding.sequenceSizes));
+  Placed p = placeWith(
+      batch, config, costModel,
+      shardBatch(batch, sharding.blockSize, config.attention.mask, sharding.sequenceSizes));
   p.shardMs = msSince(start);
   start = std::chrono::steady_clock::now();
   std::optional<Assignment> a = tryAssignBlocks(blockTokens(p.plan.blocks), p.costs, options);
@@ -161,14 +161,13 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
       config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
                                 : config.userStarts;
   auto start = std::chrono::steady_clock::now();
-  Placed p = placeWith(batch, config, costModel,
-                       shardBatchForLayout(batch, sharding.blockSize, user,
-                                           sharding.sequenceSizes));
+  Placed p =
+      placeWith(batch, config, costModel,
+                shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes));
   p.shardMs = msSince(start);
   start = std::chrono::steady_clock::now();
-  std::optional<Assignment> a =
-      tryAssignBlocksNearHome(blockTokens(p.plan.blocks), p.costs,
-                              homeWorkers(batch, p.plan.blocks, user), options);
+  std::optional<Assignment> a = tryAssignBlocksNearHome(
+      blockTokens(p.plan.blocks), p.costs, homeWorkers(batch, p.plan.blocks, user), options);
   if (!a) return std::nullopt;
   takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLocal;
@@ -286,8 +285,8 @@ std::vector<int64_t> sizesByShare(const Placed& p) {
     const int64_t length = plan.batch.sequenceLengths[s];
     // Its blocks hold about length / count tokens; scale the costliest to the limit.
     const double tokens = static_cast<double>(length) / sb.blocksOf[s];
-    const auto want = std::clamp<int64_t>(
-        static_cast<int64_t>(tokens * (limit / sb.maxCostOf[s])), floor, size);
+    const auto want =
+        std::clamp<int64_t>(static_cast<int64_t>(tokens * (limit / sb.maxCostOf[s])), floor, size);
     if (want >= size) continue;
     sizes[s] = want;
     any = true;
@@ -343,8 +342,8 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
   // The local placement stops once within the locality slack of its bound, by design.
-  const double stop = config.improveTarget +
-                      (place == &placeLocal ? config.localitySlack : 0.0) + kCostCutMinGap;
+  const double stop =
+      config.improveTarget + (place == &placeLocal ? config.localitySlack : 0.0) + kCostCutMinGap;
   if (maxCost(base.plan) <= base.plan.lowerBound * (1.0 + stop)) return base;
   const int64_t size = base.plan.shardBlockSize;
   const int64_t retries = base.plan.memoryRetries;

@@ -99,7 +99,7 @@ void checkSequenceSizes(const Batch& batch, int64_t blockSize, const std::vector
 /// The block size of sequence `s`: its own, or the batch's.
 int64_t sizeOf(const std::vector<int64_t>& sizes, int32_t s, int64_t blockSize) {
   return sizes.empty() || sizes[static_cast<size_t>(s)] == 0 ? blockSize
-                                                              : sizes[static_cast<size_t>(s)];
+                                                             : sizes[static_cast<size_t>(s)];
 }
 
 void checkBlockCount(const std::vector<Block>& blocks) {

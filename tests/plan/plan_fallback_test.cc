@@ -30,8 +30,9 @@ TEST(SafeBlockTokensTest, MatchesItsDefinition) {
     o.numWorkers = 1 + static_cast<int64_t>(rng.next() % 9);
     o.memoryLimitTokens = 1 + static_cast<int64_t>(rng.next() % 200);
     o.memorySlack = trial % 3 == 0 ? 0.0 : 0.1 * static_cast<double>(rng.next() % 5);
-    const int64_t batch = 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(
-                                  o.numWorkers * memoryCapTokens(o) + 20));
+    const int64_t batch =
+        1 + static_cast<int64_t>(rng.next() %
+                                 static_cast<uint64_t>(o.numWorkers * memoryCapTokens(o) + 20));
     ASSERT_EQ(safeBlockTokens(batch, o), safeByCounting(batch, o))
         << "trial " << trial << ": " << o.numWorkers << " workers, cap " << memoryCapTokens(o)
         << ", " << batch << " tokens";
@@ -54,7 +55,8 @@ TEST(SafeBlockTokensTest, BlocksOfThatSizeAlwaysPack) {
     std::vector<int64_t> tokens;
     std::vector<double> costs;
     for (int64_t left = total; left > 0;) {
-      const int64_t m = std::min(left, 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(safe)));
+      const int64_t m =
+          std::min(left, 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(safe)));
       tokens.push_back(m);
       costs.push_back(static_cast<double>(m) * (1.0 + 10.0 * rng.uniform()));
       left -= m;
@@ -163,8 +165,8 @@ TEST(PlanFallbackTest, OnlyABatchOverWorkersTimesCapIsAnError) {
 
 TEST(PlanFallbackTest, OldPlansWithoutTheShardingRecordStillLoad) {
   const PlanConfig c = configFor(4, 8192, 4096, Placement::kLocal);
-  const Plan p = buildPlan(sampleBatch(findWorkload("lognormal"), 4 * 8192, 2), c,
-                           CostModel{c.attention});
+  const Plan p =
+      buildPlan(sampleBatch(findWorkload("lognormal"), 4 * 8192, 2), c, CostModel{c.attention});
   std::string text = planToJson(p);
   const auto at = text.find(",\"sharding\":{");
   ASSERT_NE(at, std::string::npos);
@@ -208,8 +210,8 @@ TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
       const Plan before = buildPlan(batch, c, CostModel{c.attention});
       c.costAwareBlocks = true;
       const Plan after = buildPlan(batch, c, CostModel{c.attention});
-      const std::string what = "seed " + std::to_string(seed) + " " +
-                               std::string(placementName(placement));
+      const std::string what =
+          "seed " + std::to_string(seed) + " " + std::string(placementName(placement));
       ASSERT_TRUE(validate(after).empty()) << what;
       EXPECT_EQ(before.costCutSequences, 0) << what;
       EXPECT_GE(after.costCutSequences, 1) << what;

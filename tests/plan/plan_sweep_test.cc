@@ -31,8 +31,8 @@ TEST_P(PlanSweepTest, EveryShapePlansAndValidates) {
             c.placement = placement;
             const std::string what =
                 std::to_string(workers) + " workers x " + std::to_string(tokensPerWorker) +
-                " tokens, blocks " + std::to_string(blockSize) + ", " + workload.name +
-                " seed " + std::to_string(seed) + ", " + std::string(placementName(placement));
+                " tokens, blocks " + std::to_string(blockSize) + ", " + workload.name + " seed " +
+                std::to_string(seed) + ", " + std::string(placementName(placement));
             Plan p;
             try {
               p = buildPlan(batch, c, CostModel{c.attention});

@@ -172,7 +172,8 @@ TEST(ShardingTest, SequencesWithTheirOwnBlockSize) {
     const Batch batch = randomBatch(rng, blockSize, 20);
     std::vector<int64_t> sizes(batch.sequenceLengths.size(), 0);
     for (int64_t& size : sizes) {
-      if (rng.next() % 2) size = 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(blockSize));
+      if (rng.next() % 2)
+        size = 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(blockSize));
     }
     for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
       const auto blocks = shardBatch(batch, blockSize, mask, sizes);
