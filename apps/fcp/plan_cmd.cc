@@ -42,6 +42,7 @@ struct PlanArgs {
   int64_t coalesce = 16;
   int64_t buffers = 3;
   bool noLocality = false;
+  bool noCostAwareBlocks = false;
   std::string placement = "local";
   double localitySlack = 0.01;
   double commBalanceSlack = 0.002;
@@ -54,6 +55,24 @@ int64_t elementBytes(const std::string& dtype) {
   if (dtype == "bf16" || dtype == "fp16") return 2;
   if (dtype == "fp32") return 4;
   throwInvalidArgument("unknown --dtype '", dtype, "': expected bf16, fp16 or fp32");
+}
+
+/// One line when the sharding differs from the configured block size: what the memory cap
+/// and cost-aware blocks did.
+void printSharding(const plan::Plan& p) {
+  if (p.memoryRetries > 0) {
+    std::printf(
+        "  memory cap: blocks of %s did not pack under it; every block cut to %s "
+        "(%lld retries)\n",
+        formatTokenCount(p.config.blockSize).c_str(), formatTokenCount(p.shardBlockSize).c_str(),
+        static_cast<long long>(p.memoryRetries));
+  }
+  if (p.costCutSequences > 0) {
+    std::printf(
+        "  cost-aware blocks: %lld sequences cut finer (smallest blocks %s): their "
+        "blocks were too costly to balance\n",
+        static_cast<long long>(p.costCutSequences), formatTokenCount(p.smallestBlockSize).c_str());
+  }
 }
 
 void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings& t,
@@ -70,6 +89,7 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               static_cast<long long>(c.attention.headDim));
   std::printf("  blocks %zu, pairs %zu, forward %.3g FLOP\n", p.blocks.size(), p.pairs.size(),
               s.totalForwardFlops);
+  printSharding(p);
   std::printf("  imbalance: compute %.4f, memory %.4f (max - mean) / max\n", s.computeImbalance,
               s.memoryImbalance);
   std::printf("  busiest worker %.4f%% above the lower bound (greedy alone: %.4f%%, %lld "
@@ -140,6 +160,7 @@ void runPlan(const PlanArgs& a) {
   config.coalesce = a.coalesce;
   config.bufferDepth = a.buffers;
   config.locality = !a.noLocality;
+  config.costAwareBlocks = !a.noCostAwareBlocks;
   config.placement = plan::parsePlacement(a.placement);
   config.localitySlack = a.localitySlack;
   config.commBalanceSlack = a.commBalanceSlack;
@@ -201,6 +222,11 @@ void runPlan(const PlanArgs& a) {
       {"traffic", std::move(traffic)},
       {"tokens_per_worker", config.tokensPerWorker},
       {"block_size", config.blockSize},
+      {"sharding",
+       {{"block_size", p.shardBlockSize},
+        {"memory_retries", p.memoryRetries},
+        {"cost_cut_sequences", p.costCutSequences},
+        {"smallest_block_size", p.smallestBlockSize}}},
       {"mask", std::string(maskName(config.attention.mask))},
       {"sequences", p.batch.numSequences()},
       {"median_sequence_length",
@@ -287,6 +313,9 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_flag("--no-locality", args->noLocality,
                 "With --placement lpt: do not relabel workers to keep blocks where the user "
                 "layout holds them");
+  cmd->add_flag("--no-cost-aware-blocks", args->noCostAwareBlocks,
+                "Keep every block of a long sequence at the block size, even when one costs a "
+                "large part of a worker's share");
   addText(cmd, "--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
   addText(cmd, "--plan-in", args->planIn,
                   "Check and summarise a plan written by --plan-out instead of planning");

@@ -1,10 +1,11 @@
 #include "fcp/plan/distributor.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <array>
+#include <optional>
 
 #include "fcp/core/error.h"
 #include "fcp/core/workload.h"
@@ -159,6 +160,12 @@ class WorkerTree {
 
 void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts) {
   FCP_CHECK_EQ(numBlocks, numCosts);
+  checkDistributorOptions(o);
+}
+
+}  // namespace
+
+void checkDistributorOptions(const DistributorOptions& o) {
   if (o.numWorkers <= 0 || o.numWorkers > (int64_t{1} << 24)) {
     throwInvalidArgument("invalid worker count ", o.numWorkers, ": expected 1 to ", 1 << 24);
   }
@@ -184,6 +191,8 @@ void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts
                          " steps per block: expected >= 0");
   }
 }
+
+namespace {
 
 /// Per-worker state shared by both phases.
 struct Loads {
@@ -335,13 +344,26 @@ int64_t memoryCapTokens(const DistributorOptions& options) {
   return options.memoryLimitTokens + static_cast<int64_t>(extra);
 }
 
+int64_t safeBlockTokens(int64_t batchTokens, const DistributorOptions& options) {
+  const int64_t cap = memoryCapTokens(options);
+  if (options.numWorkers <= 1) return batchTokens <= cap ? cap : 0;
+  // floor((N (cap + 1) - T - 1) / (N - 1)) = cap + 1 + floor((cap - T) / (N - 1)), without
+  // the product N (cap + 1), which can overflow.
+  const int64_t d = options.numWorkers - 1;
+  const int64_t num = cap - batchTokens;
+  const int64_t floorDiv = num >= 0 ? num / d : -((-num + d - 1) / d);
+  return std::clamp<int64_t>(cap + 1 + floorDiv, 0, cap);
+}
+
 namespace {
 
-/// The batch's totals, after checking that every block and the whole batch fit under the cap.
+/// The batch's totals, after checking that the whole batch fits under the cap; `oversized`
+/// is the first block over the cap (-1 if none), which no placement can hold.
 struct Totals {
   int64_t tokens = 0;
   double cost = 0;
   double maxBlockCost = 0;
+  int32_t oversized = -1;
 };
 
 Totals checkTotals(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
@@ -349,11 +371,7 @@ Totals checkTotals(const std::vector<int64_t>& tokens, const std::vector<double>
   Totals t;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int64_t m = tokens[i];
-    if (m > cap) {
-      throwInvalidArgument("block ", i, " has ", m, " tokens: more than the memory cap of ", cap,
-                           " tokens per worker (M(1+delta)); raise the tokens per worker or lower "
-                           "the block size");
-    }
+    if (m > cap && t.oversized < 0) t.oversized = static_cast<int32_t>(i);
     t.tokens += m;
     t.cost += costs[i];
     t.maxBlockCost = std::max(t.maxBlockCost, costs[i]);
@@ -366,7 +384,17 @@ Totals checkTotals(const std::vector<int64_t>& tokens, const std::vector<double>
   return t;
 }
 
-void throwNoRoom(const std::vector<int64_t>& tokens, int32_t block, int64_t cap) {
+void throwOversized(const std::vector<int64_t>& tokens, int32_t block, int64_t cap) {
+  throwInvalidArgument("block ", block, " has ", tokens[static_cast<size_t>(block)],
+                       " tokens: more than the memory cap of ", cap,
+                       " tokens per worker (M(1+delta)); raise the tokens per worker or lower "
+                       "the block size");
+}
+
+/// The error of a block no placement found room for: over the cap, or the greedy and its
+/// repair got stuck.
+[[noreturn]] void throwUnplaced(const std::vector<int64_t>& tokens, int32_t block, int64_t cap) {
+  if (tokens[static_cast<size_t>(block)] > cap) throwOversized(tokens, block, cap);
   throwInvalidArgument("no worker has room for block ", block, " (",
                        tokens[static_cast<size_t>(block)], " tokens) under the memory "
                        "cap of ", cap, " tokens, and no moves or swaps could make room: raise "
@@ -443,8 +471,9 @@ namespace {
 /// and that worker stays under `homeTarget` and the cap, else to the worker minimising the
 /// score among those with room. A block no worker has room for goes to the emptiest worker,
 /// and repairMemory must then bring every worker back under the cap. Sets greedyMaxCost and
-/// memoryRepaired; counts blocks placed away from `home` in localityMoves.
-void placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& tokens,
+/// memoryRepaired; counts blocks placed away from `home` in localityMoves. Returns false,
+/// leaving `result` partial, when the repair gets stuck.
+bool placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& tokens,
                    const std::vector<double>& costs, const std::vector<int32_t>* home,
                    double homeTarget, const Totals& totals, const DistributorOptions& options,
                    int64_t cap, Loads& loads, Assignment& result) {
@@ -487,22 +516,27 @@ void placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& token
     index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);
   }
   if (firstHomeless >= 0 && !repairMemory(loads, result.owner, tokens, costs, cap)) {
-    throwNoRoom(tokens, firstHomeless, cap);
+    result.firstHomeless = firstHomeless;
+    return false;
   }
   result.memoryRepaired = firstHomeless >= 0;
   loads.syncTree();
   result.greedyMaxCost = loads.cost[static_cast<size_t>(loads.tree.busiest())];
+  return true;
 }
 
 }  // namespace
 
-Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
-                        const DistributorOptions& options) {
+std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
+                                          const std::vector<double>& costs,
+                                          const DistributorOptions& options, int32_t* unplaced) {
   checkOptions(options, tokens.size(), costs.size());
   const auto n = static_cast<int32_t>(options.numWorkers);
   const int64_t cap = memoryCapTokens(options);
   const auto numBlocks = static_cast<int32_t>(tokens.size());
   const Totals totals = checkTotals(tokens, costs, n, cap);
+  if (unplaced) *unplaced = totals.oversized;
+  if (totals.oversized >= 0) return std::nullopt;
 
   Assignment result;
   result.owner.assign(static_cast<size_t>(numBlocks), -1);
@@ -511,16 +545,29 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
   std::vector<int32_t> order(static_cast<size_t>(numBlocks));
   std::iota(order.begin(), order.end(), 0);
   Loads loads(n);
-  placeGreedily(std::move(order), tokens, costs, nullptr, 0, totals, options, cap, loads, result);
+  if (!placeGreedily(std::move(order), tokens, costs, nullptr, 0, totals, options, cap, loads,
+                     result)) {
+    if (unplaced) *unplaced = result.firstHomeless;
+    return std::nullopt;
+  }
   improve(loads, result, tokens, costs, cap, result.lowerBound * (1.0 + options.improveTarget),
           options.improveStepsPerBlock * numBlocks);
   return result;
 }
 
-Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
-                                const std::vector<double>& costs,
-                                const std::vector<int32_t>& home,
-                                const DistributorOptions& options) {
+Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                        const DistributorOptions& options) {
+  int32_t unplaced = -1;
+  std::optional<Assignment> a = tryAssignBlocks(tokens, costs, options, &unplaced);
+  if (!a) throwUnplaced(tokens, unplaced, memoryCapTokens(options));
+  return std::move(*a);
+}
+
+std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& tokens,
+                                                  const std::vector<double>& costs,
+                                                  const std::vector<int32_t>& home,
+                                                  const DistributorOptions& options,
+                                                  int32_t* unplaced) {
   checkOptions(options, tokens.size(), costs.size());
   FCP_CHECK_EQ(home.size(), tokens.size());
   const auto n = static_cast<int32_t>(options.numWorkers);
@@ -531,6 +578,8 @@ Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
     const int32_t w = home[static_cast<size_t>(i)];
     FCP_CHECK(w >= 0 && w < n, "block ", i, " has home worker ", w, " of ", n);
   }
+  if (unplaced) *unplaced = totals.oversized;
+  if (totals.oversized >= 0) return std::nullopt;
 
   Assignment result;
   result.owner.assign(static_cast<size_t>(numBlocks), -1);
@@ -544,10 +593,22 @@ Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
   Loads loads(n);
   std::vector<int32_t> rest = keepLeastDense(loads, result.owner, tokens, costs, home,
                                              target * (1.0 - kLocalityReserve), cap);
-  placeGreedily(std::move(rest), tokens, costs, &home, target, totals, options, cap, loads,
-                result);
+  if (!placeGreedily(std::move(rest), tokens, costs, &home, target, totals, options, cap, loads,
+                     result)) {
+    if (unplaced) *unplaced = result.firstHomeless;
+    return std::nullopt;
+  }
   improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
   return result;
+}
+
+Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
+                                const std::vector<double>& costs, const std::vector<int32_t>& home,
+                                const DistributorOptions& options) {
+  int32_t unplaced = -1;
+  std::optional<Assignment> a = tryAssignBlocksNearHome(tokens, costs, home, options, &unplaced);
+  if (!a) throwUnplaced(tokens, unplaced, memoryCapTokens(options));
+  return std::move(*a);
 }
 
 }  // namespace fcp::plan

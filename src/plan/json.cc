@@ -30,6 +30,7 @@ json configToJson(const PlanConfig& c) {
           {"locality_slack", c.localitySlack},
           {"locality", c.locality},
           {"comm_balance_slack", c.commBalanceSlack},
+          {"cost_aware_blocks", c.costAwareBlocks},
           {"heads_q", c.attention.numHeadsQ},
           {"heads_kv", c.attention.numHeadsKv},
           {"head_dim", c.attention.headDim},
@@ -107,6 +108,8 @@ PlanConfig configFromJson(const json& j) {
   if (j.contains("locality_slack")) c.localitySlack = field<double>(j, "locality_slack");
   c.locality = field<bool>(j, "locality");
   c.commBalanceSlack = field<double>(j, "comm_balance_slack");
+  // Absent in plans saved before cost-aware blocks: those were made without them.
+  c.costAwareBlocks = j.contains("cost_aware_blocks") ? field<bool>(j, "cost_aware_blocks") : false;
   c.attention.numHeadsQ = field<int64_t>(j, "heads_q");
   c.attention.numHeadsKv = field<int64_t>(j, "heads_kv");
   c.attention.headDim = field<int64_t>(j, "head_dim");
@@ -183,6 +186,11 @@ std::string planToJson(const Plan& plan) {
                     {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
                     {"placement", std::string(placementName(plan.placement))},
                     {"locality_moves", plan.localityMoves},
+                    {"sharding",
+                     {{"block_size", plan.shardBlockSize},
+                      {"memory_retries", plan.memoryRetries},
+                      {"cost_cut_sequences", plan.costCutSequences},
+                      {"smallest_block_size", plan.smallestBlockSize}}},
                     {"transfers", std::move(transfers)},
                     {"num_rounds", plan.numRounds},
                     {"forward", stagesToJson(plan.forward)},
@@ -262,6 +270,14 @@ Plan planFromJson(std::string_view text) {
   if (doc.contains("placement")) {
     plan.placement = parsePlacement(field<std::string>(doc, "placement"));
     plan.localityMoves = field<int64_t>(doc, "locality_moves");
+  }
+  // Absent in plans saved before the sharding was recorded: blocks of the configured size.
+  if (doc.contains("sharding")) {
+    const json sharding = field<json>(doc, "sharding");
+    plan.shardBlockSize = field<int64_t>(sharding, "block_size");
+    plan.memoryRetries = field<int64_t>(sharding, "memory_retries");
+    plan.costCutSequences = field<int64_t>(sharding, "cost_cut_sequences");
+    plan.smallestBlockSize = field<int64_t>(sharding, "smallest_block_size");
   }
   return plan;
 }

@@ -82,6 +82,26 @@ void checkShardInput(const Batch& batch, int64_t blockSize) {
   }
 }
 
+void checkSequenceSizes(const Batch& batch, int64_t blockSize, const std::vector<int64_t>& sizes) {
+  if (sizes.empty()) return;
+  if (sizes.size() != batch.sequenceLengths.size()) {
+    throwInvalidArgument("sharding got ", sizes.size(), " per-sequence block sizes for ",
+                         batch.sequenceLengths.size(), " sequences: expected one each");
+  }
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    if (sizes[s] < 0 || sizes[s] > blockSize) {
+      throwInvalidArgument("sequence ", s, " has block size ", sizes[s], ": expected 0 to ",
+                           blockSize);
+    }
+  }
+}
+
+/// The block size of sequence `s`: its own, or the batch's.
+int64_t sizeOf(const std::vector<int64_t>& sizes, int32_t s, int64_t blockSize) {
+  return sizes.empty() || sizes[static_cast<size_t>(s)] == 0 ? blockSize
+                                                             : sizes[static_cast<size_t>(s)];
+}
+
 void checkBlockCount(const std::vector<Block>& blocks) {
   if (blocks.size() > static_cast<size_t>(INT32_MAX)) {
     throwInvalidArgument("batch makes ", blocks.size(), " blocks: expected fewer than 2^31");
@@ -96,14 +116,16 @@ int64_t Block::numTokens() const {
   return total;
 }
 
-std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask) {
+std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask,
+                              const std::vector<int64_t>& sequenceBlockSizes) {
   checkShardInput(batch, blockSize);
+  checkSequenceSizes(batch, blockSize, sequenceBlockSizes);
   std::vector<Block> blocks;
   std::vector<Chunk> shortSequences;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
     const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
     if (len >= blockSize) {
-      appendLongSequence(s, len, blockSize, mask, blocks);
+      appendLongSequence(s, len, sizeOf(sequenceBlockSizes, s, blockSize), mask, blocks);
     } else {
       shortSequences.push_back({s, 0, len});
     }
@@ -114,8 +136,10 @@ std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind ma
 }
 
 std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
-                                       const std::vector<int64_t>& userStarts) {
+                                       const std::vector<int64_t>& userStarts,
+                                       const std::vector<int64_t>& sequenceBlockSizes) {
   checkShardInput(batch, blockSize);
+  checkSequenceSizes(batch, blockSize, sequenceBlockSizes);
   if (userStarts.size() < 2 || userStarts.front() != 0 ||
       userStarts.back() != batch.numTokens()) {
     throwInvalidArgument("user layout of ", userStarts.size(),
@@ -162,7 +186,8 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
         shortPieces[w].push_back({s, begin, end});
         continue;
       }
-      const int64_t k = (end - begin + blockSize - 1) / blockSize;
+      const int64_t size = sizeOf(sequenceBlockSizes, s, blockSize);
+      const int64_t k = (end - begin + size - 1) / size;
       for (Chunk c : splitEvenly(s, end - begin, k)) {
         c.begin += begin;
         c.end += begin;

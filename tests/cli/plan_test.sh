@@ -64,6 +64,15 @@ assert s['sequences'] == 4 and s['tokens'] == 105600, s"
 check plan_in_runs "$fcp" plan --plan-in "$tmp/a.json" --json > "$tmp/loaded.json"
 check plan_in_valid grep -q '"valid":true' "$tmp/loaded.json"
 
+# Issue 15: batches whose blocks the memory cap cannot place are planned with finer blocks,
+# and the plan says so (seed 5979 once failed with "no worker has room for block 1").
+check seed_5979_plans "$fcp" plan --seed 5979 --placement lpt > "$tmp/seed5979.txt"
+check seed_5979_says_cut grep -q "memory cap: blocks of 4K did not pack under it" "$tmp/seed5979.txt"
+check block_over_cap_plans "$fcp" plan --workers 4 --tokens-per-worker 2K --block-size 4K --json \
+  > "$tmp/over_cap.json"
+check block_over_cap_fields /usr/bin/python3 -c "
+import json; s = json.load(open('$tmp/over_cap.json'))['sharding']
+assert 0 < s['block_size'] <= 2253 and s['memory_retries'] >= 1, s"
 check help_exits_zero "$fcp" plan --help > /dev/null
 
 echo "$passed passed, $failures failed"

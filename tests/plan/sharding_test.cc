@@ -163,6 +163,52 @@ TEST(ShardingTest, PackedBlocksCostMoreThanOneLongKernelOfTheSameWork) {
   EXPECT_DOUBLE_EQ(pairs[0].cost, model.forwardCost(2 * (512 * 513 / 2), 512));
 }
 
+TEST(ShardingTest, SequencesWithTheirOwnBlockSize) {
+  // Per-sequence sizes: a long sequence with its own size makes ceil(L / size) blocks of at
+  // most that size; the others are cut or packed as before, with the batch's size.
+  Rng rng(3);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t blockSize = 16 + static_cast<int64_t>(rng.next() % 100);
+    const Batch batch = randomBatch(rng, blockSize, 20);
+    std::vector<int64_t> sizes(batch.sequenceLengths.size(), 0);
+    for (int64_t& size : sizes) {
+      if (rng.next() % 2)
+        size = 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(blockSize));
+    }
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      const auto blocks = shardBatch(batch, blockSize, mask, sizes);
+      expectExactTokenAccounting(batch, blocks);
+      const auto plain = shardBatch(batch, blockSize, mask);
+      std::map<int32_t, int64_t> count, largest, plainCount;
+      for (const Block& b : blocks) {
+        ASSERT_LE(b.numTokens(), blockSize);
+        if (b.chunks.size() > 2 || b.chunks.front().sequence != b.chunks.back().sequence) continue;
+        ++count[b.chunks.front().sequence];
+        largest[b.chunks.front().sequence] =
+            std::max(largest[b.chunks.front().sequence], b.numTokens());
+      }
+      for (const Block& b : plain) {
+        if (b.chunks.size() > 2 || b.chunks.front().sequence != b.chunks.back().sequence) continue;
+        ++plainCount[b.chunks.front().sequence];
+      }
+      for (size_t q = 0; q < sizes.size(); ++q) {
+        const int64_t length = batch.sequenceLengths[q];
+        if (length < blockSize) continue;  // packed whole, whatever its own size
+        const auto seq = static_cast<int32_t>(q);
+        const int64_t size = sizes[q] == 0 ? blockSize : sizes[q];
+        EXPECT_EQ(count[seq], (length + size - 1) / size) << "trial " << trial << " seq " << q;
+        EXPECT_LE(largest[seq], size) << "trial " << trial << " seq " << q;
+        if (sizes[q] == 0) {
+          EXPECT_EQ(count[seq], plainCount[seq]);
+        }
+      }
+    }
+  }
+  EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {4}), Error);      // one size
+  EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {4, 9}), Error);   // > 8
+  EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {-1, 4}), Error);  // < 0
+}
+
 TEST(ShardingTest, RejectsBadBlockSize) {
   EXPECT_THROW(shardBatch(Batch{{10}}, 0, MaskKind::kCausal), Error);
   EXPECT_THROW(shardBatch(Batch{{10}}, -4, MaskKind::kCausal), Error);

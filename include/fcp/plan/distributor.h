@@ -17,6 +17,7 @@
 /// same plan.
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace fcp::plan {
@@ -48,7 +49,12 @@ struct Assignment {
   bool memoryRepaired = false;
   /// assignBlocksNearHome: blocks moved off their home workers to shed excess work.
   int64_t localityMoves = 0;
+  /// Internal: the first block the greedy found no room for when its repair got stuck.
+  int32_t firstHomeless = -1;
 };
+
+/// Throws Error(kInvalidArgument) naming the first option out of range.
+void checkDistributorOptions(const DistributorOptions& options);
 
 /// The cap in tokens: floor(M · (1 + δ)).
 int64_t memoryCapTokens(const DistributorOptions& options);
@@ -59,6 +65,23 @@ int64_t memoryCapTokens(const DistributorOptions& options);
 /// or swaps could make room (naming the block).
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
+
+/// assignBlocks without the error for a batch that fits the cap in total but whose blocks do
+/// not pack under it: nullopt when a block is over the cap or the greedy met a block no
+/// worker had room for and no moves or swaps could make room; that block's index goes to
+/// `unplaced` when given. Blocks of at most safeBlockTokens tokens always pack. Still throws
+/// for bad options and for a batch over workers x cap tokens.
+std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
+                                          const std::vector<double>& costs,
+                                          const DistributorOptions& options,
+                                          int32_t* unplaced = nullptr);
+
+/// The largest block size (tokens) at which the greedy provably finds room for every block of
+/// a batch of `batchTokens` tokens: g = floor((N (cap + 1) - T - 1) / (N - 1)) (the cap when
+/// N = 1), at least 1 when T <= N x cap, 0 when the batch does not fit at all. Why: a block of
+/// m tokens finds no room only if every worker holds more than cap - m, i.e. the other blocks
+/// hold at least N (cap - m + 1) <= T - m tokens, impossible when (N - 1) m < N (cap + 1) - T.
+int64_t safeBlockTokens(int64_t batchTokens, const DistributorOptions& options);
 
 /// Locality first: every block starts on `home[i]` (the worker whose user-layout slice holds
 /// its tokens), so nothing moves unless balance needs it. If the layout puts a worker over the
@@ -74,5 +97,12 @@ Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
                                 const std::vector<double>& costs,
                                 const std::vector<int32_t>& home,
                                 const DistributorOptions& options);
+
+/// assignBlocksNearHome without the error for blocks that do not pack, as tryAssignBlocks.
+std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& tokens,
+                                                  const std::vector<double>& costs,
+                                                  const std::vector<int32_t>& home,
+                                                  const DistributorOptions& options,
+                                                  int32_t* unplaced = nullptr);
 
 }  // namespace fcp::plan

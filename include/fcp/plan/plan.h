@@ -23,6 +23,10 @@ inline constexpr int64_t kMaxWorkers = int64_t{1} << 24;
 inline constexpr int64_t kMaxCoalesce = int64_t{1} << 20;
 inline constexpr int64_t kMaxBufferDepth = 1024;
 
+/// Cost-aware blocks: a block costing more than this fraction of a worker's share (total cost
+/// / workers) is "giant"; see PlanConfig::costAwareBlocks.
+inline constexpr double kCostCutShare = 0.25;
+
 /// How blocks are cut and placed.
 enum class Placement {
   /// Locality first (the default): sharding follows the user layout (shardBatchForLayout),
@@ -69,6 +73,11 @@ struct PlanConfig {
   /// fraction above the lower bound (never above the distributor's own busiest worker if
   /// that is higher). Negative turns it off.
   double commBalanceSlack = 0.002;
+  /// Cost-aware blocks: when the busiest worker ends well above the lower bound and some
+  /// blocks cost a large fraction of a worker's share, their sequences are cut into smaller
+  /// blocks and placed again; the finer plan is kept only if its busiest worker costs less
+  /// (smaller blocks run less efficiently, so cutting raises the total cost).
+  bool costAwareBlocks = true;
   AttentionConfig attention;
   /// The user layout: worker r holds tokens [userStarts[r], userStarts[r + 1]) of the packed
   /// batch (N + 1 non-decreasing entries from 0 to the batch's tokens; a worker may hold none
@@ -111,6 +120,17 @@ struct Plan {
   Placement placement = Placement::kLpt;
   /// kLocal: blocks moved off their home workers to balance work.
   int64_t localityMoves = 0;
+  /// The block size the sharding used: config.blockSize, or smaller when the memory cap could
+  /// not place blocks of that size (every block of the batch is then cut finer, down to a
+  /// size that always packs: safeBlockTokens). 0 in plans saved before it was recorded.
+  int64_t shardBlockSize = 0;
+  /// Shardings the memory cap refused before this one.
+  int64_t memoryRetries = 0;
+  /// Sequences given blocks smaller than shardBlockSize by cost-aware blocks (their blocks
+  /// cost a large fraction of a worker's share, or the blocks were too coarse to balance).
+  int64_t costCutSequences = 0;
+  /// The smallest block size any sequence was given (shardBlockSize when none was cut).
+  int64_t smallestBlockSize = 0;
 
   std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
   int32_t numRounds = 0;                     ///< Δ of the transfer graph
@@ -134,8 +154,11 @@ struct PlanTimings {
   double totalMs = 0;
 };
 
-/// Shards `batch`, builds its pairs and assigns blocks to workers. Throws
-/// Error(kInvalidArgument) for bad configuration or a batch the memory limit cannot hold.
+/// Shards `batch`, builds its pairs and assigns blocks to workers. Always finds a plan when the
+/// batch fits in workers x cap tokens: blocks the cap cannot place are cut finer (the plan's
+/// shardBlockSize and memoryRetries say so). Throws Error(kInvalidArgument) for bad
+/// configuration, a batch over workers x cap tokens, or one that needs more than kMaxPairs
+/// block pairs.
 Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
                PlanTimings* timings = nullptr);
 

@@ -52,9 +52,13 @@ struct BlockPair {
 };
 
 /// Cuts `batch` into blocks as described above, in a deterministic order: sequences' own
-/// blocks in sequence order, then the packed blocks. Throws Error(kInvalidArgument) for a
-/// non-positive block size or a batch that fails checkBatch.
-std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask);
+/// blocks in sequence order, then the packed blocks. `sequenceBlockSizes`, when not empty,
+/// holds one entry per sequence: a sequence of at least `blockSize` tokens is cut into
+/// ceil(L / size) blocks with its own size instead (0 means blockSize; used to give long
+/// sequences smaller blocks). Throws Error(kInvalidArgument) for a non-positive block size,
+/// sizes of the wrong count or outside [0, blockSize], or a batch that fails checkBatch.
+std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask,
+                              const std::vector<int64_t>& sequenceBlockSizes = {});
 
 /// Sharding for a given user layout (worker r holds tokens [userStarts[r], userStarts[r + 1])
 /// of the packed batch). Each worker's piece of each sequence is cut into
@@ -64,9 +68,11 @@ std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind ma
 /// first-fit decreasing. Contiguous blocks of a causal sequence carry unequal work (later ones
 /// more per token), which is what lets the locality-first distributor move the most work with
 /// the fewest tokens. Deterministic: sequences' blocks in sequence order, then each worker's
-/// packed blocks in worker order.
+/// packed blocks in worker order. `sequenceBlockSizes` as for shardBatch: a piece of at least
+/// blockSize tokens is cut into ceil(piece / size) blocks with its sequence's own size.
 std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
-                                       const std::vector<int64_t>& userStarts);
+                                       const std::vector<int64_t>& userStarts,
+                                       const std::vector<int64_t>& sequenceBlockSizes = {});
 
 /// Every pair of blocks that shares visible entries under `mask`, sorted by (qBlock, kvBlock).
 /// A pair's cost sums, per sequence, forwardCost(visible, tokens of that sequence in the Q

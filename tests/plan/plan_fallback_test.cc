@@ -1,0 +1,244 @@
+// Issue 15: a plan for every batch that fits in workers x cap tokens (blocks the memory cap
+// cannot place are cut finer), and cost-aware blocks for long-tailed batches.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "fcp/core/error.h"
+#include "fcp/core/random.h"
+#include "fcp/plan/json.h"
+#include "fcp/plan/plan.h"
+
+namespace fcp::plan {
+namespace {
+
+/// safeBlockTokens by its definition: the largest m with (N - 1) m < N (cap + 1) - T, found by
+/// counting up (0 when the batch does not fit).
+int64_t safeByCounting(int64_t batchTokens, const DistributorOptions& o) {
+  const int64_t cap = memoryCapTokens(o);
+  if (batchTokens > o.numWorkers * cap) return 0;
+  int64_t m = 0;
+  while (m < cap && (o.numWorkers - 1) * (m + 1) < o.numWorkers * (cap + 1) - batchTokens) ++m;
+  return m;
+}
+
+TEST(SafeBlockTokensTest, MatchesItsDefinition) {
+  Rng rng(15);
+  for (int trial = 0; trial < 2000; ++trial) {
+    DistributorOptions o;
+    o.numWorkers = 1 + static_cast<int64_t>(rng.next() % 9);
+    o.memoryLimitTokens = 1 + static_cast<int64_t>(rng.next() % 200);
+    o.memorySlack = trial % 3 == 0 ? 0.0 : 0.1 * static_cast<double>(rng.next() % 5);
+    const int64_t batch =
+        1 + static_cast<int64_t>(rng.next() %
+                                 static_cast<uint64_t>(o.numWorkers * memoryCapTokens(o) + 20));
+    ASSERT_EQ(safeBlockTokens(batch, o), safeByCounting(batch, o))
+        << "trial " << trial << ": " << o.numWorkers << " workers, cap " << memoryCapTokens(o)
+        << ", " << batch << " tokens";
+  }
+}
+
+TEST(SafeBlockTokensTest, BlocksOfThatSizeAlwaysPack) {
+  // Random blocks no larger than the safe size, filling the workers as full as the batch
+  // allows: the greedy must never need the repair, let alone fail.
+  Rng rng(16);
+  for (int trial = 0; trial < 300; ++trial) {
+    DistributorOptions o;
+    o.numWorkers = 1 + static_cast<int64_t>(rng.next() % 12);
+    o.memoryLimitTokens = 50 + static_cast<int64_t>(rng.next() % 400);
+    o.memorySlack = trial % 2 ? 0.0 : 0.05;
+    const int64_t cap = memoryCapTokens(o);
+    const int64_t total = o.numWorkers * cap - static_cast<int64_t>(rng.next() % 30);
+    const int64_t safe = safeBlockTokens(total, o);
+    ASSERT_GE(safe, 1);
+    std::vector<int64_t> tokens;
+    std::vector<double> costs;
+    for (int64_t left = total; left > 0;) {
+      const int64_t m =
+          std::min(left, 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(safe)));
+      tokens.push_back(m);
+      costs.push_back(static_cast<double>(m) * (1.0 + 10.0 * rng.uniform()));
+      left -= m;
+    }
+    const std::optional<Assignment> a = tryAssignBlocks(tokens, costs, o);
+    ASSERT_TRUE(a.has_value()) << "trial " << trial;
+    EXPECT_FALSE(a->memoryRepaired) << "trial " << trial;
+  }
+}
+
+TEST(TryAssignBlocksTest, SaysWhichBlockFoundNoRoom) {
+  DistributorOptions o;
+  o.numWorkers = 2;
+  o.memoryLimitTokens = 100;
+  o.memorySlack = 0;
+  int32_t unplaced = -1;
+  // Fits in total, but three blocks of 60 do not pack into two workers of 100.
+  EXPECT_FALSE(tryAssignBlocks({60, 60, 60}, {1, 1, 1}, o, &unplaced).has_value());
+  EXPECT_GE(unplaced, 0);
+  EXPECT_FALSE(tryAssignBlocks({30, 101}, {1, 1}, o, &unplaced).has_value());
+  EXPECT_EQ(unplaced, 1);  // over the cap
+  // A batch over workers x cap is still an error.
+  EXPECT_THROW(tryAssignBlocks({60, 60, 60, 60}, {1, 1, 1, 1}, o), Error);
+}
+
+PlanConfig configFor(int64_t workers, int64_t tokensPerWorker, int64_t blockSize,
+                     Placement placement) {
+  PlanConfig c;
+  c.numWorkers = workers;
+  c.tokensPerWorker = tokensPerWorker;
+  c.blockSize = blockSize;
+  c.placement = placement;
+  return c;
+}
+
+/// Every block no larger than the sharding's block size, and the plan valid.
+void expectValidFinerPlan(const Plan& p, const std::string& what) {
+  const auto violations = validate(p);
+  ASSERT_TRUE(violations.empty()) << what << ": " << violations.front();
+  EXPECT_GT(p.shardBlockSize, 0) << what;
+  for (const Block& b : p.blocks) ASSERT_LE(b.numTokens(), p.shardBlockSize) << what;
+}
+
+TEST(PlanFallbackTest, Seed5979PlansWithFinerBlocks) {
+  // Once "no worker has room for block 1 (3976 tokens) under the memory cap of 36044 tokens".
+  const Batch batch = sampleBatch(findWorkload("lognormal"), 16 * 32768, 5979);
+  for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
+    const PlanConfig c = configFor(16, 32768, 4096, placement);
+    const Plan p = buildPlan(batch, c, CostModel{c.attention});
+    expectValidFinerPlan(p, std::string(placementName(placement)));
+    if (p.placement == Placement::kLpt) {
+      EXPECT_GE(p.memoryRetries, 1);
+      EXPECT_LT(p.shardBlockSize, 4096);
+    }
+    EXPECT_EQ(planToJson(p), planToJson(buildPlan(batch, c, CostModel{c.attention})));
+  }
+}
+
+TEST(PlanFallbackTest, TightCapWithNoSlackStillPlans) {
+  // Three sequences of 60 tokens on two workers of 100 tokens and no slack: no packing of
+  // whole sequences fits, yet 180 <= 2 x 100, so a plan must exist.
+  for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
+    PlanConfig c = configFor(2, 100, 60, placement);
+    c.memorySlack = 0;
+    const Plan p = buildPlan(Batch{{60, 60, 60}}, c, CostModel{c.attention});
+    expectValidFinerPlan(p, std::string(placementName(placement)));
+    EXPECT_GE(p.memoryRetries, 1);
+  }
+}
+
+TEST(PlanFallbackTest, BlocksOverTheCapAreCutToFit) {
+  const Batch batch = sampleBatch(findWorkload("bimodal"), 8 * 1024, 1);
+  for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
+    const PlanConfig c = configFor(8, 1024, 16384, placement);
+    const Plan p = buildPlan(batch, c, CostModel{c.attention});
+    expectValidFinerPlan(p, std::string(placementName(placement)));
+    EXPECT_LE(p.shardBlockSize, memoryCapTokens(DistributorOptions{8, 1024}));
+    EXPECT_GE(p.memoryRetries, 1);
+  }
+}
+
+TEST(PlanFallbackTest, TheLocalPlacementCutsFinerToo) {
+  // 3 workers x 8K tokens in 8K blocks (lognormal, seed 3): the layout's blocks do not pack
+  // under the cap of 9011; the local placement's own finer blocks win (not the paper's).
+  const Batch batch = sampleBatch(findWorkload("lognormal"), 3 * 8192, 3);
+  const PlanConfig c = configFor(3, 8192, 8192, Placement::kLocal);
+  const Plan p = buildPlan(batch, c, CostModel{c.attention});
+  expectValidFinerPlan(p, "local");
+  EXPECT_EQ(p.placement, Placement::kLocal);
+  EXPECT_GE(p.memoryRetries, 1);
+  EXPECT_LT(p.shardBlockSize, 8192);
+}
+
+TEST(PlanFallbackTest, OnlyABatchOverWorkersTimesCapIsAnError) {
+  PlanConfig c = configFor(2, 100, 60, Placement::kLpt);
+  c.memorySlack = 0;
+  try {
+    buildPlan(Batch{{150, 51}}, c, CostModel{c.attention});
+    ADD_FAILURE() << "201 tokens cannot fit in 2 x 100";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("201 tokens > 2 workers x 100 tokens"), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(buildPlan(Batch{{150, 50}}, c, CostModel{c.attention}));  // exactly full
+}
+
+TEST(PlanFallbackTest, OldPlansWithoutTheShardingRecordStillLoad) {
+  const PlanConfig c = configFor(4, 8192, 4096, Placement::kLocal);
+  const Plan p =
+      buildPlan(sampleBatch(findWorkload("lognormal"), 4 * 8192, 2), c, CostModel{c.attention});
+  std::string text = planToJson(p);
+  const auto at = text.find(",\"sharding\":{");
+  ASSERT_NE(at, std::string::npos);
+  text.erase(at, text.find('}', at) + 1 - at);
+  const Plan old = planFromJson(text);
+  EXPECT_EQ(old.shardBlockSize, 0);
+  EXPECT_TRUE(validate(old).empty());
+  EXPECT_EQ(planFromJson(planToJson(p)), p);
+}
+
+/// Issue 15's long-tailed batch, built like data/traces/longtail_64x32k.txt: one sequence of
+/// 354K tokens among shorter ones of 1K to 16K, 64 x 32K tokens in all.
+Batch longTailedBatch(uint64_t seed) {
+  Rng rng(seed);
+  Batch batch{{354 * 1024}};
+  for (int64_t left = 64 * 32768 - batch.sequenceLengths[0]; left > 0;) {
+    const int64_t length = std::min(left, int64_t{1024} << (rng.next() % 5));
+    batch.sequenceLengths.push_back(length);
+    left -= length;
+  }
+  return batch;
+}
+
+double busiest(const Plan& p) {
+  double m = 0;
+  for (const WorkerLoad& l : p.loads) m = std::max(m, l.cost);
+  return m;
+}
+
+TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
+  // Each 4K Zig-Zag block of the 354K-token sequence costs most of a worker's share: 89 of
+  // them on 64 workers leave 25 workers with two. Cutting them finer must lower the busiest
+  // worker's cost (not only its gap to a lower bound that finer blocks raise).
+  for (uint64_t seed : {1, 2}) {
+    const Batch batch = longTailedBatch(seed);
+    for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
+      PlanConfig c;
+      c.numWorkers = 64;
+      c.placement = placement;
+      c.costAwareBlocks = false;
+      const Plan before = buildPlan(batch, c, CostModel{c.attention});
+      c.costAwareBlocks = true;
+      const Plan after = buildPlan(batch, c, CostModel{c.attention});
+      const std::string what =
+          "seed " + std::to_string(seed) + " " + std::string(placementName(placement));
+      ASSERT_TRUE(validate(after).empty()) << what;
+      EXPECT_EQ(before.costCutSequences, 0) << what;
+      EXPECT_GE(after.costCutSequences, 1) << what;
+      EXPECT_LT(after.smallestBlockSize, 4096) << what;
+      EXPECT_LT(busiest(after), 0.97 * busiest(before)) << what;
+      EXPECT_LT(busiest(after), after.lowerBound * 1.02) << what;
+      // The per-sequence sizes are deterministic: the same plan twice.
+      EXPECT_EQ(planToJson(after), planToJson(buildPlan(batch, c, CostModel{c.attention})));
+    }
+  }
+}
+
+TEST(CostAwareBlocksTest, BalancedBatchesKeepTheirBlocks) {
+  // Built-in workloads at 64 workers x 32K balance within the target with 4K blocks: nothing
+  // is cut, and the plan is the same with and without cost-aware blocks.
+  for (const Workload& w : builtinWorkloads()) {
+    PlanConfig c;
+    c.numWorkers = 64;
+    const Batch batch = sampleBatch(w, 64 * 32768, 7);
+    const Plan after = buildPlan(batch, c, CostModel{c.attention});
+    EXPECT_EQ(after.costCutSequences, 0) << w.name;
+    c.costAwareBlocks = false;
+    Plan before = buildPlan(batch, c, CostModel{c.attention});
+    before.config.costAwareBlocks = true;
+    EXPECT_EQ(before, after) << w.name;
+  }
+}
+
+}  // namespace
+}  // namespace fcp::plan
