@@ -387,7 +387,7 @@ std::vector<std::byte> toStorage(const std::vector<float>& values, DType dtype) 
 std::vector<float> fromStorage(const std::vector<std::byte>& bytes, DType dtype) {
   if (dtype == DType::kFp32) {
     std::vector<float> out(bytes.size() / sizeof(float));
-    std::memcpy(out.data(), bytes.data(), bytes.size());
+    if (!bytes.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
     return out;
   }
   std::vector<float> out(bytes.size() / 2);

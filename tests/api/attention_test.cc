@@ -77,6 +77,7 @@ std::vector<std::byte> storage(const std::vector<float>& x, int64_t begin, int64
 
 void unstore(const std::vector<std::byte>& bytes, std::vector<float>& x, int64_t begin,
              int64_t width, DType d) {
+  if (bytes.empty()) return;  // memcpy's pointers must not be null, even for 0 bytes
   float* dst = x.data() + begin * width;
   if (d == DType::kFp32) {
     std::memcpy(dst, bytes.data(), bytes.size());

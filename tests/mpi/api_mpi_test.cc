@@ -103,6 +103,7 @@ std::vector<std::byte> storage(const float* x, int64_t count, DType d) {
 }
 
 void unstore(const std::vector<std::byte>& bytes, float* x, DType d) {
+  if (bytes.empty()) return;  // memcpy's pointers must not be null, even for 0 bytes
   if (d == DType::kFp32) {
     std::memcpy(x, bytes.data(), bytes.size());
   } else {

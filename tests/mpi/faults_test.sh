@@ -57,7 +57,12 @@ expect_error "rank 0 stops answering (3 ranks)" \
 expect_error "message one byte short" \
   "transport error: rank 0: a receive of [0-9]+ bytes from rank 1 .* got [0-9]+ bytes: expected" \
   20 2 short 1
-expect_error "message one byte long" "transport error: rank 0: .*(truncat|TRUNCATE)" 20 2 long 1
+# Open MPI 4.1's shared-memory single copy (vader with CMA) writes the whole longer message
+# past the receive buffer instead of truncating it (seen under ASan: a heap overflow inside
+# process_vm_readv); with copy-in/copy-out it reports MPI_ERR_TRUNCATE as the standard says.
+# FCP's own defence is that ranks agree on the plan digest before any message moves.
+OMPI_MCA_btl_vader_single_copy_mechanism=none \
+  expect_error "message one byte long" "transport error: rank 0: .*(truncat|TRUNCATE)" 20 2 long 1
 
 # A slow link (every message of rank 1 leaves 50 ms late): the passes complete, with the same
 # result as without a fault.
