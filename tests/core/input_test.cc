@@ -18,20 +18,12 @@
 #include "fcp/core/error.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
+#include "../common/error_of.h"
 
 namespace fcp {
 namespace {
 
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
-}
+using fcp::testing::errorOf;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

@@ -10,25 +10,17 @@
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
+#include "../common/error_of.h"
 
 namespace fcp {
 namespace {
+
+using fcp::testing::errorOf;
 
 std::string writeTemp(const std::string& name, const std::string& text) {
   const std::string path = ::testing::TempDir() + name;
   std::ofstream(path) << text;
   return path;
-}
-
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
 }
 
 TEST(WorkloadTest, RngStreamIsPinned) {

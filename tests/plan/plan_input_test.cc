@@ -10,9 +10,12 @@
 #include "fcp/plan/json.h"
 #include "fcp/plan/limits.h"
 #include "fcp/plan/plan.h"
+#include "../common/error_of.h"
 
 namespace fcp::plan {
 namespace {
+
+using fcp::testing::errorOf;
 
 Plan smallPlan() {
   PlanConfig c;
@@ -28,16 +31,6 @@ bool mentions(const std::vector<std::string>& violations, const std::string& tex
     if (v.find(text) != std::string::npos) return true;
   }
   return false;
-}
-
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
 }
 
 TEST(PlanInputTest, ValidateRefusesWhatNoPlannerMakes) {

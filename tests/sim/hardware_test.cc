@@ -13,9 +13,12 @@
 #include <string>
 
 #include "fcp/core/error.h"
+#include "../common/error_of.h"
 
 namespace fcp::sim {
 namespace {
+
+using fcp::testing::errorOf;
 
 // A file in the temp directory, named for this process so that concurrent test runs (ctest -j,
 // two checkouts on one machine) do not share it.
@@ -84,18 +87,6 @@ TEST(EfficiencyCurvesTest, ABadPointNamesItsCurve) {
     EXPECT_NE(message.find("1.7"), std::string::npos) << message;
   }
   std::filesystem::remove(path);
-}
-
-/// The message of the Error `f` throws.
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
 }
 
 TEST(HardwareInputTest, DeepNestingIsAnErrorNotACrash) {
