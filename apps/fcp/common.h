@@ -28,16 +28,15 @@ inline constexpr double kMaxTimeoutSeconds = 24 * 3600;
 /// Largest --comm-ratio (FLOP per byte; GPU-X is 5920): above it the capped link is so slow
 /// that a run of the default batch takes hours.
 inline constexpr double kMaxCommRatio = 1e5;
-
-/// A text flag; an empty value ('') is an error rather than "not given".
-CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
-                     const std::string& help);
 /// Most attention FLOPs `fcp run` takes on per rank (forward and backward, every warm-up and
 /// timed repeat of every strategy): about 15 minutes at 20 GFLOP/s.
 inline constexpr double kMaxRunFlopsPerRank = 2e13;
 /// Most bytes of tensors `fcp run` estimates a rank holds.
 inline constexpr double kMaxRunBytesPerRank = 8.0 * (1 << 30);
 
+/// A text flag; an empty value ('') is an error rather than "not given".
+CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
+                     const std::string& help);
 /// An integer flag in [min, max]; anything else (empty, junk, overflow) is a one-line error
 /// naming the flag and the range.
 CLI::Option* addInteger(CLI::App* cmd, const std::string& name, int64_t& target, int64_t min,

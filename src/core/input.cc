@@ -119,10 +119,7 @@ int64_t parseInteger(std::string_view text, std::string_view what, int64_t min, 
   int64_t value = 0;
   const char* end = text.data() + text.size();
   const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (text.empty() || ptr != end || (ec != std::errc() && ec != std::errc::result_out_of_range)) {
-    failParse(text, what, expected.str());
-  }
-  if (ec == std::errc::result_out_of_range || value < min || value > max) {
+  if (text.empty() || ptr != end || ec != std::errc() || value < min || value > max) {
     failParse(text, what, expected.str());
   }
   return value;

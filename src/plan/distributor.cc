@@ -525,23 +525,39 @@ bool placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& token
   return true;
 }
 
+/// What both assignments start from: the checked options and totals, and an assignment with
+/// no block placed yet and its lower bound.
+struct Start {
+  Totals totals;
+  Assignment result;
+};
+
+/// Nullopt, with *unplaced naming the first block over the memory cap, when one is.
+std::optional<Start> startAssignment(const std::vector<int64_t>& tokens,
+                                     const std::vector<double>& costs,
+                                     const DistributorOptions& options, int32_t* unplaced) {
+  checkOptions(options, tokens.size(), costs.size());
+  const auto n = static_cast<int32_t>(options.numWorkers);
+  Start s{checkTotals(tokens, costs, n, memoryCapTokens(options)), {}};
+  if (unplaced) *unplaced = s.totals.oversized;
+  if (s.totals.oversized >= 0) return std::nullopt;
+  s.result.owner.assign(tokens.size(), -1);
+  s.result.lowerBound = std::max(s.totals.maxBlockCost, s.totals.cost / n);
+  return s;
+}
+
 }  // namespace
 
 std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
                                           const std::vector<double>& costs,
                                           const DistributorOptions& options, int32_t* unplaced) {
-  checkOptions(options, tokens.size(), costs.size());
+  std::optional<Start> start = startAssignment(tokens, costs, options, unplaced);
+  if (!start) return std::nullopt;
+  auto& [totals, result] = *start;
   const auto n = static_cast<int32_t>(options.numWorkers);
   const int64_t cap = memoryCapTokens(options);
   const auto numBlocks = static_cast<int32_t>(tokens.size());
-  const Totals totals = checkTotals(tokens, costs, n, cap);
-  if (unplaced) *unplaced = totals.oversized;
-  if (totals.oversized >= 0) return std::nullopt;
-
-  Assignment result;
-  result.owner.assign(static_cast<size_t>(numBlocks), -1);
-  result.lowerBound = std::max(totals.maxBlockCost, totals.cost / n);
-  if (numBlocks == 0) return result;
+  if (numBlocks == 0) return std::move(result);
   std::vector<int32_t> order(static_cast<size_t>(numBlocks));
   std::iota(order.begin(), order.end(), 0);
   Loads loads(n);
@@ -552,7 +568,7 @@ std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
   }
   improve(loads, result, tokens, costs, cap, result.lowerBound * (1.0 + options.improveTarget),
           options.improveStepsPerBlock * numBlocks);
-  return result;
+  return std::move(result);
 }
 
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
@@ -568,23 +584,18 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
                                                   const std::vector<int32_t>& home,
                                                   const DistributorOptions& options,
                                                   int32_t* unplaced) {
-  checkOptions(options, tokens.size(), costs.size());
   FCP_CHECK_EQ(home.size(), tokens.size());
   const auto n = static_cast<int32_t>(options.numWorkers);
-  const int64_t cap = memoryCapTokens(options);
   const auto numBlocks = static_cast<int32_t>(tokens.size());
-  const Totals totals = checkTotals(tokens, costs, n, cap);
   for (int32_t i = 0; i < numBlocks; ++i) {
     const int32_t w = home[static_cast<size_t>(i)];
     FCP_CHECK(w >= 0 && w < n, "block ", i, " has home worker ", w, " of ", n);
   }
-  if (unplaced) *unplaced = totals.oversized;
-  if (totals.oversized >= 0) return std::nullopt;
-
-  Assignment result;
-  result.owner.assign(static_cast<size_t>(numBlocks), -1);
-  result.lowerBound = std::max(totals.maxBlockCost, totals.cost / n);
-  if (numBlocks == 0) return result;
+  std::optional<Start> start = startAssignment(tokens, costs, options, unplaced);
+  if (!start) return std::nullopt;
+  auto& [totals, result] = *start;
+  const int64_t cap = memoryCapTokens(options);
+  if (numBlocks == 0) return std::move(result);
   const double target = result.lowerBound * (1.0 + options.improveTarget);
   const double tolerance = result.lowerBound * (1.0 + std::max(options.improveTarget,
                                                                options.localitySlack));
@@ -599,7 +610,7 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
     return std::nullopt;
   }
   improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
-  return result;
+  return std::move(result);
 }
 
 Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
