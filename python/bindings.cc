@@ -96,6 +96,20 @@ class CallbackTransport final : public runtime::Transport {
     FCP_CHECK_EQ(out.size(), values.size());
     std::copy(out.begin(), out.end(), values.begin());
   }
+  /// torch.distributed cannot cancel a posted isend or irecv: with any pending, their buffers
+  /// must be kept (false), and no new request is accepted.
+  bool cancelPending() noexcept override {
+    try {
+      py::gil_scoped_acquire gil;
+      if (requests_.empty()) return true;
+      requests_.clear();
+    } catch (...) {
+      return false;
+    }
+    withdrew_ = true;
+    return false;
+  }
+
   [[noreturn]] void abort(int exitCode) noexcept override {
     std::fflush(stdout);
     std::fflush(stderr);
@@ -116,6 +130,12 @@ class CallbackTransport final : public runtime::Transport {
   }
   runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
     if (bytes == 0) return kDone;
+    if (withdrew_) {
+      throw Error(ErrorCode::kTransport,
+                  "rank " + std::to_string(rank_) +
+                      ": this transport abandoned messages after an earlier error, so its "
+                      "messages are out of step with its peers': expected a new process group");
+    }
     py::gil_scoped_acquire gil;
     py::object request = call<py::object>([&] {
       return fn(peer, tag, reinterpret_cast<uintptr_t>(data), static_cast<int64_t>(bytes));
@@ -130,6 +150,7 @@ class CallbackTransport final : public runtime::Transport {
   double timeoutSeconds_;
   runtime::RequestId next_ = 1;
   std::map<runtime::RequestId, py::object> requests_;
+  bool withdrew_ = false;
 };
 
 DType dtypeOf(const std::string& name) {

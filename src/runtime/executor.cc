@@ -94,6 +94,15 @@ struct Executor::State {
   std::vector<char> posted;             // per transfer: its KV receive or send was posted
   std::vector<RequestId> preposted;
 
+  /// After an error the transport could not withdraw from: KV and gradient buffers are never
+  /// freed (PendingGuard).
+  void keepBuffersForever() {
+    keepForever(remote);
+    keepForever(gradIn);
+    keepForever(gradPartial);
+    preposted.clear();
+  }
+
   State(plan::Plan p, Transport& t, const ExecutorOptions& opts)
       : plan(std::move(p)), transport(t), options(opts), id(nextExecutorId++) {}
 
@@ -548,6 +557,7 @@ void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> lo
   Field f{user.data(), nullptr, Elem::kRaw, Elem::kRaw, rowBytes, s.rows(local.data(), rowBytes)};
   detail::Inward in({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
                     s.tag(kDispatchTag));
+  const PendingGuard guard(s.transport, [&in] { in.keepBuffersForever(); });
   in.post();
   in.finish();
 }
@@ -566,6 +576,7 @@ void Executor::undispatch(std::span<const std::byte> local, std::span<std::byte>
   Field f{nullptr, user.data(), Elem::kRaw, Elem::kRaw, rowBytes, s.rows(base, rowBytes)};
   detail::Outward out({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
                       s.outwardTag(kUndispatch), std::vector<int64_t>(s.localBlocks.size(), 0));
+  const PendingGuard guard(s.transport, [&out] { out.keepBuffersForever(); });
   out.start();
   out.finish();
 }
@@ -606,6 +617,13 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
        s.rows(reinterpret_cast<std::byte*>(layer.lse.data()), s.hq * 4)}};
   detail::Outward out(s.context(&s.fwd), std::move(outFields), s.outwardTag(kForwardOut),
                       s.remainingPerBlock(false, false));
+  // Destroyed before the streams when an error unwinds this pass (sends read layer.kv too).
+  const PendingGuard guard(s.transport, [&] {
+    in.keepBuffersForever();
+    out.keepBuffersForever();
+    s.keepBuffersForever();
+    keepForever(layer.kv);
+  });
   in.post();
   out.start();
   s.qStream = &out;
@@ -655,6 +673,13 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
                          {nullptr, static_cast<std::byte*>(dv), s.storage, Elem::kFp32, s.kRow,
                           s.kvRows(f8(s.dkv), s.kRow * 4, true)}},
                         s.outwardTag(kBackwardKv), s.remainingPerBlock(true, true));
+  // Destroyed before the streams when an error unwinds this pass.
+  const PendingGuard guard(s.transport, [&] {
+    in.keepBuffersForever();
+    qOut.keepBuffersForever();
+    kvOut.keepBuffersForever();
+    s.keepBuffersForever();
+  });
   in.post();
   qOut.start();
   kvOut.start();

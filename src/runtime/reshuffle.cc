@@ -41,6 +41,11 @@ Inward::Inward(const ReshuffleContext& context, std::vector<Field> fields, int t
 
 // Every field's rows for one destination rank are packed into one message, fields one after
 // another, pieces in stream order; pieces that stay on this rank are copied at once.
+void Inward::keepBuffersForever() {
+  keepForever(sendBufs_);
+  keepForever(recvBufs_);
+}
+
 void Inward::post() {
   const LayoutIndex& index = ctx_.index;
   const size_t n = index.inbound.size();
@@ -194,6 +199,11 @@ void Outward::finish() {
     ctx_.timeline->add("reshuffle out (rest)", 1, start, Timeline::nowUs());
     ctx_.timeline->add("wait", 2, start, Timeline::nowUs());
   }
+}
+
+void Outward::keepBuffersForever() {
+  keepForever(sendBufs_);
+  keepForever(incoming_);
 }
 
 }  // namespace fcp::runtime::detail

@@ -68,6 +68,8 @@ class Inward {
   Inward(const ReshuffleContext& context, std::vector<Field> fields, int tag);
   void post();
   void finish();
+  /// After an error the transport could not withdraw from: the message buffers are never freed.
+  void keepBuffersForever();
 
  private:
   ReshuffleContext ctx_;
@@ -90,6 +92,8 @@ class Outward {
   /// One contribution to local block `local` is in; it leaves when none remain.
   void countDown(int32_t local);
   void finish();
+  /// After an error the transport could not withdraw from: the message buffers are never freed.
+  void keepBuffersForever();
 
  private:
   void blockDone(int32_t local);

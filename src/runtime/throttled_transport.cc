@@ -119,6 +119,18 @@ class ThrottledTransport final : public Transport {
     }
   }
 
+  // Sends still waiting for their release time are dropped; what reached the inner transport
+  // is withdrawn there (a send the pacer is posting right now is in flight below or refused).
+  bool cancelPending() noexcept override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.clear();
+      pendingRecvs_.clear();
+      requests_.clear();
+    }
+    return inner_.cancelPending();
+  }
+
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, ReduceOp op, double timeoutSeconds) override {
     inner_.allreduce(values, op, timeoutSeconds);
@@ -180,7 +192,9 @@ class ThrottledTransport final : public Transport {
   void pollReceives(std::unique_lock<std::mutex>& lock) {
     const std::vector<RequestId> ids = pendingRecvs_;
     for (const RequestId id : ids) {
-      const RequestId innerId = requests_.at(id).inner;
+      const auto found = requests_.find(id);
+      if (found == requests_.end()) continue;  // withdrawn (cancelPending)
+      const RequestId innerId = found->second.inner;
       lock.unlock();
       bool arrived = false;
       std::optional<Error> failed;
@@ -190,7 +204,9 @@ class ThrottledTransport final : public Transport {
         failed = e;
       }
       lock.lock();
-      Request& r = requests_.at(id);
+      auto it = requests_.find(id);
+      if (it == requests_.end()) continue;  // withdrawn meanwhile (cancelPending)
+      Request& r = it->second;
       if (!arrived && !failed) continue;
       r.failed = failed;
       r.arrived = true;
@@ -215,7 +231,9 @@ class ThrottledTransport final : public Transport {
       failed = e;
     }
     lock.lock();
-    Request& again = requests_.at(id);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return;  // withdrawn meanwhile: the inner transport withdraws it
+    Request& again = it->second;
     again.inner = innerId;
     again.failed = failed;
     again.posted = true;

@@ -1,10 +1,36 @@
 // Helpers shared by every transport.
 #include "fcp/runtime/transport.h"
 
+#include <exception>
+#include <mutex>
+#include <vector>
+
 namespace fcp::runtime {
 
 void waitAll(Transport& transport, std::span<const RequestId> requests) {
   for (const RequestId id : requests) transport.wait(id);
+}
+
+void keepUntilExit(std::shared_ptr<void> value) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<std::shared_ptr<void>>;  // never destroyed
+  const std::lock_guard<std::mutex> lock(mutex);
+  kept->push_back(std::move(value));
+}
+
+PendingGuard::PendingGuard(Transport& transport, std::function<void()> keepBuffers)
+    : transport_(transport),
+      keepBuffers_(std::move(keepBuffers)),
+      exceptions_(std::uncaught_exceptions()) {}
+
+PendingGuard::~PendingGuard() {
+  if (std::uncaught_exceptions() <= exceptions_ || transport_.cancelPending()) return;
+  try {
+    keepBuffers_();
+  } catch (...) {
+    // No memory to keep them in: freeing them could corrupt the heap, so the job ends here.
+    transport_.abort(70);
+  }
 }
 
 }  // namespace fcp::runtime

@@ -82,6 +82,7 @@ class FaultyTransport final : public runtime::Transport {
     return inner_.irecv(peer, tag, data);
   }
   bool test(runtime::RequestId request) override { return inner_.test(request); }
+  bool cancelPending() noexcept override { return inner_.cancelPending(); }
   void wait(runtime::RequestId request) override { inner_.wait(request); }
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {

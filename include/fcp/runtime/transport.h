@@ -12,7 +12,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
+#include <utility>
 
 namespace fcp::runtime {
 
@@ -50,6 +53,14 @@ class Transport {
   /// when the request fails or does not complete within the transport's timeout.
   virtual void wait(RequestId request) = 0;
 
+  /// Withdraws every request still pending, after an error and before the buffers they name
+  /// are freed: returns true when the transport will never touch those buffers again (every
+  /// request cancelled or completed), false when it cannot promise that (then the caller must
+  /// keep the buffers for the life of the process). Withdrawn ids are retired. A transport that
+  /// withdrew a request refuses new ones: a withdrawn message may still arrive and would match
+  /// the wrong receive. The default withdraws nothing and returns false.
+  virtual bool cancelPending() noexcept { return false; }
+
   /// Element-wise reduction of `values` over every rank, result on every rank (blocking).
   /// `timeoutSeconds` > 0 replaces the transport's timeout for this call: for a collective
   /// that some ranks reach much later on purpose (after rank 0's reference check, say); 0
@@ -63,6 +74,34 @@ class Transport {
 
 /// Waits for every request in `requests`, in order.
 void waitAll(Transport& transport, std::span<const RequestId> requests);
+
+/// Guards the buffers of one pass of messages. Declared after the objects owning the buffers
+/// and before the first message is posted, it is destroyed first when an error unwinds the
+/// pass: it then withdraws every pending request (Transport::cancelPending) and, if the
+/// transport cannot promise to leave their buffers alone, runs `keepBuffers`, which must move
+/// them somewhere never freed. Without an error it does nothing.
+class PendingGuard {
+ public:
+  PendingGuard(Transport& transport, std::function<void()> keepBuffers);
+  ~PendingGuard();
+  PendingGuard(const PendingGuard&) = delete;
+  PendingGuard& operator=(const PendingGuard&) = delete;
+
+ private:
+  Transport& transport_;
+  std::function<void()> keepBuffers_;
+  int exceptions_;
+};
+
+/// Keeps `value` alive until the process ends (reachable, so leak checkers stay quiet).
+void keepUntilExit(std::shared_ptr<void> value);
+
+/// Moves `value` into storage that is never freed: for buffers a transport may still write
+/// into after an error (PendingGuard).
+template <typename T>
+void keepForever(T& value) {
+  keepUntilExit(std::make_shared<T>(std::move(value)));
+}
 
 /// Bytes of a float span, for isend/irecv.
 inline std::span<const std::byte> asBytes(std::span<const float> values) {

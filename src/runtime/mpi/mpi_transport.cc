@@ -156,6 +156,40 @@ class MpiTransport final : public Transport {
     }
   }
 
+  // Receives are cancelled reliably unless already matched; a matched one, or a send, is
+  // cancelled or completes as soon as its peer moves the data. A peer that stopped midway
+  // leaves it pending: after the timeout the buffers are declared unsafe (false).
+  bool cancelPending() noexcept override {
+    std::unique_lock<std::mutex> lock(mu_);
+    bool any = false;
+    for (auto& [id, slot] : slots_) {
+      if (slot.done) continue;
+      MPI_Cancel(&slot.request);
+      any = true;
+    }
+    if (any) withdrew_ = true;
+    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeoutSeconds);
+    for (;;) {
+      bool all = true;
+      for (auto& [id, slot] : slots_) {
+        if (slot.done) continue;
+        int flag = 0;
+        if (MPI_Test(&slot.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) {
+          slot.done = true;
+        } else {
+          all = false;
+        }
+      }
+      if (all || Clock::now() > deadline) {
+        slots_.clear();
+        return all;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      lock.lock();
+    }
+  }
+
   // Non-blocking, tested under the same deadline as wait: a rank that stops answering makes
   // the others fail with a message instead of blocking inside a collective forever.
   using Transport::allreduce;
@@ -240,6 +274,12 @@ class MpiTransport final : public Transport {
     RequestId id = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (withdrew_) {
+        throw Error(ErrorCode::kTransport,
+                    "rank " + std::to_string(rank_) +
+                        ": this transport withdrew messages after an earlier error, so its "
+                        "messages are out of step with its peers': expected a new job");
+      }
       const int count = static_cast<int>(bytes);
       const int code = isSend ? MPI_Isend(data, count, MPI_BYTE, peer, tag, comm_, &slot.request)
                               : MPI_Irecv(data, count, MPI_BYTE, peer, tag, comm_, &slot.request);
@@ -319,6 +359,7 @@ class MpiTransport final : public Transport {
   std::condition_variable cv_;
   bool stop_ = false;
   bool posted_ = false;  ///< a request was posted since the progress thread's last poll
+  bool withdrew_ = false;  ///< cancelPending withdrew a request: no new ones
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Slot> slots_;
   std::thread progress_;
