@@ -10,6 +10,11 @@
 
 namespace fcp::app {
 
+/// Help of every subcommand's --workload.
+inline constexpr const char* kWorkloadHelp =
+    "Length distribution: lognormal, lognormal-narrow, bimodal, or a file of lengths (one per "
+    "line) to draw sequences from uniformly, e.g. data/workloads/code-corpus.txt";
+
 /// Smallest --block-size accepted: below it the pairs of even a modest batch outgrow the
 /// planner's limits (fcp/plan/limits.h) long before the blocks could run efficiently.
 inline constexpr int64_t kMinBlockSize = 16;

@@ -176,7 +176,7 @@ void runPlan(const PlanArgs& a) {
     config.tokensPerWorker =
         a.tokensPerWorker.empty() ? share : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
   } else {
-    const Workload& workload = findWorkload(a.workload);
+    const Workload workload = loadWorkload(a.workload);
     config.tokensPerWorker = parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker,
                                              "--tokens-per-worker");
     if (config.tokensPerWorker > kMaxBatchTokens / a.workers) {
@@ -272,8 +272,7 @@ void runPlan(const PlanArgs& a) {
 void addPlanCommand(CLI::App& app) {
   auto args = std::make_shared<PlanArgs>();
   CLI::App* cmd = app.add_subcommand("plan", "Shard a batch into blocks and assign them to workers");
-  auto* workload = addText(cmd, "--workload", args->workload,
-                                   "Length distribution: lognormal, lognormal-narrow, bimodal");
+  auto* workload = addText(cmd, "--workload", args->workload, kWorkloadHelp);
   auto* trace = addText(cmd, "--trace", args->trace,
                                 "File of sequence lengths, one per line (# comments allowed)");
   workload->excludes(trace);

@@ -104,6 +104,7 @@ std::vector<std::string> splitStrategies(const std::string& text) {
 /// Everything checked before MPI starts, so bad input fails like `fcp plan`: one line.
 struct Setup {
   Batch batch;
+  Workload workload;  ///< without a trace: what the batch is drawn from
   plan::PlanConfig config;  // numWorkers and tokensPerWorker set once the rank count is known
   EfficiencyCurve forward = EfficiencyCurve::paperDefault(),
                   backward = EfficiencyCurve::paperDefault();
@@ -158,7 +159,7 @@ Setup validate(const RunArgs& a) {
     s.batch = readTrace(a.trace);
     s.source = "trace " + a.trace;
   } else {
-    findWorkload(a.workload);
+    s.workload = loadWorkload(a.workload);
     parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
     s.source = "workload " + a.workload + " (seed " + std::to_string(a.seed) + ")";
   }
@@ -620,7 +621,7 @@ void runRun(const RunArgs& a) {
     c.numWorkers = ranks;
     if (a.trace.empty()) {
       c.tokensPerWorker = parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
-      s.batch = sampleBatch(findWorkload(a.workload), ranks * c.tokensPerWorker, a.seed);
+      s.batch = sampleBatch(s.workload, ranks * c.tokensPerWorker, a.seed);
     } else {
       c.tokensPerWorker = (s.batch.numTokens() + ranks - 1) / ranks;
     }
@@ -724,8 +725,7 @@ void addRunCommand(CLI::App& app) {
   auto args = std::make_shared<RunArgs>();
   CLI::App* cmd = app.add_subcommand(
       "run", "Execute plans on MPI ranks (run under mpirun -n P), forward and backward");
-  auto* workload = addText(cmd, "--workload", args->workload,
-                                   "Length distribution: lognormal, lognormal-narrow, bimodal");
+  auto* workload = addText(cmd, "--workload", args->workload, kWorkloadHelp);
   auto* trace = addText(cmd, "--trace", args->trace, "File of sequence lengths, one per line");
   workload->excludes(trace);
   addText(cmd, "--tokens-per-worker", args->tokensPerWorker, "Tokens per rank for a workload");

@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
@@ -155,11 +156,11 @@ void runSimulate(const SimulateArgs& a) {
   const CostModel costModel = hw.costModel(base.attention);
 
   Batch traceBatch;
-  const Workload* workload = nullptr;
+  std::optional<Workload> workload;
   if (!a.trace.empty()) {
     traceBatch = readTrace(a.trace);
   } else {
-    workload = &findWorkload(a.workload);
+    workload = loadWorkload(a.workload);
   }
   sim::SimOptions options;
   options.backward = !a.forwardOnly;
@@ -263,8 +264,7 @@ void addSimulateCommand(CLI::App& app) {
   addIntegerList(cmd, "--workers", args->workers, 1, kMaxSimulatedWorkers,
                  "Comma-separated worker counts, e.g. 16,32,64");
   addText(cmd, "--hardware", args->hardware, "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file");
-  auto* workload = addText(cmd, "--workload", args->workload,
-                                   "Built-in workload: lognormal, lognormal-narrow, bimodal");
+  auto* workload = addText(cmd, "--workload", args->workload, kWorkloadHelp);
   auto* trace = addText(cmd, "--trace", args->trace, "Trace file: one sequence length per line");
   workload->excludes(trace);
   addText(cmd, "--block-size", args->blockSize, "Tokens per block, e.g. 4K");

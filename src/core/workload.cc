@@ -44,9 +44,9 @@ const std::vector<Workload>& builtinWorkloads() {
   // under 4K yet ~28 % of tokens (and ~78 % of causal FLOPs) in sequences over 64K, and about
   // one sequence in 3300 at the 512K clip, so the tail shows from ~256 workers on.
   static const std::vector<Workload> workloads = {
-      {"lognormal", {withMedian(3072, 1.5)}},
-      {"lognormal-narrow", {withMean(16384, 0.7)}},
-      {"bimodal", {withMean(16384, 0.5), withMean(65536, 0.5)}},
+      {"lognormal", {withMedian(3072, 1.5)}, {}},
+      {"lognormal-narrow", {withMean(16384, 0.7)}, {}},
+      {"bimodal", {withMean(16384, 0.5), withMean(65536, 0.5)}, {}},
   };
   return workloads;
 }
@@ -65,10 +65,19 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
     throwInvalidArgument("invalid batch size ", numTokens, " tokens: expected 1 to ",
                          kMaxBatchTokens);
   }
-  FCP_CHECK(!workload.components.empty(), "workload '", workload.name, "' has no components");
   Rng rng(seed);
   Batch batch;
   int64_t filled = 0;
+  if (!workload.lengths.empty()) {
+    const auto count = static_cast<uint64_t>(workload.lengths.size());
+    while (filled < numTokens) {
+      const int64_t len = std::min(workload.lengths[rng.next() % count], numTokens - filled);
+      batch.sequenceLengths.push_back(len);
+      filled += len;
+    }
+    return batch;
+  }
+  FCP_CHECK(!workload.components.empty(), "workload '", workload.name, "' has no components");
   const auto numComponents = static_cast<uint64_t>(workload.components.size());
   while (filled < numTokens) {
     // One draw picks the component (always drawn, so the stream does not depend on the count).
@@ -87,9 +96,14 @@ Batch readTrace(const std::string& path) {
   return parseTrace(readUserFile(path, "trace file", kMaxTraceFileBytes), path);
 }
 
-Batch parseTrace(std::string_view content, const std::string& source) {
+namespace {
+
+/// The lengths in a trace's text, one per line; a total over kMaxBatchTokens is refused only
+/// when `limitTotal` (a batch), not for a length list (a distribution).
+std::vector<int64_t> parseLengths(std::string_view content, const std::string& source,
+                                  bool limitTotal) {
   const std::string shown = printable(source);
-  Batch batch;
+  std::vector<int64_t> lengths;
   int64_t total = 0;
   int64_t lineNumber = 0;
   for (size_t begin = 0; begin < content.size();) {
@@ -116,18 +130,44 @@ Batch parseTrace(std::string_view content, const std::string& source) {
       throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": sequence length ", len,
                            " is over the limit: expected at most ", kMaxSequenceLength, " tokens");
     }
-    if (len > kMaxBatchTokens - total) {
+    if (limitTotal && len > kMaxBatchTokens - total) {
       throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": the batch passes ",
                            kMaxBatchTokens, " tokens: expected a smaller total");
     }
-    total += len;
-    batch.sequenceLengths.push_back(len);
+    total = limitTotal ? total + len : 0;
+    lengths.push_back(len);
   }
-  if (batch.sequenceLengths.empty()) {
+  if (lengths.empty()) {
     throwInvalidArgument("trace '", shown, "' has no sequence lengths: expected one per line");
   }
+  return lengths;
+}
+
+}  // namespace
+
+Batch parseTrace(std::string_view content, const std::string& source) {
+  Batch batch{parseLengths(content, source, true)};
   checkBatch(batch);
   return batch;
+}
+
+Workload loadWorkload(const std::string& nameOrPath) {
+  for (const auto& w : builtinWorkloads()) {
+    if (w.name == nameOrPath) return w;
+  }
+  std::string known;
+  for (const auto& w : builtinWorkloads()) known += (known.empty() ? "" : ", ") + w.name;
+  std::string content;
+  try {
+    content = readUserFile(nameOrPath, "workload file", kMaxTraceFileBytes);
+  } catch (const Error& e) {
+    throwInvalidArgument("unknown workload '", printable(nameOrPath), "': expected one of ", known,
+                         " or a file of lengths (", e.what(), ")");
+  }
+  Workload w;
+  w.name = nameOrPath;
+  w.lengths = parseLengths(content, nameOrPath, false);
+  return w;
 }
 
 void checkBatch(const Batch& batch) {

@@ -60,6 +60,28 @@ check trace_fields /usr/bin/python3 -c "
 import json; s = json.load(open('$tmp/trace.json'))
 assert s['sequences'] == 4 and s['tokens'] == 105600, s"
 
+# Issue 15 item 3: --workload FILE draws the batch from a length list, seeded; the batch
+# fills workers x tokens per worker from the listed lengths (the last one cut to fit).
+printf '# lengths\n300\n5000\n# more\n700\n' > "$tmp/lengths.txt"
+check workload_file_runs "$fcp" plan --workload "$tmp/lengths.txt" --workers 4 --tokens-per-worker 8K \
+  --seed 3 --json > "$tmp/wf.json"
+check workload_file_fields /usr/bin/python3 -c "
+import json; s = json.load(open('$tmp/wf.json'))
+assert s['tokens'] == 32768 and s['sequences'] >= 32768 // 5000, s"
+check workload_file_plan_has_only_listed_lengths bash -c "
+  '$fcp' plan --workload '$tmp/lengths.txt' --workers 4 --tokens-per-worker 8K --seed 3 \
+    --plan-out '$tmp/wf_plan.json' > /dev/null &&
+  /usr/bin/python3 -c \"
+import json; p = json.load(open('$tmp/wf_plan.json'))
+lens = p['batch']
+assert set(lens[:-1]) <= {300, 5000, 700} and sum(lens) == 32768, lens
+\""
+"$fcp" plan --workload "$tmp/lengths.txt" --workers 4 --tokens-per-worker 8K --seed 3 \
+  --plan-out "$tmp/wf_plan2.json" > /dev/null
+check workload_file_same_seed_same_plan cmp -s "$tmp/wf_plan.json" "$tmp/wf_plan2.json"
+check workload_file_corpus_runs "$fcp" plan --workload "$(dirname "$0")/../../data/workloads/code-corpus.txt" --workers 8 \
+  --json > /dev/null
+
 # A saved plan loads back and validates.
 check plan_in_runs "$fcp" plan --plan-in "$tmp/a.json" --json > "$tmp/loaded.json"
 check plan_in_valid grep -q '"valid":true' "$tmp/loaded.json"

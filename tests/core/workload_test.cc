@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <numeric>
 
 #include "fcp/core/error.h"
@@ -135,6 +136,44 @@ TEST(WorkloadTest, UnknownWorkloadListsTheKnownOnes) {
   const std::string msg = errorOf([] { findWorkload("zipf"); });
   EXPECT_NE(msg.find("'zipf'"), std::string::npos);
   EXPECT_NE(msg.find("lognormal-narrow"), std::string::npos);
+}
+
+TEST(WorkloadTest, EmpiricalWorkloadDrawsItsListedLengthsUniformly) {
+  // Lengths 100, 200, 300 and 400 listed 1, 1, 1 and 5 times: over ~10^5 draws each length's
+  // share of the sequences must be its share of the list (8 entries) within 3 %.
+  const std::string path =
+      writeTemp("empirical.txt", "# a length list\n100\n200\n300\n400\n400\n400\n400\n400\n");
+  const Workload w = loadWorkload(path);
+  EXPECT_EQ(w.name, path);
+  EXPECT_TRUE(w.components.empty());
+  Batch b = sampleBatch(w, 30'000'000, 4);
+  EXPECT_EQ(b.numTokens(), 30'000'000);
+  b.sequenceLengths.pop_back();  // cut to fit
+  std::map<int64_t, double> share;
+  for (const int64_t len : b.sequenceLengths) share[len] += 1.0 / static_cast<double>(b.sequenceLengths.size());
+  ASSERT_EQ(share.size(), 4u);  // nothing but the listed lengths, none clipped to 1K
+  EXPECT_NEAR(share[100], 1.0 / 8, 0.03 / 8);
+  EXPECT_NEAR(share[200], 1.0 / 8, 0.03 / 8);
+  EXPECT_NEAR(share[300], 1.0 / 8, 0.03 / 8);
+  EXPECT_NEAR(share[400], 5.0 / 8, 0.03 * 5 / 8);
+  // Seeded like the built-in ones.
+  EXPECT_EQ(sampleBatch(w, 100'000, 9).sequenceLengths, sampleBatch(w, 100'000, 9).sequenceLengths);
+  EXPECT_NE(sampleBatch(w, 100'000, 9).sequenceLengths, sampleBatch(w, 100'000, 10).sequenceLengths);
+}
+
+TEST(WorkloadTest, LoadWorkloadPrefersBuiltinNamesAndNamesBadFiles) {
+  EXPECT_EQ(loadWorkload("bimodal").components.size(), 2u);
+  const std::string missing = errorOf([] { loadWorkload("zipf"); });
+  EXPECT_NE(missing.find("unknown workload 'zipf'"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("lognormal-narrow"), std::string::npos) << missing;
+  const std::string bad = writeTemp("empirical_bad.txt", "100\n-5\n");
+  EXPECT_NE(errorOf([&] { loadWorkload(bad); }).find("line 2: '-5'"), std::string::npos);
+  const std::string empty = writeTemp("empirical_empty.txt", "# nothing\n");
+  EXPECT_NE(errorOf([&] { loadWorkload(empty); }).find("no sequence lengths"), std::string::npos);
+  // A length list is a distribution, not a batch: its total may pass kMaxBatchTokens.
+  std::string many;
+  for (int i = 0; i < 5; ++i) many += std::to_string(kMaxSequenceLength) + "\n";
+  EXPECT_EQ(loadWorkload(writeTemp("empirical_big.txt", many)).lengths.size(), 5u);
 }
 
 TEST(WorkloadTest, ReadsATraceWithCommentsAndBlankLines) {

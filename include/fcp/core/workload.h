@@ -34,17 +34,25 @@ struct LognormalComponent {
   double sigma = 1;
 };
 
-/// A named length distribution: an equal-weight mixture of lognormal components, clipped to
-/// [kMinSampledLength, kMaxSampledLength].
+/// A named length distribution: either an equal-weight mixture of lognormal components,
+/// clipped to [kMinSampledLength, kMaxSampledLength] (the built-in ones), or an *empirical*
+/// one: a list of lengths (a corpus's document sizes, say), each draw one of them uniformly,
+/// unclipped, the way the paper samples batches from its traces.
 struct Workload {
   std::string name;
   std::vector<LognormalComponent> components;
+  std::vector<int64_t> lengths;  ///< empirical: non-empty, and then `components` is empty
 };
 
 /// The built-in workloads: "lognormal", "lognormal-narrow", "bimodal".
 const std::vector<Workload>& builtinWorkloads();
 /// Looks up a built-in workload; throws Error(kInvalidArgument) listing the known names.
 const Workload& findWorkload(std::string_view name);
+
+/// A built-in workload by name, or else an empirical one read from the file `nameOrPath`
+/// (one length per line, like a trace; its total is not limited). Throws Error(kInvalidArgument)
+/// naming the built-in workloads when it is neither, or the file's bad line.
+Workload loadWorkload(const std::string& nameOrPath);
 
 /// Draws lengths from `workload` (seeded, identical on every machine) until exactly
 /// `numTokens` tokens are filled; the last sequence is cut to fit, so it may be shorter
