@@ -1,5 +1,6 @@
 // `fcp simulate`: plans batches with FCP and the baselines and times them on a hardware model.
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <iostream>
 #include <limits>
@@ -141,8 +142,29 @@ nlohmann::json record(const std::string& strategy, int64_t workers, const Cell& 
           {"sim_ms", c.simMs}};
 }
 
+/// What simulate prints, kept until every cell has run: an error in a later cell (a baseline
+/// past its size limit, say) then leaves stdout empty instead of half a table.
+struct Output {
+  std::string text;
+  [[gnu::format(printf, 2, 3)]] void printf(const char* format, ...) {
+    va_list args, again;
+    va_start(args, format);
+    va_copy(again, args);
+    const int n = std::vsnprintf(nullptr, 0, format, args);
+    va_end(args);
+    if (n > 0) {
+      const size_t at = text.size();
+      text.resize(at + static_cast<size_t>(n) + 1);
+      std::vsnprintf(text.data() + at, static_cast<size_t>(n) + 1, format, again);
+      text.resize(at + static_cast<size_t>(n));
+    }
+    va_end(again);
+  }
+};
+
 void runSimulate(const SimulateArgs& a) {
   checkArgs(a);
+  Output table;
   const sim::HardwareProfile hw = sim::loadHardwareProfile(a.hardware);
   plan::PlanConfig base;
   base.blockSize = parseTokenCount(a.blockSize, "--block-size");
@@ -174,14 +196,14 @@ void runSimulate(const SimulateArgs& a) {
   const auto sweepStart = std::chrono::steady_clock::now();
 
   if (a.csv) {
-    std::printf("strategy,workers,batches,mfu,mfu_forward,mfu_backward,time_ms,forward_ms,backward_ms,"
+    table.printf("strategy,workers,batches,mfu,mfu_forward,mfu_backward,time_ms,forward_ms,backward_ms,"
                 "imbalance_compute,imbalance_comm,compute_ms,idle_ms,transfer_bytes,reshuffle_bytes,"
                 "plan_ms,sim_ms\n");
   } else if (!a.json) {
-    std::printf("hardware %s, %s, block %s\n", hw.name.c_str(),
+    table.printf("hardware %s, %s, block %s\n", hw.name.c_str(),
                 a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
                 a.blockSize.c_str());
-    std::printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
+    table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
                 "time_ms", "imb_comp", "imb_comm");
   }
   for (const int64_t workers : a.workers) {
@@ -226,21 +248,21 @@ void runSimulate(const SimulateArgs& a) {
       Cell& c = cells[strategy];
       c.finish();
       if (a.json) {
-        std::cout << record(strategy, workers, c, config, hw.name).dump() << '\n';
+        table.text += record(strategy, workers, c, config, hw.name).dump() + '\n';
       } else if (a.csv) {
-        std::printf("%s,%lld,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f,%.3f,%.3f\n",
+        table.printf("%s,%lld,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f,%.3f,%.3f\n",
                     strategy.c_str(), static_cast<long long>(workers), static_cast<long long>(c.batches), c.mfu,
                     c.mfuForward, c.mfuBackward, c.timeMs, c.forwardMs, c.backwardMs, c.computeImbalance,
                     c.commImbalance, c.computeMs, c.idleMs, c.transferBytes, c.reshuffleBytes, c.planMs, c.simMs);
       } else {
-        std::printf("%-13s %7lld %7.3f %7.3f %7.3f %11.3f %8.3f %8.3f\n", strategy.c_str(),
+        table.printf("%-13s %7lld %7.3f %7.3f %7.3f %11.3f %8.3f %8.3f\n", strategy.c_str(),
                     static_cast<long long>(workers), c.mfu, c.mfuForward, c.mfuBackward, c.timeMs,
                     c.computeImbalance, c.commImbalance);
       }
-      std::fflush(stdout);
     }
   }
   if (progress && tty) std::fprintf(stderr, "\n");
+  std::fputs(table.text.c_str(), stdout);
 }
 
 }  // namespace

@@ -37,6 +37,19 @@ expect json_and_csv "--json and --csv" --json --csv
 expect zero_block "--block-size '0'" --block-size 0
 expect missing_trace "$tmp/missing.txt" --trace "$tmp/missing.txt"
 
+# A refusal in a later cell (bytescale past its worker limit, after the 8-worker cells ran):
+# nonzero exit, the error as stderr's last line (after progress lines), nothing on stdout.
+"$fcp" simulate --workers 8,8192 --strategy fcp,bytescale --tokens-per-worker 1K \
+  > "$tmp/stdout" 2> "$tmp/stderr"
+code=$?
+if [ $code -ne 0 ] && [ ! -s "$tmp/stdout" ] &&
+   tail -1 "$tmp/stderr" | grep -q "bytescale on 8192 workers"; then
+  passed=$((passed + 1))
+else
+  echo "FAIL later_cell_refusal: exit $code, $(wc -c < "$tmp/stdout") bytes on stdout"
+  failures=$((failures + 1))
+fi
+
 # A small valid run: two strategies on 16 H100s, one batch, forward and backward.
 check_json() {
   local why=""
