@@ -48,6 +48,7 @@ namespace fcp::app {
 namespace {
 
 constexpr int kGatherTag = 5;
+static_assert(kMaxThreads == runtime::kMaxKernelThreads, "--threads and the runtime agree");
 
 struct RunArgs {
   std::string workload = "lognormal";

@@ -120,6 +120,8 @@ class Batch:
                  timeout_seconds: float = 300.0):
         if dtype not in _DTYPES:
             raise _fcp.Error(f"dtype {dtype} is not supported: expected torch.float32 or torch.bfloat16")
+        if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds <= 86400):
+            raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         if layout not in ("transparent", "dispatched"):
             raise _fcp.Error(f"layout '{layout}' is not supported: expected transparent or dispatched")
         self.cu_seqlens = [int(x) for x in cu_seqlens]

@@ -114,7 +114,7 @@ int64_t optionsHash(const BatchOptions& o) {
     }
   }
   h.add(int64_t{o.firstTag});
-  h.add(int64_t{o.numThreads >= 1});
+  h.add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
   return h.value();
 }
 
@@ -136,7 +136,7 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
         "rank ", rank,
         ": the ranks passed different batches or settings (cu_seqlens, heads, "
         "head dim, mask, dtype, layout, strategy, planner settings, cost model or first tag; or a "
-        "thread count below 1, here ",
+        "thread count outside 1 to ", runtime::kMaxKernelThreads, ", here ",
         o.numThreads, "): expected the same on every rank");
   }
   const Batch batch = batchOf(o.cuSeqlens);

@@ -687,8 +687,9 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   }
   if (!config.userStarts.empty())
     checkUserLayout(config.userStarts, batch.numTokens(), config.numWorkers);
-  if (config.blockSize <= 0) {
-    throwInvalidArgument("invalid block size ", config.blockSize, ": expected a positive token count");
+  if (config.blockSize <= 0 || config.blockSize > kMaxSequenceLength) {
+    throwInvalidArgument("invalid block size ", config.blockSize, ": expected 1 to ",
+                         kMaxSequenceLength, " tokens");
   }
   checkPairCount(batch, config.blockSize);  // bounded time and memory (fcp/plan/limits.h)
   if (config.attention.mask != costModel.attention.mask) {

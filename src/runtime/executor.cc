@@ -202,8 +202,9 @@ void Executor::State::setup() {
         plan.transfers.size(), " transfers, ", plan.blocks.size(),
         " blocks): expected at most the transport's largest tag ", transport.maxTag());
   }
-  if (options.numThreads < 1) {
-    throwInvalidArgument("invalid kernel thread count ", options.numThreads, ": expected >= 1");
+  if (options.numThreads < 1 || options.numThreads > kMaxKernelThreads) {
+    throwInvalidArgument("invalid kernel thread count ", options.numThreads, ": expected 1 to ",
+                         kMaxKernelThreads);
   }
   rank = transport.rank();
   hq = a.numHeadsQ;

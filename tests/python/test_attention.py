@@ -140,3 +140,10 @@ def test_bad_input_is_one_line_error(group):
     with pytest.raises(fcp.Error, match="dtype"):
         ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16,
                  dtype=torch.float16)
+    # Options out of range (every rank passes the same, so every rank refuses alike).
+    for options, message in [({"threads": 1000}, "thread count 1000: expected 1 to 256"),
+                             ({"block_size": 2 ** 40}, "block size 1099511627776: expected 1 to"),
+                             ({"timeout_seconds": 0}, "timeout_seconds 0: expected"),
+                             ({"timeout_seconds": float("nan")}, "timeout_seconds nan: expected")]:
+        with pytest.raises(fcp.Error, match=message):
+            ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16, **options)

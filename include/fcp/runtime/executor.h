@@ -33,6 +33,9 @@ enum class Layout {
   kDispatched,   ///< FCP's layout: the caller dispatched its tensors once; calls move no tokens
 };
 
+/// Most kernel threads per rank (ExecutorOptions::numThreads; `fcp run --threads` too).
+inline constexpr int kMaxKernelThreads = 256;
+
 struct ExecutorOptions {
   /// Kernel threads per rank.
   int numThreads = 1;

@@ -47,6 +47,10 @@ class MpiTransport final : public Transport {
   /// has). The duplicate gives FCP a communication context of its own: no message of the
   /// caller's on `comm` can match one of FCP's, whatever its tag.
   MpiTransport(MPI_Comm comm, const MpiOptions& options) : options_(options) {
+    if (!(options.timeoutSeconds > 0 && options.timeoutSeconds <= 86400)) {
+      throwInvalidArgument("MPI transport timeout ", options.timeoutSeconds,
+                           " s: expected above 0 and at most 86400");
+    }
     int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);
     MPI_Finalized(&finalised);
