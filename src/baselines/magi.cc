@@ -8,7 +8,7 @@
 namespace fcp::baselines {
 
 plan::Plan magiPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel) {
-  // Terms: a chunk is 512 consecutive tokens of the packed stream (a block, possibly spanning
+  // Terms: a chunk is kMagiChunkTokens consecutive tokens of the packed stream (a block, possibly spanning
   // sequences); its area is the visible (query, key) entries of its queries; a worker's area
   // is the sum over the chunks it owns.
   detail::checkBaselineConfig(batch, config);

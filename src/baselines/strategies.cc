@@ -64,7 +64,7 @@ namespace {
 
 /// The baselines hold their pairs like FCP does, so they are bounded by the same kMaxPairs
 /// (fcp/plan/limits.h): ring, megatron, bytescale and wlb pair every two workers of a ring
-/// group (groups partition the workers: at most N^2 pairs); magi pairs its 512-token chunks.
+/// group (groups partition the workers: at most N^2 pairs); magi pairs its kMagiChunkTokens-token chunks.
 void checkBaselineSize(const std::string& name, const Batch& batch, const plan::PlanConfig& config) {
   if (name == "magi") {
     plan::checkPairCount(batch, kMagiChunkTokens);

@@ -120,6 +120,7 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   h.interNodeBytesPerSecond = positiveNumber(j, "inter_node_gbps", source) * 1e9;
   h.intraNodeLatencySeconds = optionalNumber(j, "intra_node_latency_us", source) * 1e-6;
   h.interNodeLatencySeconds = optionalNumber(j, "inter_node_latency_us", source) * 1e-6;
+  h.mergeSecondsPerElement = optionalNumber(j, "merge_ps_per_element", source) * 1e-12;
   try {
     h.forward = curve(j, "forward");
     h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;

@@ -456,6 +456,7 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
   }
   const std::vector<double> seconds = pairSeconds(plan, hw, backward);
   std::vector<std::vector<SimStage>> stages(n);
+  std::vector<int32_t> merged;  // this stage's Q blocks that compute with remote KV
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
     stages[w].resize(ws.size());
@@ -463,7 +464,22 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       const Stage& st = ws[s];
       SimStage& out = stages[w][s];
       out.planStage = static_cast<int32_t>(s);
-      for (int32_t p : st.compute) out.computeSeconds += seconds[static_cast<size_t>(p)];
+      merged.clear();
+      for (int32_t p : st.compute) {
+        out.computeSeconds += seconds[static_cast<size_t>(p)];
+        if (hw.mergeSecondsPerElement == 0) continue;
+        const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+        if (plan.owner[static_cast<size_t>(pair.kvBlock)] != static_cast<int32_t>(w))
+          merged.push_back(pair.qBlock);
+      }
+      std::sort(merged.begin(), merged.end());
+      merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+      for (const int32_t q : merged) {
+        out.computeSeconds += hw.mergeSecondsPerElement *
+                              static_cast<double>(plan.blocks[static_cast<size_t>(q)].numTokens() *
+                                                  plan.config.attention.numHeadsQ *
+                                                  plan.config.attention.headDim);
+      }
       out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
       out.flows.insert(out.flows.end(), st.recv.begin(), st.recv.end());
       for (int32_t t : st.sendGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);

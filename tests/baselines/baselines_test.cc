@@ -132,9 +132,9 @@ TEST(BaselineLimitsTest, RingStylePlannersRefusePastThePairLimit) {
 
 TEST(BaselineLimitsTest, MagiIsBoundedByItsChunkPairs) {
   plan::PlanConfig c;
-  c.numWorkers = 64;
+  c.numWorkers = 256;
   c.tokensPerWorker = 64 * 1024;
-  // One sequence of 4M tokens: 8192 chunks of 512, 2^26 pairs.
+  // One sequence of 16M tokens: 8192 chunks of 2048, 2^26 pairs.
   const Batch batch{{c.numWorkers * c.tokensPerWorker}};
   EXPECT_THROW(makePlan("magi", batch, c, CostModel{c.attention}), Error);
 }

@@ -191,6 +191,27 @@ TEST(SimulatorTest, ComputeHidesCommunicationInAPipeline) {
   EXPECT_NEAR(simulate(slow, unitHardware(), forwardOnly()).forward.timeMs, 7000.0, 1e-6);
 }
 
+TEST(SimulatorTest, EachStageMergesItsRemoteQBlocksOnce) {
+  // Ring on 4 workers, one 16K-token sequence: each worker's Q block (4K tokens) computes with
+  // remote KV in 3 stages of each pass, so the merge cost adds 3 x 4K x heads x dim x c to
+  // every worker's compute, forward and backward; the local stage merges nothing.
+  plan::PlanConfig c;
+  c.numWorkers = 4;
+  c.tokensPerWorker = 4096;
+  const plan::Plan p = baselines::ringPlan(Batch{{16384}}, c, CostModel{c.attention});
+  HardwareProfile h = unitHardware();
+  SimOptions o;
+  o.reshuffle = false;
+  const SimResult before = simulate(p, h, o);
+  h.mergeSecondsPerElement = 1e-12;
+  const SimResult after = simulate(p, h, o);
+  const double mergeMs = 3.0 * 4096 * c.attention.numHeadsQ * c.attention.headDim * 1e-12 * 1e3;
+  for (size_t w = 0; w < 4; ++w) {
+    EXPECT_NEAR(after.forward.computeMs[w] - before.forward.computeMs[w], mergeMs, 1e-9) << w;
+    EXPECT_NEAR(after.backward.computeMs[w] - before.backward.computeMs[w], mergeMs, 1e-9) << w;
+  }
+}
+
 TEST(SimulatorTest, ATransferWaitsForBothSidesToPostIt) {
   // Worker 0 computes 1 s in stage 0 and sends in stage 1; worker 1 receives in stage 1,
   // which it enters at once, so the 1 s transfer runs from 1 s to 2 s.

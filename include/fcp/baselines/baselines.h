@@ -32,15 +32,17 @@ plan::Plan bytescalePlan(const Batch& batch, const plan::PlanConfig& config, con
 /// Ring attention (Zig-Zag) runs inside each group. Strategy "megatron".
 plan::Plan megatronPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel);
 
-/// MagiAttention-like: the packed stream cut into contiguous 512-token chunks (a chunk may hold
-/// the end of one sequence and the start of the next), each a block; a min-heap greedy gives
-/// each block, largest compute area (visible entries) first, to the worker with the least area
-/// so far, ignoring communication. Remote KV moves in `kMagiStages` all-to-all-v stages (each
+/// MagiAttention-like, configured as MagiAttention's own distributed benchmark runs it
+/// (exps/dist_attn/benchmark_conf.py: chunk_size 2048, MinHeapDispatchAlg, overlap degree 2):
+/// the packed stream cut into contiguous 2048-token chunks (a chunk may hold the end of one
+/// sequence and the start of the next), each a block; a min-heap greedy gives each block,
+/// largest compute area (visible entries) first, to the worker with the least area so far,
+/// ignoring communication. Remote KV moves in `kMagiStages` all-to-all-v stages (each
 /// receiver's needed blocks split evenly over them, in block order), overlapped with the
 /// previous stage's compute, with no congestion-free ordering (congestionFree = false).
 /// Strategy "magi".
-inline constexpr int64_t kMagiChunkTokens = 512;
-inline constexpr int32_t kMagiStages = 4;
+inline constexpr int64_t kMagiChunkTokens = 2048;
+inline constexpr int32_t kMagiStages = 2;
 plan::Plan magiPlan(const Batch& batch, const plan::PlanConfig& config, const CostModel& costModel);
 
 /// Estimates a plan's step time (lower is better); WLB-LLM's oracle.

@@ -21,6 +21,11 @@ struct HardwareProfile {
   double interNodeBytesPerSecond = 50e9;  ///< per worker NIC, each way
   double intraNodeLatencySeconds = 3e-6;  ///< added once per transfer
   double interNodeLatencySeconds = 10e-6;
+  /// Seconds per output element (query token × query head × head dim) to merge a stage's
+  /// partials into a worker's accumulator: once per stage for every Q block that computes with
+  /// remote KV in it (O and LSE forward, dQ backward), a memory-bound pass outside the kernel.
+  /// 0 when the curve already includes it (the CPU profile's calibration merges every pair).
+  double mergeSecondsPerElement = 0;
   /// Kernel efficiency f(block tokens) of the forward and backward kernels.
   EfficiencyCurve forward = EfficiencyCurve::paperDefault();
   EfficiencyCurve backward = EfficiencyCurve::paperDefault();
@@ -35,7 +40,7 @@ struct HardwareProfile {
 /// Parses a profile from JSON text:
 ///   {"kind": "fcp-hardware", "name": ..., "note": ..., "peak_tflops": 989,
 ///    "workers_per_node": 8, "intra_node_gbps": 450, "inter_node_gbps": 50,
-///    "intra_node_latency_us": 3, "inter_node_latency_us": 10,
+///    "intra_node_latency_us": 3, "inter_node_latency_us": 10, "merge_ps_per_element": 0,
 ///    "forward": [[tokens, fraction], ...], "backward": [[tokens, fraction], ...]}
 /// (GB/s = 1e9 bytes/s). Throws Error(kInvalidArgument) naming the bad or missing field.
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source);
