@@ -442,11 +442,13 @@ TEST(AttentionBatchErrorTest, OneRankWithABadThreadCountFailsEveryRank) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
-  expectErrorOnEveryRank(2, "thread count below 1", [&](Transport& t) {
-    BatchOptions o = optionsFor(p, t.rank());
-    if (t.rank() == 1) o.numThreads = 0;
-    AttentionBatch batch(t, o);
-  });
+  for (const int bad : {0, runtime::kMaxKernelThreads + 1}) {
+    expectErrorOnEveryRank(2, "thread count outside 1 to 256", [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      if (t.rank() == 1) o.numThreads = bad;
+      AttentionBatch batch(t, o);
+    });
+  }
 }
 
 TEST(AttentionBatchErrorTest, BadCuSeqlens) {

@@ -205,7 +205,7 @@ TEST(SimulatorTest, EachStageMergesItsRemoteQBlocksOnce) {
   const SimResult before = simulate(p, h, o);
   h.mergeSecondsPerElement = 1e-12;
   const SimResult after = simulate(p, h, o);
-  const double mergeMs = 3.0 * 4096 * c.attention.numHeadsQ * c.attention.headDim * 1e-12 * 1e3;
+  const double mergeMs = 3.0 * 4096 * static_cast<double>(c.attention.numHeadsQ * c.attention.headDim) * 1e-12 * 1e3;
   for (size_t w = 0; w < 4; ++w) {
     EXPECT_NEAR(after.forward.computeMs[w] - before.forward.computeMs[w], mergeMs, 1e-9) << w;
     EXPECT_NEAR(after.backward.computeMs[w] - before.backward.computeMs[w], mergeMs, 1e-9) << w;
