@@ -6,6 +6,8 @@
 # add that input to fuzz/corpus/<name>/ so it stays a regression test (ctest fuzz.*_corpus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache (when CMake found it): hash paths relative to this tree, so another clone hits too.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 scripts/install_deps.sh
 seconds=${1:-60}
 build_dir=${FCP_FUZZ_BUILD_DIR:-build-fuzz}

@@ -20,6 +20,9 @@ packages=(
   libopenblas0-pthread
   # scripts/fuzz.sh: libFuzzer needs Clang and its runtime libraries.
   clang libclang-rt-14-dev
+  # CI builds a fresh clone four times (Release, ASan + UBSan, TSan, fuzzers); the build
+  # scripts compile through ccache when it is there, with paths relative to the clone.
+  ccache
 )
 
 missing=()

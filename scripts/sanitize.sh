@@ -10,6 +10,8 @@
 #    threads, the progress and pipeline threads) built with ThreadSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache (when CMake found it): hash paths relative to this tree, so another clone hits too.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 scripts/install_deps.sh
 jobs=$(nproc)
 asan_dir=${FCP_ASAN_BUILD_DIR:-build-asan}
