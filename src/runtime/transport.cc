@@ -2,20 +2,11 @@
 #include "fcp/runtime/transport.h"
 
 #include <exception>
-#include <mutex>
-#include <vector>
 
 namespace fcp::runtime {
 
 void waitAll(Transport& transport, std::span<const RequestId> requests) {
   for (const RequestId id : requests) transport.wait(id);
-}
-
-void keepUntilExit(std::shared_ptr<void> value) {
-  static std::mutex mutex;
-  static auto* kept = new std::vector<std::shared_ptr<void>>;  // never destroyed
-  const std::lock_guard<std::mutex> lock(mutex);
-  kept->push_back(std::move(value));
 }
 
 PendingGuard::PendingGuard(Transport& transport, std::function<void()> keepBuffers)

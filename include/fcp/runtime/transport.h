@@ -17,6 +17,8 @@
 #include <span>
 #include <utility>
 
+#include "fcp/core/lifetime.h"
+
 namespace fcp::runtime {
 
 /// Names one posted send or receive; 0 is never a valid id.
@@ -92,9 +94,6 @@ class PendingGuard {
   std::function<void()> keepBuffers_;
   int exceptions_;
 };
-
-/// Keeps `value` alive until the process ends (reachable, so leak checkers stay quiet).
-void keepUntilExit(std::shared_ptr<void> value);
 
 /// Moves `value` into storage that is never freed: for buffers a transport may still write
 /// into after an error (PendingGuard).

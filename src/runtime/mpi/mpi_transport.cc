@@ -15,13 +15,16 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "fcp/core/error.h"
+#include "fcp/core/lifetime.h"
 
 namespace fcp::runtime {
 namespace {
@@ -201,9 +204,12 @@ class MpiTransport final : public Transport {
     const double seconds = timeoutSeconds > 0 ? timeoutSeconds : options_.timeoutSeconds;
     const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
     MPI_Request request = MPI_REQUEST_NULL;
+    // MPI reduces into a buffer of the transport's: if the wait times out, the collective
+    // cannot be cancelled, and that buffer (not the caller's) is kept until the process ends.
+    auto buffer = std::make_shared<std::vector<int64_t>>(values.begin(), values.end());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()),
+      check(MPI_Iallreduce(MPI_IN_PLACE, buffer->data(), static_cast<int>(buffer->size()),
                            MPI_INT64_T, mpiOp, comm_, &request),
             "MPI_Iallreduce", -1);
     }
@@ -214,8 +220,12 @@ class MpiTransport final : public Transport {
         std::lock_guard<std::mutex> lock(mu_);
         check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "MPI_Test of an allreduce", -1);
       }
-      if (flag) return;
+      if (flag) {
+        std::copy(buffer->begin(), buffer->end(), values.begin());
+        return;
+      }
       if (Clock::now() > deadline) {
+        keepUntilExit(buffer);
         throw Error(ErrorCode::kTransport,
                     "rank " + std::to_string(rank_) + ": timed out after " +
                         std::to_string(static_cast<int>(seconds)) +
