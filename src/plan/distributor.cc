@@ -245,6 +245,11 @@ struct Change {
   int32_t other = -1;  ///< -1 for a move
 };
 
+/// The best move or swap off the busiest worker: the least new maximum of the two workers'
+/// costs, the first found in (block, move before swaps, candidate, partner) order on ties.
+/// Every change off block i leaves the busiest worker at least cw − ci and the other worker
+/// at least its own cost (for a move, the least cost of all) plus the difference: changes that
+/// cannot beat the best so far are skipped unexamined, which changes nothing that is chosen.
 Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
                   const std::vector<double>& costs, int64_t cap) {
   const auto w = static_cast<size_t>(busiest);
@@ -252,26 +257,34 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   Change best;
   const auto byCost = [](int64_t, double c) { return c; };
   const auto candidates = loads.tree.leastLoaded(busiest);
+  if (candidates.size == 0) return best;
+  const double leastCost = candidates.list[0].first;
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
+    if (!(cw - ci < best.newMax)) continue;
     // Move: the least-loaded worker with room for the block — usually one of the candidates
     // (in ascending load), else a search of the whole tree.
-    int32_t v = -1;
-    for (const auto& [unusedCost, u] : candidates) {
-      if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
-        v = u;
-        break;
+    if (leastCost + ci < best.newMax) {
+      int32_t v = -1;
+      for (const auto& [unusedCost, u] : candidates) {
+        if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
+          v = u;
+          break;
+        }
       }
-    }
-    if (v < 0) v = loads.tree.argMin(cap - mi, busiest, byCost);
-    if (v >= 0) {
-      const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
-      if (newMax < best.newMax) best = {newMax, i, v, -1};
+      if (v < 0) v = loads.tree.argMin(cap - mi, busiest, byCost);
+      if (v >= 0) {
+        const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
+        if (newMax < best.newMax) best = {newMax, i, v, -1};
+      }
     }
     // Swap: with a lighter block on one of the least-loaded workers (memory is usually near
     // the cap by now, so a swap of like-sized blocks is often the only way down).
-    for (const auto& [unusedCost, u] : candidates) {
+    for (const auto& [costU, u] : candidates) {
+      // A partner j lighter than i leaves u at (costU − cj) + ci ≥ (costU − ci) + ci in floating
+      // point too (rounding is monotonic), and candidates ascend: none from here can do better.
+      if (!((costU - ci) + ci < best.newMax)) break;
       const auto us = static_cast<size_t>(u);
       for (int32_t j : loads.blocks[us]) {
         const int64_t mj = tokens[static_cast<size_t>(j)];
