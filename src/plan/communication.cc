@@ -36,26 +36,6 @@ struct PairsByNeed {
   const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
 };
 
-/// Pair ids by KV block in CSR form (counting sort: O(pairs + blocks)).
-struct PairsByKv {
-  std::vector<int64_t> offset;  // numBlocks + 1
-  std::vector<int32_t> ids;
-};
-
-PairsByKv pairsByKvBlock(const Plan& plan) {
-  PairsByKv g;
-  g.offset.assign(plan.blocks.size() + 1, 0);
-  for (const BlockPair& p : plan.pairs) ++g.offset[static_cast<size_t>(p.kvBlock) + 1];
-  for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
-  g.ids.resize(plan.pairs.size());
-  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
-  for (size_t p = 0; p < plan.pairs.size(); ++p) {
-    g.ids[static_cast<size_t>(next[static_cast<size_t>(plan.pairs[p].kvBlock)]++)] =
-        static_cast<int32_t>(p);
-  }
-  return g;
-}
-
 /// Transfer ids by one end (CSR): those worker w sends (or receives) are
 /// ids[offset[w]] .. ids[offset[w + 1]], ascending, each with its group (round / coalesce)
 /// beside it, so that a worker's transfers read as one sequence.
@@ -244,26 +224,35 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
 }
 
 std::vector<Transfer> buildTransfers(const Plan& plan) {
-  // Per KV block, the distinct owners of the Q blocks that pair with it (a stamp per worker
-  // dedupes), sorted: transfers come out sorted by (block, receiver) without a global sort.
-  const PairsByKv byKv = pairsByKvBlock(plan);
-  std::vector<int32_t> stamp(static_cast<size_t>(plan.config.numWorkers), -1);
-  std::vector<int32_t> receivers;
+  // Per KV block, the owners of the Q blocks that pair with it other than its own (CSR, filled
+  // in one pass over the pairs in their order), each block's list then sorted and
+  // deduplicated: transfers come out sorted by (block, receiver) without a global sort.
+  const auto ownerOf = [&](int32_t b) { return plan.owner[static_cast<size_t>(b)]; };
+  std::vector<int64_t> offset(plan.blocks.size() + 1, 0);
+  for (const BlockPair& p : plan.pairs) {
+    if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++offset[static_cast<size_t>(p.kvBlock) + 1];
+  }
+  for (size_t k = 1; k < offset.size(); ++k) offset[k] += offset[k - 1];
+  std::vector<int32_t> receivers(static_cast<size_t>(offset.back()));
+  std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+  for (const BlockPair& p : plan.pairs) {
+    const int32_t w = ownerOf(p.qBlock);
+    if (w != ownerOf(p.kvBlock)) receivers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] = w;
+  }
+  size_t count = 0;
+  for (size_t k = 0; k + 1 < offset.size(); ++k) {
+    int32_t* first = receivers.data() + offset[k];
+    std::sort(first, receivers.data() + offset[k + 1]);
+    next[k] = std::unique(first, receivers.data() + offset[k + 1]) - receivers.data();
+    count += static_cast<size_t>(next[k] - offset[k]);
+  }
   std::vector<Transfer> transfers;
+  transfers.reserve(count);
   const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
-  for (size_t k = 0; k < plan.blocks.size(); ++k) {
-    receivers.clear();
-    const int32_t owner = plan.owner[k];
-    for (int64_t i = byKv.offset[k]; i < byKv.offset[k + 1]; ++i) {
-      const BlockPair& p = plan.pairs[static_cast<size_t>(byKv.ids[static_cast<size_t>(i)])];
-      const int32_t w = plan.owner[static_cast<size_t>(p.qBlock)];
-      if (w == owner || stamp[static_cast<size_t>(w)] == static_cast<int32_t>(k)) continue;
-      stamp[static_cast<size_t>(w)] = static_cast<int32_t>(k);
-      receivers.push_back(w);
-    }
-    std::sort(receivers.begin(), receivers.end());
+  for (size_t k = 0; k + 1 < offset.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
-    for (int32_t w : receivers) transfers.push_back({static_cast<int32_t>(k), owner, w, bytes, 0});
+    for (int64_t i = offset[k]; i < next[k]; ++i)
+      transfers.push_back({static_cast<int32_t>(k), plan.owner[k], receivers[static_cast<size_t>(i)], bytes, 0});
   }
   return transfers;
 }
