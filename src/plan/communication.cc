@@ -166,24 +166,65 @@ int64_t movedTokens(const std::vector<ReshufflePiece>& pieces) {
   return moved;
 }
 
-int64_t relabelForLocality(Plan& plan) {
+namespace {
+
+/// Tokens each FCP worker has in common with each user worker, as (−tokens, fcp, user) sorted
+/// ascending: the heaviest first, ties to lower ids. The blocks' chunks are cut at user-slice
+/// boundaries (as buildReshuffle cuts them) in block order, then grouped by FCP worker with a
+/// counting sort, so the only comparison sorts are per worker and small; `moved` gets the
+/// tokens whose two workers differ.
+std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan, int64_t& moved) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
-  // Tokens each (FCP worker, user worker) have in common, from the reshuffle as it stands.
-  const std::vector<ReshufflePiece> before = buildReshuffle(plan);
-  std::vector<std::tuple<int32_t, int32_t, int64_t>> common;  // (fcp, user, tokens)
-  for (const ReshufflePiece& p : before)
-    common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
-  std::sort(common.begin(), common.end());
-  std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;  // (-tokens, fcp, user)
-  for (size_t i = 0; i < common.size();) {
-    const auto [f, u, unused] = common[i];
-    int64_t tokens = 0;
-    for (; i < common.size() && std::get<0>(common[i]) == f && std::get<1>(common[i]) == u; ++i) {
-      tokens += std::get<2>(common[i]);
+  const auto seq = sequenceStarts(plan.batch);
+  const auto user = userLayout(plan);
+  struct Piece {
+    int32_t fcp, user;
+    int64_t tokens;
+  };
+  std::vector<Piece> pieces;
+  std::vector<int64_t> offset(n + 1, 0);  // pieces by FCP worker (CSR)
+  moved = 0;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const int32_t f = plan.owner[b];
+    for (const Chunk& c : plan.blocks[b].chunks) {
+      int64_t begin = seq[static_cast<size_t>(c.sequence)] + c.begin;
+      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
+      while (begin < end) {
+        const int32_t u = userWorkerOf(user, begin);
+        const int64_t stop = std::min(end, user[static_cast<size_t>(u) + 1]);
+        pieces.push_back({f, u, stop - begin});
+        ++offset[static_cast<size_t>(f) + 1];
+        if (u != f) moved += stop - begin;
+        begin = stop;
+      }
     }
-    edges.push_back({-tokens, f, u});
+  }
+  for (size_t f = 1; f <= n; ++f) offset[f] += offset[f - 1];
+  std::vector<std::pair<int32_t, int64_t>> held(pieces.size());  // (user, tokens) by FCP worker
+  std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+  for (const Piece& p : pieces)
+    held[static_cast<size_t>(next[static_cast<size_t>(p.fcp)]++)] = {p.user, p.tokens};
+  std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;
+  for (size_t f = 0; f < n; ++f) {
+    const auto first = held.begin() + offset[f], last = held.begin() + offset[f + 1];
+    std::sort(first, last);
+    for (auto it = first; it != last;) {
+      int64_t tokens = 0;
+      const int32_t u = it->first;
+      for (; it != last && it->first == u; ++it) tokens += it->second;
+      edges.push_back({-tokens, static_cast<int32_t>(f), u});
+    }
   }
   std::sort(edges.begin(), edges.end());
+  return edges;
+}
+
+}  // namespace
+
+int64_t relabelForLocality(Plan& plan) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  int64_t moved = 0;
+  const std::vector<std::tuple<int64_t, int32_t, int32_t>> edges = commonTokens(plan, moved);
   std::vector<int32_t> rename(n, -1);
   std::vector<bool> taken(n, false);
   for (const auto& [negTokens, f, u] : edges) {
@@ -199,7 +240,7 @@ int64_t relabelForLocality(Plan& plan) {
     taken[nextFree] = true;
   }
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
-  return movedTokens(before);
+  return moved;
 }
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
