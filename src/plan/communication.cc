@@ -376,6 +376,12 @@ std::vector<Stage> backwardStages(const StageInputs& in, size_t w,
   auto& closing = stages[in.fwdStages - 1].compute;
   closing.resize(closing.size() - local / 2);
   stages.back().compute.assign(in.need.begin(w) + (local + 1) / 2, in.need.end(w));
+  // A partial goes back `lag + 1` stages after its transfer: the lists are sized from the
+  // forward stages' receives and sends.
+  for (size_t st = in.lag + 1; st < stages.size(); ++st) {
+    stages[st].sendGrad.reserve(forward[st - in.lag - 1].recv.size());
+    stages[st].recvGrad.reserve(forward[st - in.lag - 1].send.size());
+  }
   const TransfersByWorker& out = in.sent;
   const TransfersByWorker& into = in.received;
   for (size_t i = into.begin(w); i < into.end(w); ++i)
