@@ -74,7 +74,7 @@ class WorkerTree {
   template <typename Score>
   int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
     Search<Score> s{*this, memLimit, exclude, score};
-    s.visit(1, 0, leaves_);
+    if (const double b = s.bound(1); !s.prune(1, b)) s.visit(1, 0, leaves_, b);
     return s.bestWorker;
   }
 
@@ -96,10 +96,10 @@ class WorkerTree {
       return tree.minMem_[node] > memLimit || (bestWorker >= 0 && b >= best);
     }
 
-    // `first` is the lowest worker id under `node`; `span` the number of leaves under it.
-    void visit(size_t node, int32_t first, int32_t span) {
-      const double b = bound(node);
-      if (prune(node, b)) return;
+    // `first` is the lowest worker id under `node`; `span` the number of leaves under it;
+    // `b` its bound. Children are pruned before the call (most are), with `best` as it
+    // stands when their turn comes.
+    void visit(size_t node, int32_t first, int32_t span, double b) {
       if (span == 1) {
         if (first != exclude && first < tree.numWorkers_) {
           best = b;
@@ -109,12 +109,13 @@ class WorkerTree {
       }
       const int32_t half = span / 2;
       const size_t l = 2 * node, r = 2 * node + 1;
-      if (bound(r) < bound(l)) {
-        visit(r, first + half, half);
-        visit(l, first, half);
+      const double bl = bound(l), br = bound(r);
+      if (br < bl) {
+        if (!prune(r, br)) visit(r, first + half, half, br);
+        if (!prune(l, bl)) visit(l, first, half, bl);
       } else {
-        visit(l, first, half);
-        visit(r, first + half, half);
+        if (!prune(l, bl)) visit(l, first, half, bl);
+        if (!prune(r, br)) visit(r, first + half, half, br);
       }
     }
   };
