@@ -278,7 +278,8 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
   std::vector<int64_t> next(offset.begin(), offset.end() - 1);
   for (const BlockPair& p : plan.pairs) {
     const int32_t w = ownerOf(p.qBlock);
-    if (w != ownerOf(p.kvBlock)) receivers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] = w;
+    if (w != ownerOf(p.kvBlock))
+      receivers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] = w;
   }
   size_t count = 0;
   for (size_t k = 0; k + 1 < offset.size(); ++k) {
@@ -293,7 +294,8 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
   for (size_t k = 0; k + 1 < offset.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
     for (int64_t i = offset[k]; i < next[k]; ++i)
-      transfers.push_back({static_cast<int32_t>(k), plan.owner[k], receivers[static_cast<size_t>(i)], bytes, 0});
+      transfers.push_back(
+          {static_cast<int32_t>(k), plan.owner[k], receivers[static_cast<size_t>(i)], bytes, 0});
   }
   return transfers;
 }

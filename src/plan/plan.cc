@@ -403,7 +403,8 @@ int64_t stepBytes(Placed& p) {
     p.hasTraffic = true;
   }
   int64_t bytes = 0;
-  for (const WorkerTraffic& w : computeTraffic(p.plan)) bytes += w.forward.sent() + w.backward.sent();
+  for (const WorkerTraffic& w : computeTraffic(p.plan))
+    bytes += w.forward.sent() + w.backward.sent();
   return bytes;
 }
 

@@ -116,7 +116,8 @@ size_t pairBound(const std::vector<std::vector<std::pair<int32_t, Chunk>>>& bySe
   int64_t bound = 0;
   for (const auto& pieces : bySequence) {
     int64_t m = 0;
-    for (size_t i = 0; i < pieces.size(); ++i) m += i == 0 || pieces[i].first != pieces[i - 1].first;
+    for (size_t i = 0; i < pieces.size(); ++i)
+      m += i == 0 || pieces[i].first != pieces[i - 1].first;
     bound = std::min(kMaxPairs, bound + m * m);
   }
   return static_cast<size_t>(bound);
