@@ -62,7 +62,6 @@ class CommState {
     for (const BlockPair& p : plan.pairs) {
       kvOf_[static_cast<size_t>(next[static_cast<size_t>(p.qBlock)]++)] = p.kvBlock;
     }
-    need_.resize(numBlocks);
     mem_.assign(n_, 0);
     load_.assign(n_, 0.0);
     comm_.assign(n_, 0);
@@ -70,8 +69,8 @@ class CommState {
       const int32_t w = plan.owner[b];
       mem_[static_cast<size_t>(w)] += tokens_[b];
       load_[static_cast<size_t>(w)] += cost_[b];
-      for (int64_t i = qOffset_[b]; i < qOffset_[b + 1]; ++i) addNeed(kvOf_[static_cast<size_t>(i)], w, +1);
     }
+    countNeeds();
     tree_ = std::make_unique<MaxTree>(comm_);
   }
 
@@ -124,6 +123,38 @@ class CommState {
   }
 
  private:
+  /// need[k][w]: how many of worker w's Q blocks read KV block k, each list sized once (the
+  /// owners of k's readers gathered per k, sorted, counted), and the transfer bytes they
+  /// imply. Equal to adding each pair with addNeed; the order within a list does not matter.
+  void countNeeds() {
+    const size_t numBlocks = tokens_.size();
+    std::vector<int64_t> offset(numBlocks + 1, 0);
+    for (const BlockPair& p : plan_.pairs) ++offset[static_cast<size_t>(p.kvBlock) + 1];
+    for (size_t k = 1; k <= numBlocks; ++k) offset[k] += offset[k - 1];
+    std::vector<int32_t> readers(plan_.pairs.size());
+    std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+    for (const BlockPair& p : plan_.pairs) {
+      readers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] =
+          plan_.owner[static_cast<size_t>(p.qBlock)];
+    }
+    need_.resize(numBlocks);
+    for (size_t k = 0; k < numBlocks; ++k) {
+      const auto first = readers.begin() + offset[k], last = readers.begin() + offset[k + 1];
+      std::sort(first, last);
+      size_t runs = 0;
+      for (auto it = first; it != last; ++it) runs += it == first || *it != *(it - 1);
+      auto& list = need_[k];
+      list.reserve(runs);
+      for (auto it = first; it != last;) {
+        const int32_t w = *it;
+        const auto end = std::find_if(it, last, [&](int32_t x) { return x != w; });
+        list.push_back({w, static_cast<int>(end - it)});
+        if (w != plan_.owner[k]) addComm(plan_.owner[k], w, +kvBytes_[k]);
+        it = end;
+      }
+    }
+  }
+
   // Changes need[k][w] by delta, adding or removing the transfer of k to w as it appears or
   // disappears.
   void addNeed(int32_t k, int32_t w, int delta) {

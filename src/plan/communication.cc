@@ -36,50 +36,66 @@ struct PairsByNeed {
   const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
 };
 
-/// Pair ids by KV block in CSR form (counting sort: O(pairs + blocks)).
-struct PairsByKv {
-  std::vector<int64_t> offset;  // numBlocks + 1
+/// Transfer ids by one end (CSR): those worker w sends (or receives) are
+/// ids[offset[w]] .. ids[offset[w + 1]], ascending, each with its group (round / coalesce)
+/// beside it, so that a worker's transfers read as one sequence.
+struct TransfersByWorker {
+  std::vector<int64_t> offset;
   std::vector<int32_t> ids;
+  std::vector<int32_t> group;
+
+  size_t begin(size_t w) const { return static_cast<size_t>(offset[w]); }
+  size_t end(size_t w) const { return static_cast<size_t>(offset[w + 1]); }
 };
 
-PairsByKv pairsByKvBlock(const Plan& plan) {
-  PairsByKv g;
-  g.offset.assign(plan.blocks.size() + 1, 0);
-  for (const BlockPair& p : plan.pairs) ++g.offset[static_cast<size_t>(p.kvBlock) + 1];
-  for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
-  g.ids.resize(plan.pairs.size());
+TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
+  const int64_t c = plan.config.coalesce;
+  TransfersByWorker g;
+  g.offset.assign(static_cast<size_t>(plan.config.numWorkers) + 1, 0);
+  for (const Transfer& t : plan.transfers) ++g.offset[static_cast<size_t>(t.*end) + 1];
+  for (size_t w = 1; w < g.offset.size(); ++w) g.offset[w] += g.offset[w - 1];
+  g.ids.resize(plan.transfers.size());
+  g.group.resize(plan.transfers.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
-  for (size_t p = 0; p < plan.pairs.size(); ++p) {
-    g.ids[static_cast<size_t>(next[static_cast<size_t>(plan.pairs[p].kvBlock)]++)] =
-        static_cast<int32_t>(p);
+  for (size_t t = 0; t < plan.transfers.size(); ++t) {
+    const Transfer& tr = plan.transfers[t];
+    const auto at = static_cast<size_t>(next[static_cast<size_t>(tr.*end)]++);
+    g.ids[at] = static_cast<int32_t>(t);
+    g.group[at] = static_cast<int32_t>(tr.round / c);
   }
   return g;
 }
 
-PairsByNeed groupPairs(const Plan& plan) {
+/// Pairs by what they need (see PairsByNeed), where the key of a transfer is N plus its
+/// position in `received` (so a worker's received transfers have consecutive keys). One pass
+/// over the pairs in their order; transfers are sorted by (block, receiver), so the transfer of
+/// (k, w) is a binary search among block k's few receivers, in a compact copy that stays in
+/// cache.
+PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
-  // Transfers are sorted by (block, receiver): those of one block are contiguous, so a
-  // per-worker slot table maps each pair's receiver to its transfer in O(1).
+  std::vector<int64_t> firstOf(plan.blocks.size() + 1, 0);  // block k: [firstOf[k], firstOf[k + 1])
+  std::vector<int32_t> receiver(plan.transfers.size());
+  for (size_t t = 0; t < plan.transfers.size(); ++t) {
+    ++firstOf[static_cast<size_t>(plan.transfers[t].block) + 1];
+    receiver[t] = plan.transfers[t].receiver;
+  }
+  for (size_t k = 1; k < firstOf.size(); ++k) firstOf[k] += firstOf[k - 1];
+  std::vector<size_t> position(plan.transfers.size());
+  for (size_t i = 0; i < received.ids.size(); ++i)
+    position[static_cast<size_t>(received.ids[i])] = i;
   std::vector<size_t> keyOf(plan.pairs.size());
-  std::vector<int32_t> slot(n, -1);
-  const PairsByKv byKv = pairsByKvBlock(plan);
-  size_t t = 0;
-  for (size_t k = 0; k < plan.blocks.size(); ++k) {
-    const size_t first = t;
-    for (; t < plan.transfers.size() && static_cast<size_t>(plan.transfers[t].block) == k; ++t) {
-      slot[static_cast<size_t>(plan.transfers[t].receiver)] = static_cast<int32_t>(t);
+  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+    const auto k = static_cast<size_t>(plan.pairs[p].kvBlock);
+    const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
+    if (plan.owner[k] == w) {
+      keyOf[p] = static_cast<size_t>(w);
+      continue;
     }
-    for (int64_t i = byKv.offset[k]; i < byKv.offset[k + 1]; ++i) {
-      const auto p = static_cast<size_t>(byKv.ids[static_cast<size_t>(i)]);
-      const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
-      if (plan.owner[k] == w) {
-        keyOf[p] = static_cast<size_t>(w);
-      } else {
-        const int32_t id = slot[static_cast<size_t>(w)];
-        FCP_CHECK(id >= static_cast<int32_t>(first), "no transfer of block ", k, " to worker ", w);
-        keyOf[p] = n + static_cast<size_t>(id);
-      }
-    }
+    const int32_t* first = receiver.data() + firstOf[k];
+    const int32_t* last = receiver.data() + firstOf[k + 1];
+    const int32_t* at = std::lower_bound(first, last, w);
+    FCP_CHECK(at != last && *at == w, "no transfer of block ", k, " to worker ", w);
+    keyOf[p] = n + position[static_cast<size_t>(at - receiver.data())];
   }
   PairsByNeed g;
   g.offset.assign(n + plan.transfers.size() + 1, 0);
@@ -150,24 +166,65 @@ int64_t movedTokens(const std::vector<ReshufflePiece>& pieces) {
   return moved;
 }
 
-int64_t relabelForLocality(Plan& plan) {
+namespace {
+
+/// Tokens each FCP worker has in common with each user worker, as (−tokens, fcp, user) sorted
+/// ascending: the heaviest first, ties to lower ids. The blocks' chunks are cut at user-slice
+/// boundaries (as buildReshuffle cuts them) in block order, then grouped by FCP worker with a
+/// counting sort, so the only comparison sorts are per worker and small; `moved` gets the
+/// tokens whose two workers differ.
+std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan, int64_t& moved) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
-  // Tokens each (FCP worker, user worker) have in common, from the reshuffle as it stands.
-  const std::vector<ReshufflePiece> before = buildReshuffle(plan);
-  std::vector<std::tuple<int32_t, int32_t, int64_t>> common;  // (fcp, user, tokens)
-  for (const ReshufflePiece& p : before)
-    common.push_back({p.fcpWorker, p.userWorker, p.end - p.begin});
-  std::sort(common.begin(), common.end());
-  std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;  // (-tokens, fcp, user)
-  for (size_t i = 0; i < common.size();) {
-    const auto [f, u, unused] = common[i];
-    int64_t tokens = 0;
-    for (; i < common.size() && std::get<0>(common[i]) == f && std::get<1>(common[i]) == u; ++i) {
-      tokens += std::get<2>(common[i]);
+  const auto seq = sequenceStarts(plan.batch);
+  const auto user = userLayout(plan);
+  struct Piece {
+    int32_t fcp, user;
+    int64_t tokens;
+  };
+  std::vector<Piece> pieces;
+  std::vector<int64_t> offset(n + 1, 0);  // pieces by FCP worker (CSR)
+  moved = 0;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const int32_t f = plan.owner[b];
+    for (const Chunk& c : plan.blocks[b].chunks) {
+      int64_t begin = seq[static_cast<size_t>(c.sequence)] + c.begin;
+      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
+      while (begin < end) {
+        const int32_t u = userWorkerOf(user, begin);
+        const int64_t stop = std::min(end, user[static_cast<size_t>(u) + 1]);
+        pieces.push_back({f, u, stop - begin});
+        ++offset[static_cast<size_t>(f) + 1];
+        if (u != f) moved += stop - begin;
+        begin = stop;
+      }
     }
-    edges.push_back({-tokens, f, u});
+  }
+  for (size_t f = 1; f <= n; ++f) offset[f] += offset[f - 1];
+  std::vector<std::pair<int32_t, int64_t>> held(pieces.size());  // (user, tokens) by FCP worker
+  std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+  for (const Piece& p : pieces)
+    held[static_cast<size_t>(next[static_cast<size_t>(p.fcp)]++)] = {p.user, p.tokens};
+  std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;
+  for (size_t f = 0; f < n; ++f) {
+    const auto first = held.begin() + offset[f], last = held.begin() + offset[f + 1];
+    std::sort(first, last);
+    for (auto it = first; it != last;) {
+      int64_t tokens = 0;
+      const int32_t u = it->first;
+      for (; it != last && it->first == u; ++it) tokens += it->second;
+      edges.push_back({-tokens, static_cast<int32_t>(f), u});
+    }
   }
   std::sort(edges.begin(), edges.end());
+  return edges;
+}
+
+}  // namespace
+
+int64_t relabelForLocality(Plan& plan) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  int64_t moved = 0;
+  const std::vector<std::tuple<int64_t, int32_t, int32_t>> edges = commonTokens(plan, moved);
   std::vector<int32_t> rename(n, -1);
   std::vector<bool> taken(n, false);
   for (const auto& [negTokens, f, u] : edges) {
@@ -183,7 +240,7 @@ int64_t relabelForLocality(Plan& plan) {
     taken[nextFree] = true;
   }
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
-  return movedTokens(before);
+  return moved;
 }
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
@@ -208,26 +265,37 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
 }
 
 std::vector<Transfer> buildTransfers(const Plan& plan) {
-  // Per KV block, the distinct owners of the Q blocks that pair with it (a stamp per worker
-  // dedupes), sorted: transfers come out sorted by (block, receiver) without a global sort.
-  const PairsByKv byKv = pairsByKvBlock(plan);
-  std::vector<int32_t> stamp(static_cast<size_t>(plan.config.numWorkers), -1);
-  std::vector<int32_t> receivers;
+  // Per KV block, the owners of the Q blocks that pair with it other than its own (CSR, filled
+  // in one pass over the pairs in their order), each block's list then sorted and
+  // deduplicated: transfers come out sorted by (block, receiver) without a global sort.
+  const auto ownerOf = [&](int32_t b) { return plan.owner[static_cast<size_t>(b)]; };
+  std::vector<int64_t> offset(plan.blocks.size() + 1, 0);
+  for (const BlockPair& p : plan.pairs) {
+    if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++offset[static_cast<size_t>(p.kvBlock) + 1];
+  }
+  for (size_t k = 1; k < offset.size(); ++k) offset[k] += offset[k - 1];
+  std::vector<int32_t> receivers(static_cast<size_t>(offset.back()));
+  std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+  for (const BlockPair& p : plan.pairs) {
+    const int32_t w = ownerOf(p.qBlock);
+    if (w != ownerOf(p.kvBlock))
+      receivers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] = w;
+  }
+  size_t count = 0;
+  for (size_t k = 0; k + 1 < offset.size(); ++k) {
+    int32_t* first = receivers.data() + offset[k];
+    std::sort(first, receivers.data() + offset[k + 1]);
+    next[k] = std::unique(first, receivers.data() + offset[k + 1]) - receivers.data();
+    count += static_cast<size_t>(next[k] - offset[k]);
+  }
   std::vector<Transfer> transfers;
+  transfers.reserve(count);
   const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
-  for (size_t k = 0; k < plan.blocks.size(); ++k) {
-    receivers.clear();
-    const int32_t owner = plan.owner[k];
-    for (int64_t i = byKv.offset[k]; i < byKv.offset[k + 1]; ++i) {
-      const BlockPair& p = plan.pairs[static_cast<size_t>(byKv.ids[static_cast<size_t>(i)])];
-      const int32_t w = plan.owner[static_cast<size_t>(p.qBlock)];
-      if (w == owner || stamp[static_cast<size_t>(w)] == static_cast<int32_t>(k)) continue;
-      stamp[static_cast<size_t>(w)] = static_cast<int32_t>(k);
-      receivers.push_back(w);
-    }
-    std::sort(receivers.begin(), receivers.end());
+  for (size_t k = 0; k + 1 < offset.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
-    for (int32_t w : receivers) transfers.push_back({static_cast<int32_t>(k), owner, w, bytes, 0});
+    for (int64_t i = offset[k]; i < next[k]; ++i)
+      transfers.push_back(
+          {static_cast<int32_t>(k), plan.owner[k], receivers[static_cast<size_t>(i)], bytes, 0});
   }
   return transfers;
 }
@@ -241,69 +309,112 @@ void colorTransfers(Plan& plan) {
   for (size_t e = 0; e < edges.size(); ++e) plan.transfers[e].round = coloring.color[e];
 }
 
+namespace {
+
+/// What buildStages shares between workers. Terms: a transfer of round r travels in group
+/// g = r / coalesce, in stage g; its receiver computes with it `lag` stages later (buffer
+/// depth − 1) and frees its buffer then; backward, the dK/dV partial goes back one stage after
+/// that. `need` keys a received transfer by N plus its position in `received`.
+struct StageInputs {
+  const Plan& plan;
+  size_t lag;
+  int64_t groups;
+  size_t fwdStages;
+  TransfersByWorker sent, received;
+  PairsByNeed need;
+
+  size_t needs(size_t key) const { return static_cast<size_t>(need.end(key) - need.begin(key)); }
+};
+
+/// Worker w's forward stages: each list sized first, so each is allocated once, then filled
+/// in transfer order (ascending ids within each list).
+std::vector<Stage> forwardStages(const StageInputs& in, size_t w) {
+  const auto n = static_cast<size_t>(in.plan.config.numWorkers);
+  const size_t numStages = in.fwdStages;
+  const TransfersByWorker& out = in.sent;
+  const TransfersByWorker& into = in.received;
+  std::vector<size_t> sends(numStages, 0), recvs(numStages, 0), computes(numStages, 0);
+  for (size_t i = out.begin(w); i < out.end(w); ++i) ++sends[static_cast<size_t>(out.group[i])];
+  for (size_t i = into.begin(w); i < into.end(w); ++i) {
+    const auto g = static_cast<size_t>(into.group[i]);
+    ++recvs[g];
+    computes[g + in.lag] += in.needs(n + i);
+  }
+  const size_t local = in.needs(w);
+  computes[0] += (local + 1) / 2;
+  computes[numStages - 1] += local / 2;
+  std::vector<Stage> stages(numStages);
+  for (size_t st = 0; st < numStages; ++st) {
+    Stage& stage = stages[st];
+    stage.send.reserve(sends[st]);
+    stage.recv.reserve(recvs[st]);
+    stage.release.reserve(st >= in.lag ? recvs[st - in.lag] : 0);
+    stage.compute.reserve(computes[st]);
+  }
+  for (size_t i = out.begin(w); i < out.end(w); ++i)
+    stages[static_cast<size_t>(out.group[i])].send.push_back(out.ids[i]);
+  for (size_t i = into.begin(w); i < into.end(w); ++i) {
+    const auto g = static_cast<size_t>(into.group[i]);
+    stages[g].recv.push_back(into.ids[i]);
+    Stage& use = stages[g + in.lag];
+    use.compute.insert(use.compute.end(), in.need.begin(n + i), in.need.end(n + i));
+    use.release.push_back(into.ids[i]);
+  }
+  placeLocalPairs(in.need.begin(w), in.need.end(w), stages);
+  return stages;
+}
+
+/// Worker w's backward stages: the forward ones plus one, in which the last group's dK/dV
+/// partials go home; the local pairs that close the pipeline move to that last stage, to hide
+/// those returns.
+std::vector<Stage> backwardStages(const StageInputs& in, size_t w,
+                                  const std::vector<Stage>& forward) {
+  if (in.groups == 0) return forward;
+  std::vector<Stage> stages;
+  stages.reserve(forward.size() + 1);
+  stages.assign(forward.begin(), forward.end());
+  stages.emplace_back();
+  const size_t local = in.needs(w);
+  auto& closing = stages[in.fwdStages - 1].compute;
+  closing.resize(closing.size() - local / 2);
+  stages.back().compute.assign(in.need.begin(w) + (local + 1) / 2, in.need.end(w));
+  // A partial goes back `lag + 1` stages after its transfer: the lists are sized from the
+  // forward stages' receives and sends.
+  for (size_t st = in.lag + 1; st < stages.size(); ++st) {
+    stages[st].sendGrad.reserve(forward[st - in.lag - 1].recv.size());
+    stages[st].recvGrad.reserve(forward[st - in.lag - 1].send.size());
+  }
+  const TransfersByWorker& out = in.sent;
+  const TransfersByWorker& into = in.received;
+  for (size_t i = into.begin(w); i < into.end(w); ++i)
+    stages[static_cast<size_t>(into.group[i]) + in.lag + 1].sendGrad.push_back(into.ids[i]);
+  for (size_t i = out.begin(w); i < out.end(w); ++i)
+    stages[static_cast<size_t>(out.group[i]) + in.lag + 1].recvGrad.push_back(out.ids[i]);
+  return stages;
+}
+
+}  // namespace
+
 void buildStages(Plan& plan) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   const int64_t c = plan.config.coalesce;
-  const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
   const int64_t groups = (plan.numRounds + c - 1) / c;
-  const size_t fwdStages = groups > 0 ? static_cast<size_t>(groups) + lag : 1;
-  const PairsByNeed need = groupPairs(plan);
-
-  // Forward: size every list first, so each is allocated once.
-  std::vector<std::vector<Stage>> forward(n, std::vector<Stage>(fwdStages));
-  std::vector<size_t> sends(n * fwdStages, 0), recvs(n * fwdStages, 0), computes(n * fwdStages, 0);
-  const auto at = [&](int32_t w, size_t stage) {
-    return static_cast<size_t>(w) * fwdStages + stage;
-  };
-  for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    const Transfer& tr = plan.transfers[t];
-    const auto g = static_cast<size_t>(tr.round / c);
-    ++sends[at(tr.sender, g)];
-    ++recvs[at(tr.receiver, g)];
-    computes[at(tr.receiver, g + lag)] += static_cast<size_t>(need.end(n + t) - need.begin(n + t));
-  }
+  const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
+  // Worker by worker, so that each worker's stages stay in cache while they fill (filled in
+  // transfer order, every transfer touched three workers' stages scattered over memory).
+  TransfersByWorker received = transfersBy(plan, &Transfer::receiver);
+  PairsByNeed need = groupPairs(plan, received);
+  const StageInputs in{plan,
+                       lag,
+                       groups,
+                       groups > 0 ? static_cast<size_t>(groups) + lag : 1,
+                       transfersBy(plan, &Transfer::sender),
+                       std::move(received),
+                       std::move(need)};
+  std::vector<std::vector<Stage>> forward(n), backward(n);
   for (size_t w = 0; w < n; ++w) {
-    const auto local = static_cast<size_t>(need.end(w) - need.begin(w));
-    computes[w * fwdStages] += (local + 1) / 2;
-    computes[w * fwdStages + fwdStages - 1] += local / 2;
-    for (size_t st = 0; st < fwdStages; ++st) {
-      Stage& stage = forward[w][st];
-      stage.send.reserve(sends[w * fwdStages + st]);
-      stage.recv.reserve(recvs[w * fwdStages + st]);
-      stage.release.reserve(st >= lag ? recvs[w * fwdStages + st - lag] : 0);
-      stage.compute.reserve(computes[w * fwdStages + st]);
-    }
-  }
-  for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    const Transfer& tr = plan.transfers[t];
-    const auto g = static_cast<size_t>(tr.round / c);
-    const auto id = static_cast<int32_t>(t);
-    forward[static_cast<size_t>(tr.sender)][g].send.push_back(id);
-    Stage& arrive = forward[static_cast<size_t>(tr.receiver)][g];
-    arrive.recv.push_back(id);
-    Stage& use = forward[static_cast<size_t>(tr.receiver)][g + lag];
-    use.compute.insert(use.compute.end(), need.begin(n + t), need.end(n + t));
-    use.release.push_back(id);
-  }
-  for (size_t w = 0; w < n; ++w) placeLocalPairs(need.begin(w), need.end(w), forward[w]);
-
-  // Backward: the same stages plus one, in which the last group's dK/dV partials go home;
-  // the local pairs that close the pipeline move to that last stage, to hide those returns.
-  std::vector<std::vector<Stage>> backward = forward;
-  for (size_t w = 0; w < n; ++w) {
-    if (groups == 0) break;
-    auto& stages = backward[w];
-    stages.emplace_back();
-    const auto local = static_cast<size_t>(need.end(w) - need.begin(w));
-    auto& closing = stages[fwdStages - 1].compute;
-    closing.resize(closing.size() - local / 2);
-    stages.back().compute.assign(need.begin(w) + (local + 1) / 2, need.end(w));
-  }
-  for (size_t t = 0; t < plan.transfers.size() && groups > 0; ++t) {
-    const Transfer& tr = plan.transfers[t];
-    const auto back = static_cast<size_t>(tr.round / c) + lag + 1;
-    backward[static_cast<size_t>(tr.receiver)][back].sendGrad.push_back(static_cast<int32_t>(t));
-    backward[static_cast<size_t>(tr.sender)][back].recvGrad.push_back(static_cast<int32_t>(t));
+    forward[w] = forwardStages(in, w);
+    backward[w] = backwardStages(in, w, forward[w]);
   }
   plan.forward = std::move(forward);
   plan.backward = std::move(backward);

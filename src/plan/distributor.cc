@@ -74,7 +74,7 @@ class WorkerTree {
   template <typename Score>
   int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
     Search<Score> s{*this, memLimit, exclude, score};
-    s.visit(1, 0, leaves_);
+    if (const double b = s.bound(1); !s.prune(1, b)) s.visit(1, 0, leaves_, b);
     return s.bestWorker;
   }
 
@@ -96,10 +96,10 @@ class WorkerTree {
       return tree.minMem_[node] > memLimit || (bestWorker >= 0 && b >= best);
     }
 
-    // `first` is the lowest worker id under `node`; `span` the number of leaves under it.
-    void visit(size_t node, int32_t first, int32_t span) {
-      const double b = bound(node);
-      if (prune(node, b)) return;
+    // `first` is the lowest worker id under `node`; `span` the number of leaves under it;
+    // `b` its bound. Children are pruned before the call (most are), with `best` as it
+    // stands when their turn comes.
+    void visit(size_t node, int32_t first, int32_t span, double b) {
       if (span == 1) {
         if (first != exclude && first < tree.numWorkers_) {
           best = b;
@@ -109,12 +109,13 @@ class WorkerTree {
       }
       const int32_t half = span / 2;
       const size_t l = 2 * node, r = 2 * node + 1;
-      if (bound(r) < bound(l)) {
-        visit(r, first + half, half);
-        visit(l, first, half);
+      const double bl = bound(l), br = bound(r);
+      if (br < bl) {
+        if (!prune(r, br)) visit(r, first + half, half, br);
+        if (!prune(l, bl)) visit(l, first, half, bl);
       } else {
-        visit(l, first, half);
-        visit(r, first + half, half);
+        if (!prune(l, bl)) visit(l, first, half, bl);
+        if (!prune(r, br)) visit(r, first + half, half, br);
       }
     }
   };
@@ -245,33 +246,71 @@ struct Change {
   int32_t other = -1;  ///< -1 for a move
 };
 
+/// The tree's least-cost worker with room (WorkerTree::argMin by cost), remembered across the
+/// blocks of one bestChange, where the tree does not change. The search returns the first
+/// worker, in a traversal order fixed by the tree, among the cheapest with memory <= the
+/// limit; so the answer v for a limit L is also the answer for any smaller limit L' that v
+/// still meets (the cheapest under L' cost no less, and no tied worker comes before v), and
+/// "none" for L is "none" for L'. The improvement pass used to spend most of its time in
+/// these searches (about 2 per step, each visiting ~900 of 8K nodes at 4096 workers).
+class TreeSearches {
+ public:
+  int32_t find(const Loads& loads, int64_t limit, int32_t exclude) {
+    for (int32_t k = 0; k < size_; ++k) {
+      const auto& [known, v] = done_[static_cast<size_t>(k)];
+      if (limit <= known && (v < 0 || loads.mem[static_cast<size_t>(v)] <= limit)) return v;
+    }
+    const int32_t v = loads.tree.argMin(limit, exclude, [](int64_t, double c) { return c; });
+    if (size_ < kKept) done_[static_cast<size_t>(size_++)] = {limit, v};
+    return v;
+  }
+
+ private:
+  static constexpr int32_t kKept = 16;
+  std::array<std::pair<int64_t, int32_t>, kKept> done_;
+  int32_t size_ = 0;
+};
+
+/// The best move or swap off the busiest worker: the least new maximum of the two workers'
+/// costs, the first found in (block, move before swaps, candidate, partner) order on ties.
+/// Every change off block i leaves the busiest worker at least cw − ci and the other worker
+/// at least its own cost (for a move, the least cost of all) plus the difference: changes that
+/// cannot beat the best so far are skipped unexamined, which changes nothing that is chosen.
 Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
                   const std::vector<double>& costs, int64_t cap) {
   const auto w = static_cast<size_t>(busiest);
   const double cw = loads.cost[w];
   Change best;
-  const auto byCost = [](int64_t, double c) { return c; };
   const auto candidates = loads.tree.leastLoaded(busiest);
+  if (candidates.size == 0) return best;
+  const double leastCost = candidates.list[0].first;
+  TreeSearches searches;
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
     const double ci = costs[static_cast<size_t>(i)];
+    if (!(cw - ci < best.newMax)) continue;
     // Move: the least-loaded worker with room for the block — usually one of the candidates
     // (in ascending load), else a search of the whole tree.
-    int32_t v = -1;
-    for (const auto& [unusedCost, u] : candidates) {
-      if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
-        v = u;
-        break;
+    if (leastCost + ci < best.newMax) {
+      int32_t v = -1;
+      for (const auto& [unusedCost, u] : candidates) {
+        if (loads.mem[static_cast<size_t>(u)] + mi <= cap) {
+          v = u;
+          break;
+        }
       }
-    }
-    if (v < 0) v = loads.tree.argMin(cap - mi, busiest, byCost);
-    if (v >= 0) {
-      const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
-      if (newMax < best.newMax) best = {newMax, i, v, -1};
+      if (v < 0) v = searches.find(loads, cap - mi, busiest);
+      if (v >= 0) {
+        const double newMax = std::max(cw - ci, loads.cost[static_cast<size_t>(v)] + ci);
+        if (newMax < best.newMax) best = {newMax, i, v, -1};
+      }
     }
     // Swap: with a lighter block on one of the least-loaded workers (memory is usually near
     // the cap by now, so a swap of like-sized blocks is often the only way down).
-    for (const auto& [unusedCost, u] : candidates) {
+    for (const auto& [costU, u] : candidates) {
+      // A partner j lighter than i leaves u at (costU − cj) + ci ≥ (costU − ci) + ci in floating
+      // point too (rounding is monotonic), and candidates ascend: none from here can do better.
+      if (!((costU - ci) + ci < best.newMax)) break;
       const auto us = static_cast<size_t>(u);
       for (int32_t j : loads.blocks[us]) {
         const int64_t mj = tokens[static_cast<size_t>(j)];

@@ -81,6 +81,8 @@ struct Placed {
   Plan plan;
   std::vector<double> costs;
   double shardMs = 0, assignMs = 0, balanceMs = 0;
+  /// Whether plan.transfers and plan.reshuffle are built (for the final owners).
+  bool hasTraffic = false;
 };
 
 /// How a placement cuts the batch: one block size, and optionally a smaller one per sequence
@@ -393,12 +395,16 @@ Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
 }
 
 /// Bytes a step moves (as PlanStats::stepBytes) from the owners alone: the transfers and the
-/// reshuffle they imply.
-int64_t stepBytes(Plan plan) {
-  plan.transfers = buildTransfers(plan);
-  plan.reshuffle = buildReshuffle(plan);
+/// reshuffle they imply, which are left in `p` (the plan keeps them if it wins).
+int64_t stepBytes(Placed& p) {
+  if (!p.hasTraffic) {
+    p.plan.transfers = buildTransfers(p.plan);
+    p.plan.reshuffle = buildReshuffle(p.plan);
+    p.hasTraffic = true;
+  }
   int64_t bytes = 0;
-  for (const WorkerTraffic& w : computeTraffic(plan)) bytes += w.forward.sent() + w.backward.sent();
+  for (const WorkerTraffic& w : computeTraffic(p.plan))
+    bytes += w.forward.sent() + w.backward.sent();
   return bytes;
 }
 
@@ -716,22 +722,23 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
     const double busiestLpt = maxCost(lpt.plan);
     if (maxCost(local.plan) <= std::max(busiestLpt, lpt.plan.lowerBound * slack) &&
-        stepBytes(local.plan) <= stepBytes(lpt.plan)) {
+        stepBytes(local) <= stepBytes(lpt)) {
       lpt = std::move(local);
     }
     balanceMs += msSince(chooseStart);
   }
   Plan plan = std::move(lpt.plan);
 
+  // Built already when the two placements were compared by their bytes.
   const auto transfersStart = std::chrono::steady_clock::now();
-  plan.transfers = buildTransfers(plan);
+  if (!lpt.hasTraffic) plan.transfers = buildTransfers(plan);
   const double transfersMs = msSince(transfersStart);
   const auto colorStart = std::chrono::steady_clock::now();
   colorTransfers(plan);
   const double colorMs = msSince(colorStart);
   const auto scheduleStart = std::chrono::steady_clock::now();
   buildStages(plan);
-  plan.reshuffle = buildReshuffle(plan);
+  if (!lpt.hasTraffic) plan.reshuffle = buildReshuffle(plan);
   if (plan.placement == Placement::kLocal || !config.locality)
     plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
   if (timings) {

@@ -33,7 +33,14 @@ bool ScoreIndex::keyLess(int32_t u, int32_t v) const {
   return du != dv ? du < dv : u < v;
 }
 
+void ScoreIndex::bound(Bucket& bucket) const {
+  if (bucket.workers.empty()) return;
+  bucket.lo = diff_[static_cast<size_t>(bucket.workers.front())];
+  bucket.hi = diff_[static_cast<size_t>(bucket.workers.back())];
+}
+
 void ScoreIndex::summarise(Bucket& bucket) const {
+  bound(bucket);
   bucket.minA = {kInf, -1};
   bucket.minB = {kInf, -1};
   for (int32_t w : bucket.workers) {
@@ -81,7 +88,11 @@ void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
   auto& old = buckets_[from].workers;
   old.erase(std::find(old.begin(), old.end(), w));
   // The summary changes only if w held one of its minima.
-  if (buckets_[from].minA.second == w || buckets_[from].minB.second == w) summarise(buckets_[from]);
+  if (buckets_[from].minA.second == w || buckets_[from].minB.second == w) {
+    summarise(buckets_[from]);
+  } else {
+    bound(buckets_[from]);
+  }
   if (old.empty() && buckets_.size() > 1) rebalance(from);
 
   mem_[ws] = mem;
@@ -99,6 +110,7 @@ void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
   Bucket& bucket = buckets_[to];
   bucket.minA = std::min(bucket.minA, Candidate{scaledMem_[ws], w});
   bucket.minB = std::min(bucket.minB, Candidate{scaledCost_[ws], w});
+  bound(bucket);
   rebalance(to);
 }
 
@@ -113,8 +125,7 @@ int32_t ScoreIndex::argMin(int64_t memLimit, int64_t mi, double ci) const {
     }
   };
   for (const Bucket& bucket : buckets_) {
-    const double lo = diff_[static_cast<size_t>(bucket.workers.front())];
-    const double hi = diff_[static_cast<size_t>(bucket.workers.back())];
+    const double lo = bucket.lo, hi = bucket.hi;
     if (lo >= t) {
       bestA = std::min(bestA, bucket.minA);
     } else if (hi < t) {

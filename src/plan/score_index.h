@@ -39,10 +39,12 @@ class ScoreIndex {
     std::vector<int32_t> workers;  ///< sorted by (D, id)
     Candidate minA{0, -1};         ///< least (A, id) in the bucket
     Candidate minB{0, -1};         ///< least (B, id) in the bucket
+    double lo = 0, hi = 0;         ///< D of its first and last worker (the query reads only these)
   };
 
   bool keyLess(int32_t u, int32_t v) const;
   void summarise(Bucket& bucket) const;
+  void bound(Bucket& bucket) const;   ///< sets lo and hi from the workers
   size_t bucketFor(int32_t w) const;  ///< the bucket w's key belongs in
   void rebalance(size_t b);           ///< split a bucket grown too big, drop an empty one
 

@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "fcp/core/error.h"
+#include "fcp/plan/limits.h"
 
 namespace fcp::plan {
 namespace {
@@ -106,6 +107,20 @@ void checkBlockCount(const std::vector<Block>& blocks) {
   if (blocks.size() > static_cast<size_t>(INT32_MAX)) {
     throwInvalidArgument("batch makes ", blocks.size(), " blocks: expected fewer than 2^31");
   }
+}
+
+/// An upper bound on blockPairs' count, for its reservation: each sequence pairs at most
+/// every two of the m blocks holding it, m^2 (capped at kMaxPairs; past it the vector grows
+/// as usual). `bySequence` lists each sequence's chunks in block order.
+size_t pairBound(const std::vector<std::vector<std::pair<int32_t, Chunk>>>& bySequence) {
+  int64_t bound = 0;
+  for (const auto& pieces : bySequence) {
+    int64_t m = 0;
+    for (size_t i = 0; i < pieces.size(); ++i)
+      m += i == 0 || pieces[i].first != pieces[i - 1].first;
+    bound = std::min(kMaxPairs, bound + m * m);
+  }
+  return static_cast<size_t>(bound);
 }
 
 }  // namespace
@@ -229,6 +244,11 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   std::vector<int32_t> touched;
   std::vector<const Chunk*> qChunks;
   std::vector<BlockPair> pairs;
+  pairs.reserve(pairBound(bySequence));  // grown by doubling, the copies were most page faults
+  // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
+  // number of tokens, so the last value is kept rather than the curve evaluated again.
+  int64_t lastTokens = -1;
+  double lastCostPerVisible = 0;
   for (int32_t q = 0; q < static_cast<int32_t>(blocks.size()); ++q) {
     qChunks.clear();
     for (const Chunk& c : blocks[static_cast<size_t>(q)].chunks) qChunks.push_back(&c);
@@ -240,9 +260,11 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       for (; qj < qChunks.size() && qChunks[qj]->sequence == qChunks[qi]->sequence; ++qj) {
         qTokens += qChunks[qj]->numTokens();
       }
-      // Kernels over this Q block's tokens of the sequence run at f(qTokens).
-      const double costPerVisible =
-          forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
+      if (qTokens != lastTokens) {
+        lastTokens = qTokens;
+        lastCostPerVisible = forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
+      }
+      const double costPerVisible = lastCostPerVisible;
       const auto& pieces = bySequence[static_cast<size_t>(qChunks[qi]->sequence)];
       for (size_t ki = 0; ki < pieces.size();) {
         const int32_t k = pieces[ki].first;
