@@ -20,12 +20,6 @@ int32_t findTransfer(const std::vector<Transfer>& transfers, int32_t block, int3
 
 namespace {
 
-/// The user-layout worker holding global token `token`.
-int32_t userWorkerOf(const std::vector<int64_t>& starts, int64_t token) {
-  return static_cast<int32_t>(std::upper_bound(starts.begin(), starts.end(), token) -
-                              starts.begin() - 1);
-}
-
 /// Pairs grouped, in CSR form (ids[offset[k]] .. ids[offset[k + 1]]), by what they need:
 /// key k < N is worker k's local pairs (KV its own), key N + t those using transfer t.
 struct PairsByNeed {
@@ -186,18 +180,11 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
   moved = 0;
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
     const int32_t f = plan.owner[b];
-    for (const Chunk& c : plan.blocks[b].chunks) {
-      int64_t begin = seq[static_cast<size_t>(c.sequence)] + c.begin;
-      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
-      while (begin < end) {
-        const int32_t u = userWorkerOf(user, begin);
-        const int64_t stop = std::min(end, user[static_cast<size_t>(u) + 1]);
-        pieces.push_back({f, u, stop - begin});
-        ++offset[static_cast<size_t>(f) + 1];
-        if (u != f) moved += stop - begin;
-        begin = stop;
-      }
-    }
+    detail::forEachUserRun(plan.blocks[b], seq, user, [&](int32_t u, int64_t begin, int64_t stop) {
+      pieces.push_back({f, u, stop - begin});
+      ++offset[static_cast<size_t>(f) + 1];
+      if (u != f) moved += stop - begin;
+    });
   }
   for (size_t f = 1; f <= n; ++f) offset[f] += offset[f - 1];
   std::vector<std::pair<int32_t, int64_t>> held(pieces.size());  // (user, tokens) by FCP worker
@@ -248,16 +235,9 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
   const auto user = userLayout(plan);
   std::vector<ReshufflePiece> pieces;
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
-    for (const Chunk& c : plan.blocks[b].chunks) {
-      int64_t begin = seq[static_cast<size_t>(c.sequence)] + c.begin;
-      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
-      while (begin < end) {
-        const int32_t w = userWorkerOf(user, begin);
-        const int64_t stop = std::min(end, user[static_cast<size_t>(w) + 1]);
-        pieces.push_back({w, plan.owner[b], begin, stop});
-        begin = stop;
-      }
-    }
+    detail::forEachUserRun(plan.blocks[b], seq, user, [&](int32_t w, int64_t begin, int64_t stop) {
+      pieces.push_back({w, plan.owner[b], begin, stop});
+    });
   }
   std::sort(pieces.begin(), pieces.end(),
             [](const ReshufflePiece& x, const ReshufflePiece& y) { return x.begin < y.begin; });

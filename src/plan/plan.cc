@@ -47,17 +47,9 @@ std::vector<int32_t> homeWorkers(const Batch& batch, const std::vector<Block>& b
   std::vector<std::pair<int32_t, int64_t>> held;  // (worker, tokens)
   for (const Block& b : blocks) {
     held.clear();
-    for (const Chunk& c : b.chunks) {
-      int64_t at = seq[static_cast<size_t>(c.sequence)] + c.begin;
-      const int64_t end = seq[static_cast<size_t>(c.sequence)] + c.end;
-      while (at < end) {
-        const auto w = static_cast<int32_t>(std::upper_bound(user.begin(), user.end(), at) -
-                                            user.begin() - 1);
-        const int64_t stop = std::min(end, user[static_cast<size_t>(w) + 1]);
-        held.push_back({w, stop - at});
-        at = stop;
-      }
-    }
+    detail::forEachUserRun(b, seq, user, [&held](int32_t w, int64_t begin, int64_t stop) {
+      held.push_back({w, stop - begin});
+    });
     std::sort(held.begin(), held.end());
     int32_t best = -1;
     int64_t bestTokens = -1;
