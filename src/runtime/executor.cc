@@ -161,7 +161,7 @@ struct Executor::State {
   void setup();
   void indexTransparent();
   std::vector<int64_t> remainingPerBlock(bool backward, bool kvSide) const;
-  void runEarlyPairs(bool backward, std::vector<char>& done);
+  void runEarlyPairs(bool backward, std::vector<char>& done, detail::Inward& in);
   const std::byte* kvSource(int32_t block);
   struct PairViews {
     const plan::BlockPair& pair;
@@ -330,12 +330,16 @@ std::vector<int64_t> Executor::State::remainingPerBlock(bool backward, bool kvSi
 
 // The first stage's pairs whose Q and KV blocks are both ready run before the inward
 // reshuffle completes; `done` marks them so that the stage skips them.
-void Executor::State::runEarlyPairs(bool backward, std::vector<char>& done) {
+// Pairs of the first stage whose blocks are all local run while the inward reshuffle flies;
+// once it has arrived the stages take over, so that the blocks whose results travel back
+// (runStages runs them first) are not held behind local work.
+void Executor::State::runEarlyPairs(bool backward, std::vector<char>& done, detail::Inward& in) {
   const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
   const std::vector<char>& ready = index().ready;
   done.assign(plan.pairs.size(), 0);
   if (stages.empty()) return;
   for (const int32_t p : stages.front().compute) {
+    if (in.arrived()) return;
     const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
     const int32_t ql = localIndex[static_cast<size_t>(pair.qBlock)],
                   kl = localIndex[static_cast<size_t>(pair.kvBlock)];
@@ -487,11 +491,16 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
     }
     const double commPosted = Timeline::nowUs();
     // Within a stage, pairs run grouped by Q block (stable), so that blocks finish one after
-    // another and their outputs leave while the rest compute.
+    // another and their outputs leave while the rest compute; Q blocks whose tokens came from
+    // another rank first, as their outputs must travel back.
     order.assign(st.compute.begin(), st.compute.end());
-    std::stable_sort(order.begin(), order.end(), [this](int32_t a, int32_t b) {
-      return plan.pairs[static_cast<size_t>(a)].qBlock < plan.pairs[static_cast<size_t>(b)].qBlock;
-    });
+    const std::vector<char>& ready = index().ready;
+    const auto key = [&](int32_t p) {
+      const int32_t q = plan.pairs[static_cast<size_t>(p)].qBlock;
+      return std::pair{ready[static_cast<size_t>(localIndex[static_cast<size_t>(q)])] != 0, q};
+    };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return key(a) < key(b); });
     for (const int32_t p : order) {
       if (done[static_cast<size_t>(p)]) continue;
       backward ? backwardPair(p) : forwardPair(p);
@@ -630,7 +639,7 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
   s.qStream = &out;
   s.prepostFirstStage(false);
   std::vector<char> done;
-  s.runEarlyPairs(false, done);
+  s.runEarlyPairs(false, done, in);
   in.finish();
   s.runStages(false, done);
   out.finish();
@@ -700,7 +709,7 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
   s.prepostFirstStage(true);
   computeDelta(true);
   std::vector<char> done;
-  s.runEarlyPairs(true, done);
+  s.runEarlyPairs(true, done, in);
   in.finish();
   computeDelta(false);
   s.runStages(true, done);

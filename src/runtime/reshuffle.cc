@@ -90,9 +90,15 @@ void Inward::post() {
   }
 }
 
+bool Inward::arrived() {
+  while (completed_ < requests_.size() && ctx_.transport.test(requests_[completed_])) ++completed_;
+  return completed_ == requests_.size();
+}
+
 void Inward::finish() {
   const double waitStart = Timeline::nowUs();
-  waitAll(ctx_.transport, requests_);
+  waitAll(ctx_.transport, std::span<const RequestId>(requests_).subspan(completed_));
+  completed_ = requests_.size();
   if (ctx_.timeline) ctx_.timeline->add("wait", 2, waitStart, Timeline::nowUs());
   for (size_t peer = 0; peer < recvBufs_.size(); ++peer) {
     const std::byte* src = recvBufs_[peer].data();

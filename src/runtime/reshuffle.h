@@ -67,6 +67,8 @@ class Inward {
  public:
   Inward(const ReshuffleContext& context, std::vector<Field> fields, int tag);
   void post();
+  /// True once every message has arrived (never blocks): finish() will then not wait.
+  bool arrived();
   void finish();
   /// After an error the transport could not withdraw from: the message buffers are never freed.
   void keepBuffersForever();
@@ -77,6 +79,7 @@ class Inward {
   int tag_;
   std::vector<std::vector<std::byte>> sendBufs_, recvBufs_;
   std::vector<RequestId> requests_;
+  size_t completed_ = 0;  ///< requests_[0, completed_) have completed (arrived() tests in order)
   double startUs_ = 0;
 };
 
