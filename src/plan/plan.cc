@@ -143,6 +143,8 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
   plan.commBalanceSteps = detail::balanceCommunication(
       plan, p.costs, cap, memoryCapTokens(options), stepsPerWorker * config.numWorkers);
   plan.loads = computeLoads(plan);
+  // Swaps change owners: transfers and reshuffle built for the placements' comparison are stale.
+  if (plan.commBalanceSteps > 0) p.hasTraffic = false;
 }
 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
