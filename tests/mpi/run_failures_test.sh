@@ -60,13 +60,14 @@ else
 fi
 
 # A reference slower than --timeout: one causal sequence of 4096 tokens with 128-wide heads is
-# ~30 GFLOP of float64 reference on rank 0 (~5 s here), while each pass takes well under a
+# ~30 GFLOP of float64 reference on rank 0 (~5 s here, over 60 s under ASan on a loaded machine:
+# hence the long guard), while each pass takes well under a
 # second. The other ranks wait for the verdict as long as the reference may take, so the check
 # passes with --timeout 1. The run must take longer than the timeout, or the case would test
 # nothing (a much faster reference would need a larger batch here).
 echo 4096 >"$dir/one_sequence.txt"
 start=$SECONDS
-if ! timeout 60 "$mpirun" -n 2 "$fcp" run --trace "$dir/one_sequence.txt" --block-size 512 \
+if ! timeout 400 "$mpirun" -n 2 "$fcp" run --trace "$dir/one_sequence.txt" --block-size 512 \
      --heads-q 2 --heads-kv 1 --head-dim 128 --warmup 0 --repeats 1 --check --timeout 1 --json \
      >"$dir/out" 2>"$dir/err"; then
   fail "--check slower than --timeout"; cat "$dir/err"
