@@ -68,6 +68,13 @@ std::vector<int32_t> homeWorkers(const Batch& batch, const std::vector<Block>& b
   return home;
 }
 
+/// The busiest worker's cost, from Plan::loads.
+double maxCost(const Plan& plan) {
+  double busiest = 0;
+  for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
+  return busiest;
+}
+
 /// A plan through the distributor (blocks, pairs, owners, loads), before its transfers.
 struct Placed {
   Plan plan;
@@ -137,9 +144,7 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
                  int64_t stepsPerWorker) {
   Plan& plan = p.plan;
   if (config.commBalanceSlack < 0) return;
-  double busiest = 0;
-  for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
-  const double cap = std::max(busiest, plan.lowerBound * (1.0 + config.commBalanceSlack));
+  const double cap = std::max(maxCost(plan), plan.lowerBound * (1.0 + config.commBalanceSlack));
   plan.commBalanceSteps = detail::balanceCommunication(
       plan, p.costs, cap, memoryCapTokens(options), stepsPerWorker * config.numWorkers);
   plan.loads = computeLoads(plan);
@@ -185,12 +190,6 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
   p.plan.loads = computeLoads(p.plan);
   p.assignMs = msSince(start);
   return p;
-}
-
-double maxCost(const Plan& plan) {
-  double busiest = 0;
-  for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
-  return busiest;
 }
 
 /// Cost-aware blocks. A block is giant when it costs more than kCostCutShare of a worker's
@@ -282,36 +281,42 @@ double shareOf(const Placed& p) {
   return total / static_cast<double>(p.plan.config.numWorkers);
 }
 
-/// Per-sequence sizes "by share" (see kCostCutShare); empty when no block is giant.
-std::vector<int64_t> sizesByShare(const Placed& p) {
-  const Plan& plan = p.plan;
-  const double limit = kCostCutShare * shareOf(p);
-  const int64_t size = plan.shardBlockSize;
+/// Per-sequence block sizes for the sequences whose costliest block is over `limit`: `want(s)`
+/// clamped to [size / kCostCutMaxFactor, size], 0 (the sharding's size) where that is not
+/// smaller; empty when no sequence gets a smaller size.
+template <typename Want>
+std::vector<int64_t> smallerSizes(const Placed& p, const SequenceBlocks& sb, double limit,
+                                  Want want) {
+  const int64_t size = p.plan.shardBlockSize;
   const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
-  const SequenceBlocks sb = sequenceBlocks(p);
-  std::vector<int64_t> sizes(plan.batch.sequenceLengths.size(), 0);
+  std::vector<int64_t> sizes(p.plan.batch.sequenceLengths.size(), 0);
   bool any = false;
   for (size_t s = 0; s < sizes.size(); ++s) {
     if (!(sb.maxCostOf[s] > limit)) continue;
-    const int64_t length = plan.batch.sequenceLengths[s];
-    // Its blocks hold about length / count tokens; scale the costliest to the limit.
-    const double tokens = static_cast<double>(length) / sb.blocksOf[s];
-    const auto want =
-        std::clamp<int64_t>(static_cast<int64_t>(tokens * (limit / sb.maxCostOf[s])), floor, size);
-    if (want >= size) continue;
-    sizes[s] = want;
+    const int64_t w = std::clamp<int64_t>(want(s), floor, size);
+    if (w >= size) continue;
+    sizes[s] = w;
     any = true;
   }
   if (!any) sizes.clear();
   return sizes;
 }
 
+/// Per-sequence sizes "by share" (see kCostCutShare); empty when no block is giant.
+std::vector<int64_t> sizesByShare(const Placed& p) {
+  const double limit = kCostCutShare * shareOf(p);
+  const SequenceBlocks sb = sequenceBlocks(p);
+  return smallerSizes(p, sb, limit, [&](size_t s) {
+    // Its blocks hold about length / count tokens; scale the costliest to the limit.
+    const double tokens = static_cast<double>(p.plan.batch.sequenceLengths[s]) / sb.blocksOf[s];
+    return static_cast<int64_t>(tokens * (limit / sb.maxCostOf[s]));
+  });
+}
+
 /// Per-sequence sizes "even count" (see kEvenCountShare); empty when there is nothing to do.
 std::vector<int64_t> sizesForEvenCount(const Placed& p) {
   const Plan& plan = p.plan;
   const double limit = kEvenCountShare * shareOf(p);
-  const int64_t size = plan.shardBlockSize;
-  const int64_t floor = std::max<int64_t>(1, size / kCostCutMaxFactor);
   const int64_t n = plan.config.numWorkers;
   const SequenceBlocks sb = sequenceBlocks(p);
   int64_t count = 0;
@@ -319,19 +324,11 @@ std::vector<int64_t> sizesForEvenCount(const Placed& p) {
     if (sb.maxCostOf[s] > limit) count += sb.blocksOf[s];
   if (count == 0 || count % n == 0) return {};
   const double scale = static_cast<double>((count + n - 1) / n * n) / static_cast<double>(count);
-  std::vector<int64_t> sizes(plan.batch.sequenceLengths.size(), 0);
-  bool any = false;
-  for (size_t s = 0; s < sizes.size(); ++s) {
-    if (!(sb.maxCostOf[s] > limit)) continue;
+  return smallerSizes(p, sb, limit, [&](size_t s) {
     const int64_t length = plan.batch.sequenceLengths[s];
     const auto blocks = static_cast<int64_t>(std::ceil(sb.blocksOf[s] * scale));
-    const int64_t want = std::clamp<int64_t>((length + blocks - 1) / blocks, floor, size);
-    if (want >= size) continue;
-    sizes[s] = want;
-    any = true;
-  }
-  if (!any) sizes.clear();
-  return sizes;
+    return (length + blocks - 1) / blocks;
+  });
 }
 
 /// estimatePairs for per-sequence sizes: the sum of k^2 over cut sequences, one per other.
