@@ -325,6 +325,87 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
   return best;
 }
 
+/// A trade off the busiest worker w, for when no single move or swap lowers it (bestChange
+/// looks at the few least-loaded workers only, and those are full in memory: their blocks
+/// are light but small, and a costly block of w fits on none of them). Block i of w goes to
+/// some worker u, and u's least dense blocks (least cost per token) come back to w until u
+/// has room for i. Every worker is tried: this runs only once the cheap changes are spent.
+/// The least new maximum of the two workers' costs wins (ties: the first in (worker, block)
+/// order); `block` is -1 when no trade lowers w.
+struct Trade {
+  double newMax = kInf;
+  int32_t block = -1;
+  int32_t to = -1;
+  std::vector<int32_t> back;  ///< u's blocks that come back to w
+};
+
+/// Each worker's blocks in ascending density (cost per token; ties: lower id), rebuilt for a
+/// worker only after a change touched it.
+class SparseFirst {
+ public:
+  SparseFirst(size_t numWorkers, const std::vector<int64_t>& tokens,
+              const std::vector<double>& costs)
+      : lists_(numWorkers), fresh_(numWorkers, 0), tokens_(tokens), costs_(costs) {}
+
+  const std::vector<int32_t>& of(const Loads& loads, int32_t worker) {
+    const auto w = static_cast<size_t>(worker);
+    if (!fresh_[w]) {
+      lists_[w] = loads.blocks[w];
+      std::sort(lists_[w].begin(), lists_[w].end(), [&](int32_t a, int32_t b) {
+        // c_a / m_a < c_b / m_b, cross-multiplied (block tokens are positive).
+        const double da = costs_[static_cast<size_t>(a)] * static_cast<double>(tokens_[static_cast<size_t>(b)]);
+        const double db = costs_[static_cast<size_t>(b)] * static_cast<double>(tokens_[static_cast<size_t>(a)]);
+        return da != db ? da < db : a < b;
+      });
+      fresh_[w] = 1;
+    }
+    return lists_[w];
+  }
+
+  void changed(int32_t worker) { fresh_[static_cast<size_t>(worker)] = 0; }
+
+ private:
+  std::vector<std::vector<int32_t>> lists_;
+  std::vector<char> fresh_;
+  const std::vector<int64_t>& tokens_;
+  const std::vector<double>& costs_;
+};
+
+Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
+                const std::vector<double>& costs, int64_t cap, SparseFirst& sparseFirst) {
+  const auto w = static_cast<size_t>(busiest);
+  const double cw = loads.cost[w];
+  const int64_t mw = loads.mem[w];
+  Trade best;
+  std::vector<int32_t> back;
+  for (int32_t u = 0; u < static_cast<int32_t>(loads.cost.size()); ++u) {
+    const auto us = static_cast<size_t>(u);
+    const double cu = loads.cost[us];
+    if (u == busiest || !(cu < cw)) continue;
+    for (int32_t i : loads.blocks[w]) {
+      const int64_t mi = tokens[static_cast<size_t>(i)];
+      const double ci = costs[static_cast<size_t>(i)];
+      if (!(cw - ci < best.newMax)) continue;  // w keeps at least cw - ci
+      const int64_t need = loads.mem[us] + mi - cap;
+      if (need <= 0) continue;  // a plain move, which bestChange has weighed
+      back.clear();
+      int64_t mBack = 0;
+      double cBack = 0;
+      for (int32_t j : sparseFirst.of(loads, u)) {
+        if (mBack >= need) break;
+        back.push_back(j);
+        mBack += tokens[static_cast<size_t>(j)];
+        cBack += costs[static_cast<size_t>(j)];
+      }
+      if (mBack >= need && mw - mi + mBack <= cap && cBack < ci) {
+        const double newMax = std::max(cw - ci + cBack, cu + ci - cBack);
+        if (newMax < cw && newMax < best.newMax) best = {newMax, i, u, back};
+      }
+    }
+  }
+  return best;
+}
+
 /// Brings every worker under the memory cap after the greedy had to overfill some: while a
 /// worker is over, apply the single move or swap off the fullest worker that lowers its
 /// overflow most without pushing the other worker over (ties: the smaller compute change,
@@ -441,25 +522,36 @@ void throwOversized(const std::vector<int64_t>& tokens, int32_t block, int64_t c
 }
 
 /// The improvement pass: while the busiest worker is above `target`, apply the best single
-/// move or swap off it (bestChange), at most `budget` steps.
+/// move or swap off it (bestChange), or when none lowers it the best trade (bestTrade), at
+/// most `budget` steps.
 void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& tokens,
              const std::vector<double>& costs, int64_t cap, double target, int64_t budget) {
+  const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
+  const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
+  SparseFirst sparseFirst(loads.cost.size(), tokens, costs);
+  // Moves block `block` from worker `from` to worker `to`.
+  const auto move = [&](int32_t block, int32_t from, int32_t to) {
+    loads.remove(from, block, mOf(block), cOf(block));
+    loads.add(to, block, mOf(block), cOf(block));
+    result.owner[static_cast<size_t>(block)] = to;
+    sparseFirst.changed(from);
+    sparseFirst.changed(to);
+  };
   while (result.improveSteps < budget) {
     const int32_t busiest = loads.tree.busiest();
     const double cw = loads.cost[static_cast<size_t>(busiest)];
     if (cw <= target) break;
     const Change c = bestChange(loads, busiest, tokens, costs, cap);
-    if (c.block < 0 || !(c.newMax < cw)) break;
-    const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
-    const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
-    loads.remove(busiest, c.block, mOf(c.block), cOf(c.block));
-    if (c.other >= 0) {
-      loads.remove(c.to, c.other, mOf(c.other), cOf(c.other));
-      loads.add(busiest, c.other, mOf(c.other), cOf(c.other));
-      result.owner[static_cast<size_t>(c.other)] = busiest;
+    if (c.block >= 0 && c.newMax < cw) {
+      // The partner leaves first, so neither worker passes the cap in between.
+      if (c.other >= 0) move(c.other, c.to, busiest);
+      move(c.block, busiest, c.to);
+    } else {
+      const Trade t = bestTrade(loads, busiest, tokens, costs, cap, sparseFirst);
+      if (t.block < 0) break;
+      for (int32_t j : t.back) move(j, t.to, busiest);
+      move(t.block, busiest, t.to);
     }
-    loads.add(c.to, c.block, mOf(c.block), cOf(c.block));
-    result.owner[static_cast<size_t>(c.block)] = c.to;
     ++result.improveSteps;
   }
 }
