@@ -20,6 +20,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kLocalityReserve = 0.1;
 /// How many of the least-loaded workers the improvement pass tries swaps with.
 constexpr int32_t kSwapCandidates = 8;
+/// How many of the least-loaded workers bestTrade tries two blocks back from.
+constexpr size_t kPairTradeWorkers = 64;
 
 /// Segment tree over workers holding, per subtree, the least memory, the least compute and
 /// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
@@ -183,9 +185,6 @@ void checkDistributorOptions(const DistributorOptions& o) {
   }
   if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
     throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
-  }
-  if (!(o.localitySlack >= 0 && o.localitySlack <= 1)) {
-    throwInvalidArgument("invalid locality slack ", o.localitySlack, ": expected 0 to 1");
   }
   if (o.improveStepsPerBlock < 0) {
     throwInvalidArgument("invalid improvement budget ", o.improveStepsPerBlock,
@@ -376,30 +375,71 @@ Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
   const auto w = static_cast<size_t>(busiest);
   const double cw = loads.cost[w];
   const int64_t mw = loads.mem[w];
+  const auto n = static_cast<int32_t>(loads.cost.size());
+  // Pairs of blocks coming back are tried on the kPairTradeWorkers least-loaded workers only
+  // (the search is quadratic in a worker's blocks).
+  std::vector<int32_t> byLoad;
+  byLoad.reserve(static_cast<size_t>(n));
+  for (int32_t u = 0; u < n; ++u)
+    if (u != busiest && loads.cost[static_cast<size_t>(u)] < cw) byLoad.push_back(u);
+  const size_t pairWorkers = std::min<size_t>(byLoad.size(), kPairTradeWorkers);
+  std::partial_sort(byLoad.begin(), byLoad.begin() + static_cast<std::ptrdiff_t>(pairWorkers),
+                    byLoad.end(), [&](int32_t x, int32_t y) {
+                      const double cx = loads.cost[static_cast<size_t>(x)];
+                      const double cy = loads.cost[static_cast<size_t>(y)];
+                      return cx != cy ? cx < cy : x < y;
+                    });
+  std::vector<char> pairsHere(static_cast<size_t>(n), 0);
+  for (size_t k = 0; k < pairWorkers; ++k) pairsHere[static_cast<size_t>(byLoad[k])] = 1;
+
   Trade best;
   std::vector<int32_t> back;
-  for (int32_t u = 0; u < static_cast<int32_t>(loads.cost.size()); ++u) {
+  // Block i of w to u, `set` back: kept if it fits both caps and lowers the pair's maximum.
+  const auto consider = [&](int32_t i, int32_t u, int64_t mBack, double cBack, auto&& set) {
     const auto us = static_cast<size_t>(u);
-    const double cu = loads.cost[us];
-    if (u == busiest || !(cu < cw)) continue;
+    const int64_t mi = tokens[static_cast<size_t>(i)];
+    const double ci = costs[static_cast<size_t>(i)];
+    if (loads.mem[us] + mi - mBack > cap || mw - mi + mBack > cap || !(cBack < ci)) return;
+    const double newMax = std::max(cw - ci + cBack, loads.cost[us] + ci - cBack);
+    if (newMax < cw && newMax < best.newMax) {
+      best.newMax = newMax;
+      best.block = i;
+      best.to = u;
+      set(best.back);
+    }
+  };
+  for (int32_t u = 0; u < n; ++u) {
+    const auto us = static_cast<size_t>(u);
+    if (u == busiest || !(loads.cost[us] < cw)) continue;
+    const std::vector<int32_t>& theirs = sparseFirst.of(loads, u);
     for (int32_t i : loads.blocks[w]) {
-      const int64_t mi = tokens[static_cast<size_t>(i)];
       const double ci = costs[static_cast<size_t>(i)];
       if (!(cw - ci < best.newMax)) continue;  // w keeps at least cw - ci
-      const int64_t need = loads.mem[us] + mi - cap;
+      const int64_t need = loads.mem[us] + tokens[static_cast<size_t>(i)] - cap;
       if (need <= 0) continue;  // a plain move, which bestChange has weighed
+      // u's least dense blocks, as many as make room: the least cost back for the room.
       back.clear();
       int64_t mBack = 0;
       double cBack = 0;
-      for (int32_t j : sparseFirst.of(loads, u)) {
+      for (int32_t j : theirs) {
         if (mBack >= need) break;
         back.push_back(j);
         mBack += tokens[static_cast<size_t>(j)];
         cBack += costs[static_cast<size_t>(j)];
       }
-      if (mBack >= need && mw - mi + mBack <= cap && cBack < ci) {
-        const double newMax = std::max(cw - ci + cBack, cu + ci - cBack);
-        if (newMax < cw && newMax < best.newMax) best = {newMax, i, u, back};
+      if (mBack >= need) consider(i, u, mBack, cBack, [&](std::vector<int32_t>& v) { v = back; });
+      // One block or two of any cost: the cost back may need to be near i's to help.
+      for (size_t x = 0; x < theirs.size(); ++x) {
+        const int32_t j = theirs[x];
+        const int64_t mj = tokens[static_cast<size_t>(j)];
+        const double cj = costs[static_cast<size_t>(j)];
+        consider(i, u, mj, cj, [&](std::vector<int32_t>& v) { v.assign(1, j); });
+        if (!pairsHere[us]) continue;
+        for (size_t y = x + 1; y < theirs.size(); ++y) {
+          const int32_t k = theirs[y];
+          consider(i, u, mj + tokens[static_cast<size_t>(k)], cj + costs[static_cast<size_t>(k)],
+                   [&](std::vector<int32_t>& v) { v = {j, k}; });
+        }
       }
     }
   }
@@ -728,8 +768,6 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
   const int64_t cap = memoryCapTokens(options);
   if (numBlocks == 0) return std::move(result);
   const double target = result.lowerBound * (1.0 + options.improveTarget);
-  const double tolerance = result.lowerBound * (1.0 + std::max(options.improveTarget,
-                                                               options.localitySlack));
   // Each worker keeps its least dense home blocks up to most of the target (the rest of its
   // room is left for the greedy to fill precisely); the rest go through the greedy, home first.
   Loads loads(n);
@@ -740,7 +778,7 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
     if (unplaced) *unplaced = result.firstHomeless;
     return std::nullopt;
   }
-  improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
+  improve(loads, result, tokens, costs, cap, target, options.improveStepsPerBlock * numBlocks);
   return std::move(result);
 }
 

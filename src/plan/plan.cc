@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -34,7 +35,6 @@ DistributorOptions distributorOptions(const PlanConfig& config) {
   o.beta = config.beta;
   o.improveTarget = config.improveTarget;
   o.improveStepsPerBlock = config.improveStepsPerBlock;
-  o.localitySlack = config.localitySlack;
   return o;
 }
 
@@ -138,13 +138,16 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
 }
 
 /// Communication balancing (off when commBalanceSlack < 0): compute may rise to the slack
-/// above LB, or stay at the busiest worker's cost where that is higher. At most `stepsPerWorker`
-/// swaps per worker; the balancer also stops once it finds no swap that helps.
+/// above LB (but not past `limit`), or stay at the busiest worker's cost where that is higher.
+/// At most `stepsPerWorker` swaps per worker; the balancer also stops once it finds no swap
+/// that helps.
 void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& options,
-                 int64_t stepsPerWorker) {
+                 int64_t stepsPerWorker,
+                 double limit = std::numeric_limits<double>::infinity()) {
   Plan& plan = p.plan;
   if (config.commBalanceSlack < 0) return;
-  const double cap = std::max(maxCost(plan), plan.lowerBound * (1.0 + config.commBalanceSlack));
+  const double cap = std::max(
+      maxCost(plan), std::min(limit, plan.lowerBound * (1.0 + config.commBalanceSlack)));
   plan.commBalanceSteps = detail::balanceCommunication(
       plan, p.costs, cap, memoryCapTokens(options), stepsPerWorker * config.numWorkers);
   plan.loads = computeLoads(plan);
@@ -349,10 +352,10 @@ int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
-  // The local placement stops once within the locality slack of its bound, by design.
-  const double stop =
-      config.improveTarget + (place == &placeLocal ? config.localitySlack : 0.0) + kCostCutMinGap;
-  if (maxCost(base.plan) <= base.plan.lowerBound * (1.0 + stop)) return base;
+  // Against the average share, not the lower bound: when one giant block sets the bound, the
+  // busiest worker sits at it, and only finer blocks can lower it.
+  const double stop = config.improveTarget + kCostCutMinGap;
+  if (maxCost(base.plan) <= shareOf(base) * (1.0 + stop)) return base;
   const int64_t size = base.plan.shardBlockSize;
   const int64_t retries = base.plan.memoryRetries;
   double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;
@@ -400,17 +403,26 @@ Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
   return p;
 }
 
-/// Bytes a step moves (as PlanStats::stepBytes) from the owners alone: the transfers and the
-/// reshuffle they imply, which are left in `p` (the plan keeps them if it wins).
-int64_t stepBytes(Placed& p) {
+/// Bytes a step moves, in all (as PlanStats::stepBytes) and at the busiest worker (as
+/// PlanStats::maxWorkerStepBytes), from the owners alone: the transfers and the reshuffle they
+/// imply, which are left in `p` (the plan keeps them if it wins).
+struct StepBytes {
+  int64_t total = 0;
+  int64_t busiestWorker = 0;
+};
+
+StepBytes stepBytes(Placed& p) {
   if (!p.hasTraffic) {
     p.plan.transfers = buildTransfers(p.plan);
     p.plan.reshuffle = buildReshuffle(p.plan);
     p.hasTraffic = true;
   }
-  int64_t bytes = 0;
-  for (const WorkerTraffic& w : computeTraffic(p.plan))
-    bytes += w.forward.sent() + w.backward.sent();
+  StepBytes bytes;
+  for (const WorkerTraffic& w : computeTraffic(p.plan)) {
+    bytes.total += w.forward.sent() + w.backward.sent();
+    bytes.busiestWorker =
+        std::max(bytes.busiestWorker, w.forward.busier() + w.backward.busier());
+  }
   return bytes;
 }
 
@@ -724,13 +736,18 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     assignMs += local.assignMs;
     const auto chooseStart = std::chrono::steady_clock::now();
     // The local placement wins when it balances within the slack of the paper's (or better)
-    // and moves no more bytes.
+    // and moves no more bytes, in all and at the busiest worker (its traffic can gather on a
+    // few workers: the first blocks of a long sequence go to every later holder), once its
+    // communication is balanced too. That balancing may not spend compute past the limit:
+    // the local placement's own bound may be above the paper's.
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
-    const double busiestLpt = maxCost(lpt.plan);
-    if (maxCost(local.plan) <= std::max(busiestLpt, lpt.plan.lowerBound * slack) &&
-        stepBytes(local) <= stepBytes(lpt)) {
-      lpt = std::move(local);
-      balanceComm(lpt, config, options, kLocalStepsPerWorker);
+    const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
+    const StepBytes lptBytes = stepBytes(lpt);
+    if (maxCost(local.plan) <= limit && stepBytes(local).total <= lptBytes.total) {
+      balanceComm(local, config, options, kLocalStepsPerWorker, limit);
+      const StepBytes localBytes = stepBytes(local);
+      if (localBytes.total <= lptBytes.total && localBytes.busiestWorker <= lptBytes.busiestWorker)
+        lpt = std::move(local);
     }
     balanceMs += msSince(chooseStart);
   }
