@@ -186,6 +186,9 @@ void checkDistributorOptions(const DistributorOptions& o) {
   if (!(o.improveTarget >= 0 && std::isfinite(o.improveTarget))) {
     throwInvalidArgument("invalid improvement target ", o.improveTarget, ": expected >= 0");
   }
+  if (!(o.localitySlack >= 0 && o.localitySlack <= 1)) {
+    throwInvalidArgument("invalid locality slack ", o.localitySlack, ": expected 0 to 1");
+  }
   if (o.improveStepsPerBlock < 0) {
     throwInvalidArgument("invalid improvement budget ", o.improveStepsPerBlock,
                          " steps per block: expected >= 0");
@@ -768,6 +771,8 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
   const int64_t cap = memoryCapTokens(options);
   if (numBlocks == 0) return std::move(result);
   const double target = result.lowerBound * (1.0 + options.improveTarget);
+  const double tolerance = result.lowerBound * (1.0 + std::max(options.improveTarget,
+                                                               options.localitySlack));
   // Each worker keeps its least dense home blocks up to most of the target (the rest of its
   // room is left for the greedy to fill precisely); the rest go through the greedy, home first.
   Loads loads(n);
@@ -778,7 +783,7 @@ std::optional<Assignment> tryAssignBlocksNearHome(const std::vector<int64_t>& to
     if (unplaced) *unplaced = result.firstHomeless;
     return std::nullopt;
   }
-  improve(loads, result, tokens, costs, cap, target, options.improveStepsPerBlock * numBlocks);
+  improve(loads, result, tokens, costs, cap, tolerance, options.improveStepsPerBlock * numBlocks);
   return std::move(result);
 }
 

@@ -35,6 +35,7 @@ DistributorOptions distributorOptions(const PlanConfig& config) {
   o.beta = config.beta;
   o.improveTarget = config.improveTarget;
   o.improveStepsPerBlock = config.improveStepsPerBlock;
+  o.localitySlack = config.localitySlack;
   return o;
 }
 
@@ -352,10 +353,10 @@ int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
-  // Against the average share, not the lower bound: when one giant block sets the bound, the
-  // busiest worker sits at it, and only finer blocks can lower it.
-  const double stop = config.improveTarget + kCostCutMinGap;
-  if (maxCost(base.plan) <= shareOf(base) * (1.0 + stop)) return base;
+  // The local placement stops once within the locality slack of its bound, by design.
+  const double stop =
+      config.improveTarget + (place == &placeLocal ? config.localitySlack : 0.0) + kCostCutMinGap;
+  if (maxCost(base.plan) <= base.plan.lowerBound * (1.0 + stop)) return base;
   const int64_t size = base.plan.shardBlockSize;
   const int64_t retries = base.plan.memoryRetries;
   double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;

@@ -33,9 +33,9 @@ struct Pinned {
 TEST(PlanDigestTest, PlansForFixedInputsArePinned) {
   const Pinned cases[] = {
       {"fcp", "lognormal", 8, 0, plan::Placement::kLocal, MaskKind::kCausal, 0xc38db5f1a659a8adull},
-      {"fcp", "lognormal", 64, 1, plan::Placement::kLocal, MaskKind::kCausal, 0x99213fdfdb4797afull},
+      {"fcp", "lognormal", 64, 1, plan::Placement::kLocal, MaskKind::kCausal, 0x31563b486d8647d0ull},
       {"fcp", "lognormal-narrow", 16, 2, plan::Placement::kLpt, MaskKind::kCausal, 0x44f0b8e06cf08d13ull},
-      {"fcp", "bimodal", 32, 3, plan::Placement::kLocal, MaskKind::kFull, 0x7ccc76971782e136ull},
+      {"fcp", "bimodal", 32, 3, plan::Placement::kLocal, MaskKind::kFull, 0x143a249ff635fc3aull},
       {"fcp", "bimodal", 256, 4, plan::Placement::kLpt, MaskKind::kCausal, 0xb8786c366eb5324aull},
       {"ring", "lognormal", 8, 5, plan::Placement::kLpt, MaskKind::kCausal, 0x99dea2b94bafcd73ull},
       {"magi", "bimodal", 16, 6, plan::Placement::kLpt, MaskKind::kCausal, 0x3514ad55d4b9b2a1ull},

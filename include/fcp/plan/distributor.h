@@ -34,6 +34,9 @@ struct DistributorOptions {
   double improveTarget = 0.001;
   /// At most this many improvement steps per block (a deterministic budget).
   int64_t improveStepsPerBlock = 4;
+  /// assignBlocksNearHome: how far above LB the busiest worker may stay rather than move
+  /// another block (fewer bytes for a little compute).
+  double localitySlack = 0.01;
 };
 
 struct Assignment {
@@ -87,8 +90,8 @@ int64_t safeBlockTokens(int64_t batchTokens, const DistributorOptions& options);
 /// most cost per token, so the fewest tokens move), each to the least-loaded worker with room
 /// that stays under the target, skipping blocks larger than what is left to shed; then, if it
 /// is still above LB · (1 + localitySlack), the block with the fewest tokens that brings it
-/// under. The improvement pass above then runs to LB · (1 + improveTarget), as for
-/// assignBlocks (greedyMaxCost is the home assignment's busiest worker). Same checks and errors as
+/// under. The improvement pass above then runs with LB · (1 + localitySlack) as its target
+/// (greedyMaxCost is the home assignment's busiest worker). Same checks and errors as
 /// assignBlocks.
 Assignment assignBlocksNearHome(const std::vector<int64_t>& tokens,
                                 const std::vector<double>& costs,

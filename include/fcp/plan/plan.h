@@ -60,9 +60,9 @@ struct PlanConfig {
   /// Groups of remote KV a worker may hold at once; 2 is the least that overlaps.
   int64_t bufferDepth = 3;
   Placement placement = Placement::kLocal;
-  /// Local placement: how far above the paper's lower bound its busiest worker may be and it
-  /// still be chosen over the paper's placement (when it also moves fewer bytes). Both are
-  /// balanced to the same improvement target; the slack is spent only in that choice.
+  /// Local placement: how far above the lower bound the busiest worker may stay rather than
+  /// move another block (see assignBlocksNearHome); the paper's placement is used instead if
+  /// it balances better than this.
   double localitySlack = 0.01;
   /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
   /// them balances the same), so they are relabelled to keep blocks where the user layout
