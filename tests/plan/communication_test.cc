@@ -206,42 +206,43 @@ double imbalanceOf(const std::vector<int64_t>& v) {
   return max > 0 ? (static_cast<double>(max) - mean) / static_cast<double>(max) : 0.0;
 }
 
-// bimodal seed 6 on 64 workers: the local placement wins, and before its communication was
-// balanced one worker (holding the first blocks of a 156K-token sequence, each sent to every
-// later holder) moved 2.2x the mean: imbalance 54.6 %.
-TEST(CommunicationTest, CommBalancingEvensOutAWinningLocalPlacement) {
-  const Batch batch = sampleBatch(findWorkload("bimodal"), 64 * 32768, 6);
-  PlanConfig c;
-  c.numWorkers = 64;
-  c.commBalanceSlack = -1;
-  const Plan off = buildPlan(batch, c, CostModel{c.attention});
-  c.commBalanceSlack = 0.002;
-  const Plan on = buildPlan(batch, c, CostModel{c.attention});
-  expectValid(on, "bimodal seed 6");
-  ASSERT_EQ(off.placement, Placement::kLocal);
-  ASSERT_EQ(on.placement, Placement::kLocal);
-  EXPECT_GT(on.commBalanceSteps, 0);
-  const std::vector<int64_t> before = kvBytesPerWorker(off), after = kvBytesPerWorker(on);
-  EXPECT_GT(imbalanceOf(before), 0.5);
-  EXPECT_LT(imbalanceOf(after), imbalanceOf(before) / 3);
-  EXPECT_LT(*std::max_element(after.begin(), after.end()),
-            *std::max_element(before.begin(), before.end()) * 6 / 10);
-  // It won only by moving no more bytes than the paper's placement, in all and at the busiest
-  // worker.
-  c.placement = Placement::kLpt;
-  const PlanStats lpt = computeStats(buildPlan(batch, c, CostModel{c.attention}));
-  EXPECT_LE(computeStats(on).stepBytes, lpt.stepBytes);
-  EXPECT_LE(computeStats(on).maxWorkerStepBytes, lpt.maxWorkerStepBytes);
-  // The independent count agrees with the planner's own statistics and traffic.
-  EXPECT_NEAR(computeStats(on).commImbalance, imbalanceOf(after), 1e-12);
-  const std::vector<WorkerTraffic> traffic = computeTraffic(on);
-  for (size_t w = 0; w < after.size(); ++w) {
-    EXPECT_EQ(traffic[w].forward.kvSent + traffic[w].forward.kvReceived, after[w]) << w;
+// The local placement wins only when it is no worse than the paper's in the ways that set a
+// step's time: compute within the locality slack of the paper's bound (or the paper's busiest
+// worker), no more bytes in all or at the busiest worker, and communication no less even than
+// the paper's or within 5 % (local plans at 0.42x the bytes but 31 % communication imbalance
+// simulated 10-26 % slower on GPU-X). Checked against the paper's plan built separately, on
+// batches where the local placement wins.
+TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
+  struct Case {
+    const char* workload;
+    int64_t workers;
+    uint64_t seed;
+  };
+  int wins = 0;
+  for (const Case& k : {Case{"lognormal", 8, 5}, Case{"lognormal", 8, 7}, Case{"bimodal", 8, 1},
+                        Case{"bimodal", 3, 0}, Case{"lognormal", 3, 4}, Case{"lognormal", 64, 3}}) {
+    const Batch batch = sampleBatch(findWorkload(k.workload), k.workers * 32768, k.seed);
+    PlanConfig c;
+    c.numWorkers = k.workers;
+    const Plan chosen = buildPlan(batch, c, CostModel{c.attention});
+    expectValid(chosen, k.workload);
+    c.placement = Placement::kLpt;
+    const Plan paper = buildPlan(batch, c, CostModel{c.attention});
+    if (chosen.placement != Placement::kLocal) continue;
+    ++wins;
+    const PlanStats a = computeStats(chosen), b = computeStats(paper);
+    EXPECT_LE(a.stepBytes, b.stepBytes) << k.workload << " " << k.workers;
+    EXPECT_LE(a.maxWorkerStepBytes, b.maxWorkerStepBytes) << k.workload << " " << k.workers;
+    EXPECT_LE(a.commImbalance, std::max(b.commImbalance, 0.05) + 1e-12) << k.workload << " " << k.workers;
+    // The statistic agrees with a count from the transfers themselves.
+    EXPECT_NEAR(a.commImbalance, imbalanceOf(kvBytesPerWorker(chosen)), 1e-12);
+    double paperMax = 0, chosenMax = 0;
+    for (const WorkerLoad& l : paper.loads) paperMax = std::max(paperMax, l.cost);
+    for (const WorkerLoad& l : chosen.loads) chosenMax = std::max(chosenMax, l.cost);
+    EXPECT_LE(chosenMax, std::max(paperMax, paper.lowerBound * (1 + c.localitySlack)) * (1 + 1e-12))
+        << k.workload << " " << k.workers;
   }
-  // Compute stays within the slack above LB (or the local placement's own busiest worker).
-  EXPECT_LE(computeStats(on).lowerBoundGap,
-            std::max(computeStats(off).lowerBoundGap, 0.002) + 1e-9);
-  EXPECT_LE(computeStats(on).maxWorkerTokens, computeStats(on).memoryCapTokens);
+  EXPECT_GE(wins, 3);  // the cases above were picked where it wins
 }
 
 TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
