@@ -759,8 +759,12 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     if (maxCost(local.plan) <= limit && stepBytes(local).total <= lptBytes.total) {
       balanceComm(local, config, options, kLocalStepsPerWorker, limit);
       const StepBytes localBytes = stepBytes(local);
+      // The evenness of communication is asked for only where the paper's placement balances
+      // compute within the slack; where it does not, the local placement's compute decides.
+      const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
       if (localBytes.total <= lptBytes.total && localBytes.busiestWorker <= lptBytes.busiestWorker &&
-          localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance))
+          (!lptBalanced ||
+           localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance)))
         lpt = std::move(local);
     }
     balanceMs += msSince(chooseStart);

@@ -208,8 +208,8 @@ double imbalanceOf(const std::vector<int64_t>& v) {
 
 // The local placement wins only when it is no worse than the paper's in the ways that set a
 // step's time: compute within the locality slack of the paper's bound (or the paper's busiest
-// worker), no more bytes in all or at the busiest worker, and communication no less even than
-// the paper's or within 5 % (local plans at 0.42x the bytes but 31 % communication imbalance
+// worker), no more bytes in all or at the busiest worker, and, where the paper's placement is
+// balanced within that slack, communication no less even than the paper's or within 5 % (local plans at 0.42x the bytes but 31 % communication imbalance
 // simulated 10-26 % slower on GPU-X). Checked against the paper's plan built separately, on
 // batches where the local placement wins.
 TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
@@ -233,7 +233,12 @@ TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
     const PlanStats a = computeStats(chosen), b = computeStats(paper);
     EXPECT_LE(a.stepBytes, b.stepBytes) << k.workload << " " << k.workers;
     EXPECT_LE(a.maxWorkerStepBytes, b.maxWorkerStepBytes) << k.workload << " " << k.workers;
-    EXPECT_LE(a.commImbalance, std::max(b.commImbalance, 0.05) + 1e-12) << k.workload << " " << k.workers;
+    double paperBusiest = 0;
+    for (const WorkerLoad& l : paper.loads) paperBusiest = std::max(paperBusiest, l.cost);
+    if (paperBusiest <= paper.lowerBound * (1 + c.localitySlack)) {  // else compute decides
+      EXPECT_LE(a.commImbalance, std::max(b.commImbalance, 0.05) + 1e-12)
+          << k.workload << " " << k.workers;
+    }
     // The statistic agrees with a count from the transfers themselves.
     EXPECT_NEAR(a.commImbalance, imbalanceOf(kvBytesPerWorker(chosen)), 1e-12);
     double paperMax = 0, chosenMax = 0;
