@@ -6,6 +6,7 @@
 
 #include "fcp/core/error.h"
 #include "fcp/plan/limits.h"
+#include "huge_pages.h"
 
 namespace fcp::plan {
 namespace {
@@ -244,7 +245,7 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   std::vector<int32_t> touched;
   std::vector<const Chunk*> qChunks;
   std::vector<BlockPair> pairs;
-  pairs.reserve(pairBound(bySequence));  // grown by doubling, the copies were most page faults
+  detail::reserveHuge(pairs, pairBound(bySequence));  // grown by doubling, the copies were most page faults
   // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
   // number of tokens, so the last value is kept rather than the curve evaluated again.
   int64_t lastTokens = -1;
