@@ -19,21 +19,23 @@
 
 namespace fcp::plan::detail {
 
-/// Arrays smaller than this are left alone: they would hold no whole huge page.
-inline constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
+/// Arrays smaller than this are left alone: they hold no whole huge page.
+inline constexpr size_t kHugePageAdviceBytes = size_t{2} << 20;
 
-/// Advises huge pages for the whole 2 MiB pages inside [data, data + bytes).
+/// Advises huge pages for the 4 KiB pages that [data, data + bytes) touches. The kernel backs
+/// with a huge page each 2 MiB-aligned range wholly inside advised memory: malloc serves
+/// arrays this large with their own mapping, which Linux aligns to 2 MiB, and the array starts
+/// a few bytes after it (malloc's header), so the range is widened to whole 4 KiB pages
+/// rather than narrowed to whole huge pages (which would leave out the first one).
 inline void adviseHugePages(const void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (bytes < kHugePageAdviceBytes) return;
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  constexpr uintptr_t kPage = 4096;
   const auto begin = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + bytes) & ~(kHuge - 1);
-  if (last > first) {
-    // Best effort: a failure (an old kernel, THP off) leaves ordinary pages.
-    (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-  }
+  const uintptr_t first = begin & ~(kPage - 1);
+  const uintptr_t last = (begin + bytes + kPage - 1) & ~(kPage - 1);
+  // Best effort: a failure (an old kernel, THP off) leaves ordinary pages.
+  (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #else
   (void)data;
   (void)bytes;
