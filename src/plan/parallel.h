@@ -5,6 +5,7 @@
 // callables read shared inputs only and write disjoint outputs, and the plan is the same
 // whether they ran one after the other or side by side, in either order.
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <thread>
@@ -24,6 +25,10 @@ inline bool worthParallel(int64_t pairs) {
 /// always finish before it returns; if either throws, it rethrows `first`'s exception, else
 /// `second`'s: what running them in order would have thrown (there, `second` never runs after
 /// `first` throws), so the error is the same whatever the timing.
+///
+/// `second` goes to whichever thread claims it first: the helper when it starts, or this
+/// thread once `first` is done. On a machine whose other cores are busy the helper may not
+/// start for a while; this thread then runs both rather than wait for it.
 template <typename First, typename Second>
 void runBoth(bool parallel, First&& first, Second&& second) {
   if (!parallel) {
@@ -31,21 +36,26 @@ void runBoth(bool parallel, First&& first, Second&& second) {
     second();
     return;
   }
+  std::atomic<bool> claimed{false};
   std::exception_ptr secondError;
-  std::thread other([&second, &secondError] {
+  const auto runSecond = [&] {
+    if (claimed.exchange(true)) return;
     try {
       second();
     } catch (...) {
       secondError = std::current_exception();
     }
-  });
+  };
+  std::thread helper(runSecond);
   try {
     first();
   } catch (...) {
-    other.join();
+    claimed.exchange(true);  // not started yet: it need not run
+    helper.join();
     throw;
   }
-  other.join();
+  runSecond();
+  helper.join();
   if (secondError) std::rethrow_exception(secondError);
 }
 
