@@ -723,8 +723,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   const bool parallel = detail::worthParallel(estimatePairs(batch, config.blockSize));
   Placed lpt, local;
   detail::runBoth(
-      parallel && withLocal,
-      [&] { lpt = placeBest(&placeLpt, batch, config, costModel, options); },
+      parallel && withLocal, [&] { lpt = placeBest(&placeLpt, batch, config, costModel, options); },
       [&] {
         if (withLocal) local = placeBest(&placeLocal, batch, config, costModel, options);
       });

@@ -126,7 +126,8 @@ size_t pairBound(const ChunksBySequence& bySequence) {
     int64_t m = 0;
     for (int64_t i = bySequence.offset[s]; i < bySequence.offset[s + 1]; ++i) {
       const auto at = static_cast<size_t>(i);
-      m += i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
+      m +=
+          i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
     }
     bound = std::min(kMaxPairs, bound + m * m);
   }
@@ -268,7 +269,8 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   std::vector<int32_t> touched;
   std::vector<const Chunk*> qChunks;
   std::vector<BlockPair> pairs;
-  detail::reserveHuge(pairs, pairBound(bySequence));  // grown by doubling, the copies were most page faults
+  // Reserved: grown by doubling, the copies were most of the page faults.
+  detail::reserveHuge(pairs, pairBound(bySequence));
   // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
   // number of tokens, so the last value is kept rather than the curve evaluated again.
   int64_t lastTokens = -1;
@@ -291,7 +293,8 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       const double costPerVisible = lastCostPerVisible;
       const auto seq = static_cast<size_t>(qChunks[qi]->sequence);
       const std::pair<int32_t, Chunk>* pieces = bySequence.items.data() + bySequence.offset[seq];
-      const auto numPieces = static_cast<size_t>(bySequence.offset[seq + 1] - bySequence.offset[seq]);
+      const auto numPieces =
+          static_cast<size_t>(bySequence.offset[seq + 1] - bySequence.offset[seq]);
       for (size_t ki = 0; ki < numPieces;) {
         const int32_t k = pieces[ki].first;
         int64_t visible = 0;

@@ -37,7 +37,9 @@ TEST(CostModelTest, VisibleEntriesMatchBruteForceAcrossTheFastPathsLimit) {
   Rng rng(11);
   const int64_t limit = int64_t{1} << 31;
   for (int trial = 0; trial < 2000; ++trial) {
-    const auto r = [&](int64_t n) { return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n)); };
+    const auto r = [&](int64_t n) {
+      return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n));
+    };
     const int64_t q0 = limit - 50 + r(100), q1 = q0 + r(40);
     const int64_t k0 = limit - 50 + r(100), k1 = k0 + r(40);
     for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
