@@ -8,6 +8,7 @@
 #include <span>
 
 #include "fcp/core/error.h"
+#include "huge_pages.h"
 
 namespace fcp::plan {
 namespace {
@@ -299,8 +300,8 @@ Workspace& workspace() {
 template <typename T>
 std::span<T> grow(std::vector<T>& v, size_t size) {
   if (v.size() < size) {
-    v.clear();  // nothing to keep: resize then allocates without copying
-    v.resize(size);
+    v.clear();  // nothing to keep: the new storage is allocated without copying
+    detail::resizeHuge(v, size);
   }
   return {v.data(), size};
 }
@@ -321,7 +322,7 @@ int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
 EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
   if (numWorkers < 1) checkEdges(numWorkers, edges);  // names the bad count
   EdgeColoring result;
-  result.color.assign(edges.size(), 0);
+  detail::resizeHuge(result.color, edges.size());
   if (edges.empty()) return result;
   const auto n = static_cast<size_t>(numWorkers);
   // Validation, degrees, Δ, and a counting sort of the edges by descending size class (ties by

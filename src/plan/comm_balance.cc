@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "fcp/core/statistics.h"
+#include "huge_pages.h"
 
 namespace fcp::plan::detail {
 namespace {
@@ -57,7 +58,7 @@ class CommState {
     qOffset_.assign(numBlocks + 1, 0);
     for (const BlockPair& p : plan.pairs) ++qOffset_[static_cast<size_t>(p.qBlock) + 1];
     for (size_t b = 1; b <= numBlocks; ++b) qOffset_[b] += qOffset_[b - 1];
-    kvOf_.resize(plan.pairs.size());
+    resizeHuge(kvOf_, plan.pairs.size());
     std::vector<int64_t> next(qOffset_.begin(), qOffset_.end() - 1);
     for (const BlockPair& p : plan.pairs) {
       kvOf_[static_cast<size_t>(next[static_cast<size_t>(p.qBlock)]++)] = p.kvBlock;
@@ -131,7 +132,8 @@ class CommState {
     std::vector<int64_t> offset(numBlocks + 1, 0);
     for (const BlockPair& p : plan_.pairs) ++offset[static_cast<size_t>(p.kvBlock) + 1];
     for (size_t k = 1; k <= numBlocks; ++k) offset[k] += offset[k - 1];
-    std::vector<int32_t> readers(plan_.pairs.size());
+    std::vector<int32_t> readers;
+    resizeHuge(readers, plan_.pairs.size());
     std::vector<int64_t> next(offset.begin(), offset.end() - 1);
     for (const BlockPair& p : plan_.pairs) {
       readers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] =

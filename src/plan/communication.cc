@@ -5,6 +5,7 @@
 
 #include "fcp/core/error.h"
 #include "fcp/plan/coloring.h"
+#include "huge_pages.h"
 
 namespace fcp::plan {
 
@@ -48,8 +49,8 @@ TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
   g.offset.assign(static_cast<size_t>(plan.config.numWorkers) + 1, 0);
   for (const Transfer& t : plan.transfers) ++g.offset[static_cast<size_t>(t.*end) + 1];
   for (size_t w = 1; w < g.offset.size(); ++w) g.offset[w] += g.offset[w - 1];
-  g.ids.resize(plan.transfers.size());
-  g.group.resize(plan.transfers.size());
+  detail::resizeHuge(g.ids, plan.transfers.size());
+  detail::resizeHuge(g.group, plan.transfers.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     const Transfer& tr = plan.transfers[t];
@@ -68,16 +69,19 @@ TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
 PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   std::vector<int64_t> firstOf(plan.blocks.size() + 1, 0);  // block k: [firstOf[k], firstOf[k + 1])
-  std::vector<int32_t> receiver(plan.transfers.size());
+  std::vector<int32_t> receiver;
+  detail::resizeHuge(receiver, plan.transfers.size());
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     ++firstOf[static_cast<size_t>(plan.transfers[t].block) + 1];
     receiver[t] = plan.transfers[t].receiver;
   }
   for (size_t k = 1; k < firstOf.size(); ++k) firstOf[k] += firstOf[k - 1];
-  std::vector<size_t> position(plan.transfers.size());
+  std::vector<size_t> position;
+  detail::resizeHuge(position, plan.transfers.size());
   for (size_t i = 0; i < received.ids.size(); ++i)
     position[static_cast<size_t>(received.ids[i])] = i;
-  std::vector<size_t> keyOf(plan.pairs.size());
+  std::vector<size_t> keyOf;
+  detail::resizeHuge(keyOf, plan.pairs.size());
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const auto k = static_cast<size_t>(plan.pairs[p].kvBlock);
     const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
@@ -92,10 +96,10 @@ PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
     keyOf[p] = n + position[static_cast<size_t>(at - receiver.data())];
   }
   PairsByNeed g;
-  g.offset.assign(n + plan.transfers.size() + 1, 0);
+  detail::resizeHuge(g.offset, n + plan.transfers.size() + 1);
   for (size_t key : keyOf) ++g.offset[key + 1];
   for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
-  g.ids.resize(plan.pairs.size());
+  detail::resizeHuge(g.ids, plan.pairs.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t p = 0; p < keyOf.size(); ++p)
     g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
@@ -254,7 +258,8 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
     if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++offset[static_cast<size_t>(p.kvBlock) + 1];
   }
   for (size_t k = 1; k < offset.size(); ++k) offset[k] += offset[k - 1];
-  std::vector<int32_t> receivers(static_cast<size_t>(offset.back()));
+  std::vector<int32_t> receivers;
+  detail::resizeHuge(receivers, static_cast<size_t>(offset.back()));
   std::vector<int64_t> next(offset.begin(), offset.end() - 1);
   for (const BlockPair& p : plan.pairs) {
     const int32_t w = ownerOf(p.qBlock);
@@ -269,7 +274,7 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
     count += static_cast<size_t>(next[k] - offset[k]);
   }
   std::vector<Transfer> transfers;
-  transfers.reserve(count);
+  detail::reserveHuge(transfers, count);
   const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
   for (size_t k = 0; k + 1 < offset.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
@@ -282,7 +287,7 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
 
 void colorTransfers(Plan& plan) {
   std::vector<Edge> edges;
-  edges.reserve(plan.transfers.size());
+  detail::reserveHuge(edges, plan.transfers.size());
   for (const Transfer& t : plan.transfers) edges.push_back({t.sender, t.receiver, t.bytes});
   const EdgeColoring coloring = colorEdges(static_cast<int32_t>(plan.config.numWorkers), edges);
   plan.numRounds = coloring.numColors;

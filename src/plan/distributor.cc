@@ -654,14 +654,18 @@ bool placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& token
   const auto n = static_cast<int32_t>(options.numWorkers);
   const double mHat = static_cast<double>(totals.tokens) / n;
   const double cHat = totals.cost > 0 ? totals.cost / n : 1.0;
-  const auto key = [&](int32_t i) {
-    return std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
-                    costs[static_cast<size_t>(i)] / cHat);
-  };
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    const double ka = key(a), kb = key(b);
-    return ka != kb ? ka > kb : a < b;
+  // Each block's key computed once (the sort compares each about 2 log n times).
+  std::vector<std::pair<double, int32_t>> keyed;
+  keyed.reserve(order.size());
+  for (const int32_t i : order) {
+    keyed.push_back({std::max(static_cast<double>(tokens[static_cast<size_t>(i)]) / mHat,
+                              costs[static_cast<size_t>(i)] / cHat),
+                     i});
+  }
+  std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
   });
+  for (size_t k = 0; k < keyed.size(); ++k) order[k] = keyed[k].second;
   detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
   for (int32_t w = 0; home && w < n; ++w)  // blocks kept at home are already placed
     index.update(w, loads.mem[static_cast<size_t>(w)], loads.cost[static_cast<size_t>(w)]);

@@ -6,6 +6,7 @@
 
 #include "fcp/core/error.h"
 #include "fcp/plan/limits.h"
+#include "huge_pages.h"
 
 namespace fcp::plan {
 namespace {
@@ -109,15 +110,25 @@ void checkBlockCount(const std::vector<Block>& blocks) {
   }
 }
 
+/// Every sequence's chunks in block order, as (block, chunk), in CSR form: sequence s holds
+/// items[offset[s]] .. items[offset[s + 1]].
+struct ChunksBySequence {
+  std::vector<int64_t> offset;
+  std::vector<std::pair<int32_t, Chunk>> items;
+};
+
 /// An upper bound on blockPairs' count, for its reservation: each sequence pairs at most
 /// every two of the m blocks holding it, m^2 (capped at kMaxPairs; past it the vector grows
-/// as usual). `bySequence` lists each sequence's chunks in block order.
-size_t pairBound(const std::vector<std::vector<std::pair<int32_t, Chunk>>>& bySequence) {
+/// as usual).
+size_t pairBound(const ChunksBySequence& bySequence) {
   int64_t bound = 0;
-  for (const auto& pieces : bySequence) {
+  for (size_t s = 0; s + 1 < bySequence.offset.size(); ++s) {
     int64_t m = 0;
-    for (size_t i = 0; i < pieces.size(); ++i)
-      m += i == 0 || pieces[i].first != pieces[i - 1].first;
+    for (int64_t i = bySequence.offset[s]; i < bySequence.offset[s + 1]; ++i) {
+      const auto at = static_cast<size_t>(i);
+      m +=
+          i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
+    }
     bound = std::min(kMaxPairs, bound + m * m);
   }
   return static_cast<size_t>(bound);
@@ -228,10 +239,24 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       numSequences = std::max(numSequences, c.sequence + 1);
     }
   }
-  std::vector<std::vector<std::pair<int32_t, Chunk>>> bySequence(static_cast<size_t>(numSequences));
-  for (int32_t b = 0; b < static_cast<int32_t>(blocks.size()); ++b) {
-    for (const Chunk& c : blocks[static_cast<size_t>(b)].chunks) {
-      bySequence[static_cast<size_t>(c.sequence)].push_back({b, c});
+  // One array for all sequences (CSR) rather than a vector each: tens of thousands of
+  // sequences made as many allocations.
+  ChunksBySequence bySequence;
+  bySequence.offset.assign(static_cast<size_t>(numSequences) + 1, 0);
+  size_t numChunks = 0;
+  for (const Block& b : blocks) {
+    for (const Chunk& c : b.chunks) ++bySequence.offset[static_cast<size_t>(c.sequence) + 1];
+    numChunks += b.chunks.size();
+  }
+  for (size_t s = 1; s < bySequence.offset.size(); ++s)
+    bySequence.offset[s] += bySequence.offset[s - 1];
+  bySequence.items.resize(numChunks);
+  {
+    std::vector<int64_t> next(bySequence.offset.begin(), bySequence.offset.end() - 1);
+    for (int32_t b = 0; b < static_cast<int32_t>(blocks.size()); ++b) {
+      for (const Chunk& c : blocks[static_cast<size_t>(b)].chunks) {
+        bySequence.items[static_cast<size_t>(next[static_cast<size_t>(c.sequence)]++)] = {b, c};
+      }
     }
   }
   // One Q block at a time: every sequence it holds contributes to its pairs with the blocks
@@ -244,7 +269,8 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   std::vector<int32_t> touched;
   std::vector<const Chunk*> qChunks;
   std::vector<BlockPair> pairs;
-  pairs.reserve(pairBound(bySequence));  // grown by doubling, the copies were most page faults
+  // Reserved: grown by doubling, the copies were most of the page faults.
+  detail::reserveHuge(pairs, pairBound(bySequence));
   // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
   // number of tokens, so the last value is kept rather than the curve evaluated again.
   int64_t lastTokens = -1;
@@ -265,11 +291,14 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
         lastCostPerVisible = forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
       }
       const double costPerVisible = lastCostPerVisible;
-      const auto& pieces = bySequence[static_cast<size_t>(qChunks[qi]->sequence)];
-      for (size_t ki = 0; ki < pieces.size();) {
+      const auto seq = static_cast<size_t>(qChunks[qi]->sequence);
+      const std::pair<int32_t, Chunk>* pieces = bySequence.items.data() + bySequence.offset[seq];
+      const auto numPieces =
+          static_cast<size_t>(bySequence.offset[seq + 1] - bySequence.offset[seq]);
+      for (size_t ki = 0; ki < numPieces;) {
         const int32_t k = pieces[ki].first;
         int64_t visible = 0;
-        for (; ki < pieces.size() && pieces[ki].first == k; ++ki) {
+        for (; ki < numPieces && pieces[ki].first == k; ++ki) {
           const Chunk& kc = pieces[ki].second;
           for (size_t i = qi; i < qj; ++i) {
             visible += visibleEntries(mask, qChunks[i]->begin, qChunks[i]->end, kc.begin, kc.end);

@@ -31,6 +31,29 @@ TEST(CostModelTest, VisibleEntriesMatchBruteForceOnRandomRanges) {
   }
 }
 
+TEST(CostModelTest, VisibleEntriesMatchBruteForceAcrossTheFastPathsLimit) {
+  // Positions under 2^31 take a 64-bit path, the rest 128 bits: ranges on either side of the
+  // limit and straddling it, each against the one-by-one count.
+  Rng rng(11);
+  const int64_t limit = int64_t{1} << 31;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const auto r = [&](int64_t n) {
+      return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n));
+    };
+    const int64_t q0 = limit - 50 + r(100), q1 = q0 + r(40);
+    const int64_t k0 = limit - 50 + r(100), k1 = k0 + r(40);
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      ASSERT_EQ(visibleEntries(mask, q0, q1, k0, k1), bruteForceVisible(mask, q0, q1, k0, k1))
+          << maskName(mask) << " q[" << q0 << "," << q1 << ") k[" << k0 << "," << k1 << ")";
+    }
+  }
+  // The largest products the 64-bit path takes: just under 2^31 tokens each way.
+  const int64_t top = limit - 1;
+  EXPECT_EQ(visibleEntries(MaskKind::kFull, 0, top, 0, top), top * top);
+  EXPECT_EQ(visibleEntries(MaskKind::kCausal, 0, top, 0, top), top * ((top + 1) / 2));
+  EXPECT_EQ(visibleEntries(MaskKind::kCausal, 0, top, 0, 1), top);
+}
+
 TEST(CostModelTest, VisibleEntriesOfAWholeSequence) {
   const int64_t len = 100000;
   EXPECT_EQ(visibleEntries(MaskKind::kCausal, 0, len, 0, len), len * (len + 1) / 2);
