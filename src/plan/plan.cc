@@ -755,17 +755,21 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     // past the limit: the local placement's own bound may be above the paper's.
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
     const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
-    const StepBytes lptBytes = stepBytes(lpt);
-    if (maxCost(local.plan) <= limit && stepBytes(local).total <= lptBytes.total) {
-      balanceComm(local, config, options, kLocalStepsPerWorker, limit);
-      const StepBytes localBytes = stepBytes(local);
-      // The evenness of communication is asked for only where the paper's placement balances
-      // compute within the slack; where it does not, the local placement's compute decides.
-      const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
-      if (localBytes.total <= lptBytes.total && localBytes.busiestWorker <= lptBytes.busiestWorker &&
-          (!lptBalanced ||
-           localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance)))
-        lpt = std::move(local);
+    if (maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
+      const StepBytes lptBytes = stepBytes(lpt);
+      if (stepBytes(local).total <= lptBytes.total) {
+        balanceComm(local, config, options, kLocalStepsPerWorker, limit);
+        const StepBytes localBytes = stepBytes(local);
+        // The evenness of communication is asked for only where the paper's placement
+        // balances compute within the slack; where it does not, the local placement's compute
+        // decides.
+        const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
+        if (localBytes.total <= lptBytes.total &&
+            localBytes.busiestWorker <= lptBytes.busiestWorker &&
+            (!lptBalanced ||
+             localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance)))
+          lpt = std::move(local);
+      }
     }
     balanceMs += msSince(chooseStart);
   }
