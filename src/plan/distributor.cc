@@ -330,8 +330,10 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
 /// A trade off the busiest worker w, for when no single move or swap lowers it (bestChange
 /// looks at the few least-loaded workers only, and those are full in memory: their blocks
 /// are light but small, and a costly block of w fits on none of them). Block i of w goes to
-/// some worker u, and u's least dense blocks (least cost per token) come back to w until u
-/// has room for i. Every worker is tried: this runs only once the cheap changes are spent.
+/// some worker u, and blocks of u come back to w so that u has room for i: its least dense
+/// blocks (least cost per token) until it does, or any one of its blocks, or (on the
+/// kPairTradeWorkers least-loaded workers) any two. Every worker is tried: this runs only once
+/// the cheap changes are spent.
 /// The least new maximum of the two workers' costs wins (ties: the first in (worker, block)
 /// order); `block` is -1 when no trade lowers w.
 struct Trade {

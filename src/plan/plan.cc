@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -407,6 +407,17 @@ Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
   return p;
 }
 
+/// Bytes of KV transfers each worker sends plus receives (the load PlanStats::commImbalance
+/// measures).
+std::vector<int64_t> transferBytesByWorker(const Plan& plan) {
+  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
+  for (const Transfer& t : plan.transfers) {
+    moved[static_cast<size_t>(t.sender)] += t.bytes;
+    moved[static_cast<size_t>(t.receiver)] += t.bytes;
+  }
+  return moved;
+}
+
 /// Bytes a step moves, in all (as PlanStats::stepBytes) and at the busiest worker (as
 /// PlanStats::maxWorkerStepBytes), from the owners alone: the transfers and the reshuffle they
 /// imply, which are left in `p` (the plan keeps them if it wins).
@@ -428,12 +439,7 @@ StepBytes stepBytes(Placed& p) {
     bytes.busiestWorker =
         std::max(bytes.busiestWorker, w.forward.busier() + w.backward.busier());
   }
-  std::vector<int64_t> moved(static_cast<size_t>(p.plan.config.numWorkers), 0);
-  for (const Transfer& t : p.plan.transfers) {
-    moved[static_cast<size_t>(t.sender)] += t.bytes;
-    moved[static_cast<size_t>(t.receiver)] += t.bytes;
-  }
-  bytes.kvImbalance = imbalance(moved);
+  bytes.kvImbalance = imbalance(transferBytesByWorker(p.plan));
   return bytes;
 }
 
@@ -757,9 +763,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
     if (maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
       const StepBytes lptBytes = stepBytes(lpt);
-      if (stepBytes(local).total <= lptBytes.total) {
+      StepBytes localBytes = stepBytes(local);
+      if (localBytes.total <= lptBytes.total) {
         balanceComm(local, config, options, kLocalStepsPerWorker, limit);
-        const StepBytes localBytes = stepBytes(local);
+        if (!local.hasTraffic) localBytes = stepBytes(local);  // balancing moved blocks
         // The evenness of communication is asked for only where the paper's placement
         // balances compute within the slack; where it does not, the local placement's compute
         // decides.
@@ -860,15 +867,13 @@ PlanStats computeStats(const Plan& plan) {
   for (const BlockPair& p : plan.pairs)
     s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
 
-  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
   std::vector<Edge> edges;
   for (const Transfer& t : plan.transfers) {
     s.commBytes += t.bytes;
-    moved[static_cast<size_t>(t.sender)] += t.bytes;
-    moved[static_cast<size_t>(t.receiver)] += t.bytes;
     edges.push_back({t.sender, t.receiver, t.bytes});
   }
-  s.commImbalance = imbalance(moved);  // each transfer counts at its sender and its receiver
+  // Each transfer counts at its sender and its receiver.
+  s.commImbalance = imbalance(transferBytesByWorker(plan));
   const auto& a = plan.config.attention;
   const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
   s.reshuffleBytes = movedTokens(plan.reshuffle) * bytesPerToken;
