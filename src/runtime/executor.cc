@@ -109,6 +109,10 @@ struct Executor::State {
   std::vector<char> posted;       // per transfer: its KV receive or send was posted (or deferred)
   std::vector<int32_t> deferred;  // the stage's KV sends whose block's rows are not in yet
   std::vector<char> kvArrived;    // per transfer: its KV is here
+  // Backward, per transfer this rank receives: the pairs and relayed returns still to add into
+  // its dK/dV partial, and the partial's send once posted (it leaves when the count reaches 0).
+  std::vector<int64_t> gradRemaining;
+  std::unordered_map<int32_t, RequestId> gradSent;
   std::vector<std::pair<RequestId, int32_t>> kvPending;  // KV receives not complete yet
   std::vector<RequestId> preposted;  // the first stage's messages posted with the reshuffle
   std::vector<RequestId>* stageRequests = nullptr;
@@ -221,6 +225,10 @@ struct Executor::State {
   // in yet is deferred until they are (postDeferred).
   void postKv(const plan::Stage& st, std::vector<RequestId>& requests);
   void postKvSend(int32_t t, std::vector<RequestId>& requests);
+  // Backward: counts the partials' contributions; sends a partial (countDownGrad at zero).
+  void countGrads();
+  void countDownGrad(int32_t t);
+  RequestId sendGrad(int32_t t);
   // Backward: D = rowsum(dO ∘ O) of one local block.
   void computeDelta(int32_t local);
 };
@@ -416,6 +424,7 @@ void Executor::State::beginPass(bool backward, detail::Inward& in) {
   posted.assign(plan.transfers.size(), 0);
   kvArrived.assign(plan.transfers.size(), 0);
   kvPending.clear();
+  if (backward) countGrads();
   deferred.clear();
   preposted.clear();
   in.start();
@@ -602,11 +611,13 @@ void Executor::State::backwardPair(int32_t p) {
   const plan::BlockPair& pair = pv.pair;
   const int64_t row = pv.row, nk = pv.k.numTokens;
   float* grad = nullptr;
+  int32_t gradTransfer = -1;
   const int32_t kvLocal = localIndex[static_cast<size_t>(pair.kvBlock)];
   if (kvLocal >= 0) {
     grad = dkvOf(kvLocal);
   } else {
-    auto& partial = gradPartial[transferTo(pair.kvBlock, rank)];
+    gradTransfer = transferTo(pair.kvBlock, rank);
+    auto& partial = gradPartial[gradTransfer];
     if (partial.empty()) partial.assign(static_cast<size_t>(2 * nk * kRow), 0.f);
     grad = partial.data();
   }
@@ -621,10 +632,46 @@ void Executor::State::backwardPair(int32_t p) {
   bwd.flops += backwardFlops(plan.config.attention, pair.visible);
   if (qStream) qStream->countDown(pv.local);
   if (kvStream) kvStream->countDown(kvLocal);
+  if (gradTransfer >= 0) countDownGrad(gradTransfer);
   if (options.timeline) {
     options.timeline->add("bwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock),
                           0, start, end);
   }
+}
+
+// A dK/dV partial is final once every pair this rank computes with the transfer's KV and every
+// return of the receivers it relays the block to are added: it leaves then, not at the stage
+// the plan names for it (sendGrad), whose wait then covers it. Sent earlier, it crosses the
+// link while later pairs compute instead of after them.
+void Executor::State::countGrads() {
+  gradRemaining.assign(plan.transfers.size(), 0);
+  gradSent.clear();
+  for (const plan::Stage& st : stagesOf(rank)) {
+    for (const int32_t p : st.compute) {
+      const int32_t kv = plan.pairs[static_cast<size_t>(p)].kvBlock;
+      if (localIndex[static_cast<size_t>(kv)] < 0)
+        ++gradRemaining[static_cast<size_t>(transferTo(kv, rank))];
+    }
+    for (const int32_t t : st.recvGrad) {
+      if (sourceLocal(t) >= 0) continue;
+      ++gradRemaining[static_cast<size_t>(
+          transferTo(plan.transfers[static_cast<size_t>(t)].block, rank))];
+    }
+  }
+}
+
+void Executor::State::countDownGrad(int32_t t) {
+  if (--gradRemaining[static_cast<size_t>(t)] == 0) gradSent[t] = sendGrad(t);
+}
+
+RequestId Executor::State::sendGrad(int32_t t) {
+  const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+  auto& partial = gradPartial[t];
+  if (partial.empty()) partial.assign(static_cast<size_t>(2 * blockTokens(tr.block) * kRow), 0.f);
+  const auto bytes = static_cast<int64_t>(partial.size() * sizeof(float));
+  bwd.sentBytes += bytes;
+  bwd.kvBytes += bytes;
+  return transport.isend(tr.sender, tagGrad(t), asBytes(std::span<const float>(partial)));
 }
 
 void Executor::State::postKv(const plan::Stage& st, std::vector<RequestId>& requests) {
@@ -690,15 +737,9 @@ void Executor::State::runStages() {
                                          tagGrad(t), asWritableBytes(std::span<float>(buf))));
     }
     for (const int32_t t : st.sendGrad) {
-      const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
-      auto& partial = gradPartial[t];
-      if (partial.empty())
-        partial.assign(static_cast<size_t>(2 * blockTokens(tr.block) * kRow), 0.f);
-      requests.push_back(
-          transport.isend(tr.sender, tagGrad(t), asBytes(std::span<const float>(partial))));
-      const auto bytes = static_cast<int64_t>(partial.size() * sizeof(float));
-      stats.sentBytes += bytes;
-      stats.kvBytes += bytes;
+      const auto sent = gradSent.find(t);
+      requests.push_back(sent != gradSent.end() ? sent->second : sendGrad(t));
+      gradRemaining[static_cast<size_t>(t)] = -1;  // sent: never again
     }
     const double commPosted = Timeline::nowUs();
     const size_t completed = computeStage(st, priority, requests);
@@ -733,8 +774,12 @@ void Executor::State::runStages() {
       for (size_t i = 0; i < in.size(); ++i) into[i] += in[i];
       gradIn.erase(t);
       if (kvStream) kvStream->countDown(local);
+      if (local < 0) countDownGrad(transferTo(tr.block, rank));
     }
-    for (const int32_t t : st.sendGrad) gradPartial.erase(t);
+    for (const int32_t t : st.sendGrad) {
+      gradPartial.erase(t);
+      gradSent.erase(t);
+    }
     for (const int32_t t : st.release) remote.erase(t);
   }
   stageRequests = nullptr;
