@@ -10,16 +10,22 @@
 // the partials its own receivers return) until the plan's sendGrad sends it back.
 // A stage is: post its receives and sends, compute its pairs (their KV is local or arrived in
 // an earlier stage), wait for its messages, add returned dK/dV partials in, free its releases.
-// The reshuffles (reshuffle.h) hide behind compute as the plan intends: a block is *ready* when
-// none of its tokens come from another rank; the first stage's pairs between ready blocks run
-// while the inward reshuffle is in flight, and a block's outputs leave as soon as its
-// remaining count (pairs still to compute, and backward the dK/dV returns still to add) reaches
-// zero, while later blocks compute. In the dispatched layout every block is ready and every
-// piece local: the same code moves nothing.
+// The reshuffles (reshuffle.h) hide behind compute: a block *travels* when some of its tokens
+// come from another rank. The inward reshuffle is one message per block and rank, all sent at
+// the start of the pass in the order their receiver's first stage uses them (then that stage's
+// KV, then the blocks later stages use); a pair runs as soon as its blocks' rows are in (its
+// Q block, and forward a local KV block), so blocks whose tokens are all local start at once.
+// Within a stage, pairs of travelling Q blocks go first among those that can run, and a block's
+// outputs leave as soon as its remaining count (pairs still to compute, and backward the dK/dV
+// returns still to add) reaches zero, while later blocks compute. While a stage waits for its
+// messages, later stages' pairs whose KV is local run. Pairs never wait for a message they do
+// not need, so the order of partial merges depends on arrival times (merges are exact in log
+// space up to rounding). In the dispatched layout every piece is local: the same code moves
+// nothing.
 //
-// Tags, from options.firstTag: +0 inward reshuffle, +1 dispatch, +8 + 2t a transfer's KV and
-// +8 + 2t + 1 its dK/dV partial, then per outward stream (forward O/LSE, backward dQ, backward
-// dK/dV, undispatch) one tag per block.
+// Tags, from options.firstTag: 2t a transfer's KV and 2t + 1 its dK/dV partial, then per block
+// stream (forward O/LSE, backward dQ, backward dK/dV, undispatch, the inward reshuffle of
+// either pass, dispatch) one tag per block.
 #include "fcp/runtime/executor.h"
 
 #include <algorithm>
@@ -46,11 +52,15 @@ using detail::Field;
 using detail::LayoutIndex;
 using detail::Piece;
 
-constexpr int kInwardTag = 0;
-constexpr int kDispatchTag = 1;
-constexpr int kFirstTransferTag = 8;
-constexpr int kNumOutwardStreams = 4;
-enum OutwardStream { kForwardOut = 0, kBackwardQ = 1, kBackwardKv = 2, kUndispatch = 3 };
+constexpr int kNumBlockStreams = 6;
+enum BlockStream {
+  kForwardOut = 0,
+  kBackwardQ = 1,
+  kBackwardKv = 2,
+  kUndispatch = 3,
+  kInward = 4,
+  kDispatch = 5
+};
 
 double msSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -77,6 +87,7 @@ struct Executor::State {
   std::vector<int64_t> tokenStart;   // local index -> first token in the FCP layout (+ total)
   std::vector<std::vector<kernels::Segment>> segments;  // per block
   LayoutIndex transparent, dispatched;
+  std::vector<char> imported;  // per block: some token comes from a rank other than its owner
   std::vector<int32_t> localSeq;
   std::vector<int64_t> localPos;
 
@@ -91,8 +102,20 @@ struct Executor::State {
   const LayerState* constLayer = nullptr;
   detail::Outward* qStream = nullptr;   // outputs of Q blocks
   detail::Outward* kvStream = nullptr;  // backward: dK/dV of KV blocks
-  std::vector<char> posted;             // per transfer: its KV receive or send was posted
-  std::vector<RequestId> preposted;
+  detail::Inward* inward = nullptr;
+  bool inBackward = false;
+  std::vector<char> have;         // per local block: its inward rows are in (backward: D too)
+  std::vector<char> done;         // per pair: computed in this pass
+  std::vector<char> posted;       // per transfer: its KV receive or send was posted (or deferred)
+  std::vector<int32_t> deferred;  // the stage's KV sends whose block's rows are not in yet
+  std::vector<char> kvArrived;    // per transfer: its KV is here
+  // Backward, per transfer this rank receives: the pairs and relayed returns still to add into
+  // its dK/dV partial, and the partial's send once posted (it leaves when the count reaches 0).
+  std::vector<int64_t> gradRemaining;
+  std::unordered_map<int32_t, RequestId> gradSent;
+  std::vector<std::pair<RequestId, int32_t>> kvPending;  // KV receives not complete yet
+  std::vector<RequestId> preposted;  // the first stage's messages posted with the reshuffle
+  std::vector<RequestId>* stageRequests = nullptr;
 
   /// After an error the transport could not withdraw from: KV and gradient buffers are never
   /// freed (PendingGuard).
@@ -114,15 +137,22 @@ struct Executor::State {
     return plan.blocks[static_cast<size_t>(block)].numTokens();
   }
   int tag(int64_t offset) const { return static_cast<int>(options.firstTag + offset); }
-  int tagKv(int32_t t) const { return tag(kFirstTransferTag + 2 * int64_t{t}); }
-  int tagGrad(int32_t t) const { return tag(kFirstTransferTag + 2 * int64_t{t} + 1); }
-  int outwardTag(int stream) const {
-    return tag(kFirstTransferTag + 2 * static_cast<int64_t>(plan.transfers.size()) +
+  int tagKv(int32_t t) const { return tag(2 * int64_t{t}); }
+  int tagGrad(int32_t t) const { return tag(2 * int64_t{t} + 1); }
+  int blockTag(BlockStream stream) const {
+    return tag(2 * static_cast<int64_t>(plan.transfers.size()) +
                stream * static_cast<int64_t>(plan.blocks.size()));
   }
   int64_t tagsNeeded() const {
-    return kFirstTransferTag + 2 * static_cast<int64_t>(plan.transfers.size()) +
-           kNumOutwardStreams * static_cast<int64_t>(plan.blocks.size());
+    return 2 * static_cast<int64_t>(plan.transfers.size()) +
+           kNumBlockStreams * static_cast<int64_t>(plan.blocks.size());
+  }
+  // The local index of transfer t's block (-1 when this rank relays it).
+  int32_t sourceLocal(int32_t t) const {
+    return localIndex[static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block)];
+  }
+  bool travels(int32_t block) const {
+    return options.layout == Layout::kTransparent && imported[static_cast<size_t>(block)];
   }
   detail::ReshuffleContext context(PassStats* stats) {
     return {transport, rank, index(), stats, options.timeline};
@@ -161,7 +191,25 @@ struct Executor::State {
   void setup();
   void indexTransparent();
   std::vector<int64_t> remainingPerBlock(bool backward, bool kvSide) const;
-  void runEarlyPairs(bool backward, std::vector<char>& done, detail::Inward& in);
+  const std::vector<plan::Stage>& stagesOf(int worker) const {
+    return (inBackward ? plan.backward : plan.forward)[static_cast<size_t>(worker)];
+  }
+  std::vector<int32_t> pairOrder(const plan::Stage& st) const;
+  void needOrder(int worker, std::vector<int32_t>& first, std::vector<int32_t>& later) const;
+  void beginPass(bool backward, detail::Inward& in);
+  bool haveBlock(int32_t local);
+  bool canRun(int32_t p);
+  int32_t missingBlock(int32_t p);
+  void pollMessages();
+  void postDeferred();
+  void runPair(int32_t p) {
+    inBackward ? backwardPair(p) : forwardPair(p);
+    done[static_cast<size_t>(p)] = 1;
+  }
+  bool urgent(int32_t p) const;
+  std::vector<int32_t> priorityOrder() const;
+  size_t computeStage(const plan::Stage& st, const std::vector<int32_t>& priority,
+                      const std::vector<RequestId>& requests);
   const std::byte* kvSource(int32_t block);
   struct PairViews {
     const plan::BlockPair& pair;
@@ -172,14 +220,17 @@ struct Executor::State {
   PairViews pairViews(int32_t p);
   void forwardPair(int32_t p);
   void backwardPair(int32_t p);
-  void runStages(bool backward, const std::vector<char>& done);
-  // Posts the stage's KV receives and sends not posted yet; with `sendable`, only the sends
-  // whose block it accepts (the rest wait for the stage itself).
-  void postKv(const plan::Stage& st, std::vector<RequestId>& requests, PassStats& stats,
-              const std::function<bool(int32_t)>* sendable);
-  // The first stage's KV messages that need no reshuffled tokens go out before the inward
-  // reshuffle completes, so that they travel while the early pairs compute.
-  void prepostFirstStage(bool backward);
+  void runStages();
+  // Posts the stage's KV receives and sends not posted yet; a send whose block's rows are not
+  // in yet is deferred until they are (postDeferred).
+  void postKv(const plan::Stage& st, std::vector<RequestId>& requests);
+  void postKvSend(int32_t t, std::vector<RequestId>& requests);
+  // Backward: counts the partials' contributions; sends a partial (countDownGrad at zero).
+  void countGrads();
+  void countDownGrad(int32_t t);
+  RequestId sendGrad(int32_t t);
+  // Backward: D = rowsum(dO ∘ O) of one local block.
+  void computeDelta(int32_t local);
 };
 
 void Executor::State::setup() {
@@ -244,7 +295,7 @@ void Executor::State::setup() {
     dispatched.inbound[static_cast<size_t>(rank)].push_back(piece);
     dispatched.outbound[static_cast<size_t>(rank)].push_back(piece);
   }
-  dispatched.ready.assign(localBlocks.size(), 1);
+  dispatched.numLocalBlocks = static_cast<int32_t>(localBlocks.size());
   dispatched.userTokens = localTokens();
 
   int64_t maxBlock = 0;
@@ -277,12 +328,14 @@ void Executor::State::indexTransparent() {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   transparent.inbound.assign(n, {});
   transparent.outbound.assign(n, {});
+  imported.assign(plan.blocks.size(), 0);
   for (const plan::ReshufflePiece& piece : plan.reshuffle) {
-    if (piece.userWorker != rank && piece.fcpWorker != rank) continue;
     auto it = std::upper_bound(chunks.begin(), chunks.end(), piece.begin,
                                [](int64_t x, const ChunkAt& c) { return x < c.begin; });
     FCP_CHECK(it != chunks.begin(), "reshuffle piece before every chunk");
     --it;
+    if (piece.userWorker != piece.fcpWorker) imported[static_cast<size_t>(it->block)] = 1;
+    if (piece.userWorker != rank && piece.fcpWorker != rank) continue;
     Piece out;
     out.userOffset = piece.begin - userStart[static_cast<size_t>(piece.userWorker)];
     out.block = it->block;
@@ -297,12 +350,7 @@ void Executor::State::indexTransparent() {
       transparent.outbound[static_cast<size_t>(piece.fcpWorker)].push_back(out);
     }
   }
-  transparent.ready.assign(localBlocks.size(), 1);
-  for (size_t peer = 0; peer < n; ++peer) {
-    if (static_cast<int>(peer) == rank) continue;
-    for (const Piece& p : transparent.inbound[peer])
-      transparent.ready[static_cast<size_t>(p.localBlock)] = 0;
-  }
+  transparent.numLocalBlocks = static_cast<int32_t>(localBlocks.size());
   transparent.userTokens =
       userStart[static_cast<size_t>(rank) + 1] - userStart[static_cast<size_t>(rank)];
 }
@@ -320,33 +368,197 @@ std::vector<int64_t> Executor::State::remainingPerBlock(bool backward, bool kvSi
     }
     if (!kvSide) continue;
     for (const int32_t t : st.recvGrad) {
-      const int32_t local =
-          localIndex[static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block)];
+      const int32_t local = sourceLocal(t);
       if (local >= 0) ++remaining[static_cast<size_t>(local)];
     }
   }
   return remaining;
 }
 
-// The first stage's pairs whose Q and KV blocks are both ready run before the inward
-// reshuffle completes; `done` marks them so that the stage skips them.
-// Pairs of the first stage whose blocks are all local run while the inward reshuffle flies;
-// once it has arrived the stages take over, so that the blocks whose results travel back
-// (runStages runs them first) are not held behind local work.
-void Executor::State::runEarlyPairs(bool backward, std::vector<char>& done, detail::Inward& in) {
-  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
-  const std::vector<char>& ready = index().ready;
+// A stage's pairs in the order they should run: grouped by Q block (stable), so that blocks
+// finish one after another and their outputs leave while the rest compute; travelling Q blocks
+// first, as their outputs must go back.
+std::vector<int32_t> Executor::State::pairOrder(const plan::Stage& st) const {
+  std::vector<int32_t> order(st.compute.begin(), st.compute.end());
+  const auto key = [&](int32_t p) {
+    const int32_t q = plan.pairs[static_cast<size_t>(p)].qBlock;
+    return std::pair{!travels(q), q};
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return key(a) < key(b); });
+  return order;
+}
+
+// The blocks of `worker` in the order its pass first needs their inward rows: those its first
+// stage's pairs use (`first`), then those of later stages (`later`). Backward the inward rows
+// are dO, which only the Q block's pairs need.
+void Executor::State::needOrder(int worker, std::vector<int32_t>& first,
+                                std::vector<int32_t>& later) const {
+  first.clear();
+  later.clear();
+  std::vector<char> seen(plan.blocks.size(), 0);
+  const auto& stages = stagesOf(worker);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    std::vector<int32_t>& into = s == 0 ? first : later;
+    for (const int32_t p : pairOrder(stages[s])) {
+      const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+      for (const int32_t b : {pair.qBlock, pair.kvBlock}) {
+        if (plan.owner[static_cast<size_t>(b)] != worker || seen[static_cast<size_t>(b)]) continue;
+        if (inBackward && b != pair.qBlock) continue;
+        seen[static_cast<size_t>(b)] = 1;
+        into.push_back(b);
+      }
+    }
+  }
+}
+
+// Starts a pass: posts every inward receive and send, and the first stage's KV sends whose rows
+// are here. A link carries messages in the order they were posted, so the inward blocks every
+// peer's first stage uses go first (interleaved over peers by when they are needed), then the
+// first stage's KV (needed by the peers' second stage), then the inward blocks of later stages.
+void Executor::State::beginPass(bool backward, detail::Inward& in) {
+  inBackward = backward;
+  inward = &in;
+  have.assign(localBlocks.size(), 0);
   done.assign(plan.pairs.size(), 0);
-  if (stages.empty()) return;
-  for (const int32_t p : stages.front().compute) {
-    if (in.arrived()) return;
-    const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
-    const int32_t ql = localIndex[static_cast<size_t>(pair.qBlock)],
-                  kl = localIndex[static_cast<size_t>(pair.kvBlock)];
-    if (ql < 0 || kl < 0 || !ready[static_cast<size_t>(ql)] || !ready[static_cast<size_t>(kl)])
-      continue;
-    backward ? backwardPair(p) : forwardPair(p);
-    done[static_cast<size_t>(p)] = 1;
+  posted.assign(plan.transfers.size(), 0);
+  kvArrived.assign(plan.transfers.size(), 0);
+  kvPending.clear();
+  if (backward) countGrads();
+  deferred.clear();
+  preposted.clear();
+  in.start();
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  std::vector<std::vector<int32_t>> first(n), later(n);
+  if (options.layout == Layout::kTransparent) {
+    for (size_t peer = 0; peer < n; ++peer) {
+      if (static_cast<int>(peer) != rank)
+        needOrder(static_cast<int>(peer), first[peer], later[peer]);
+    }
+  }
+  const auto sendInterleaved = [&](const std::vector<std::vector<int32_t>>& blocks) {
+    for (size_t i = 0, more = 1; more; ++i) {
+      more = 0;
+      for (size_t peer = 0; peer < n; ++peer) {
+        if (i >= blocks[peer].size()) continue;
+        in.send(static_cast<int>(peer), blocks[peer][i]);
+        more = 1;
+      }
+    }
+  };
+  sendInterleaved(first);
+  const auto& stages = stagesOf(rank);
+  if (!stages.empty()) {
+    for (const int32_t t : stages.front().send) {
+      const int32_t local = sourceLocal(t);
+      if (local >= 0 && (backward || haveBlock(local))) postKvSend(t, preposted);
+    }
+  }
+  sendInterleaved(later);
+  in.sendRest();
+}
+
+// Whether local block `local`'s inward rows are in; backward, computes its D when they are.
+bool Executor::State::haveBlock(int32_t local) {
+  const auto l = static_cast<size_t>(local);
+  if (have[l]) return true;
+  if (!inward->has(local)) return false;
+  if (inBackward) computeDelta(local);
+  have[l] = 1;
+  return true;
+}
+
+// Whether pair `p`'s inputs are here: its Q block's rows, and its KV block's (local) or the
+// transfer that brings it (remote).
+bool Executor::State::canRun(int32_t p) {
+  const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+  if (!haveBlock(localIndex[static_cast<size_t>(pair.qBlock)])) return false;
+  const int32_t kl = localIndex[static_cast<size_t>(pair.kvBlock)];
+  if (kl < 0) return kvArrived[static_cast<size_t>(transferTo(pair.kvBlock, rank))] != 0;
+  return inBackward || haveBlock(kl);
+}
+
+// The local block a pair of the current stage waits for (its KV, if remote, came in an
+// earlier stage).
+int32_t Executor::State::missingBlock(int32_t p) {
+  const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+  const int32_t ql = localIndex[static_cast<size_t>(pair.qBlock)];
+  if (!haveBlock(ql)) return ql;
+  const int32_t kl = localIndex[static_cast<size_t>(pair.kvBlock)];
+  FCP_CHECK(kl >= 0 && !inBackward, "rank ", rank, " waits for pair ", p, " with its inputs in");
+  return kl;
+}
+
+// Unpacks the inward blocks that arrived, posts the KV sends they allow, notes KV that arrived.
+void Executor::State::pollMessages() {
+  inward->poll();
+  postDeferred();  // also those whose rows came in through waitFor
+  std::erase_if(kvPending, [this](const std::pair<RequestId, int32_t>& r) {
+    if (!transport.test(r.first)) return false;
+    kvArrived[static_cast<size_t>(r.second)] = 1;
+    return true;
+  });
+}
+
+void Executor::State::postDeferred() {
+  std::erase_if(deferred, [this](int32_t t) {
+    const int32_t local = sourceLocal(t);
+    if (!haveBlock(local)) return false;
+    postKvSend(t, *stageRequests);
+    return true;
+  });
+}
+
+// A pair whose result must cross a link: its Q block's outputs go to other ranks, or backward
+// its dK/dV does (a remote KV block's partial goes back to its sender; a local one's to the
+// block's user ranks when its tokens came from elsewhere).
+bool Executor::State::urgent(int32_t p) const {
+  const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+  if (travels(pair.qBlock)) return true;
+  return inBackward && (travels(pair.kvBlock) || localIndex[static_cast<size_t>(pair.kvBlock)] < 0);
+}
+
+// Every pair of this rank's pass, in the order it should run when its inputs are in: urgent
+// pairs first, then by stage, then as pairOrder puts them.
+std::vector<int32_t> Executor::State::priorityOrder() const {
+  std::vector<int32_t> order;
+  for (const plan::Stage& st : stagesOf(rank)) {
+    for (const int32_t p : pairOrder(st)) order.push_back(p);
+  }
+  std::stable_partition(order.begin(), order.end(), [this](int32_t p) { return urgent(p); });
+  return order;
+}
+
+// Runs stage `st`'s pairs, and any other pair whose inputs are in, the first in `priority`
+// that can run each time; when none can, waits for the first missing block of the stage's
+// first unfinished pair (peers send in that order). Once the stage's pairs are done it goes on
+// with pairs of later stages only while the stage's messages (`requests`, KV receives) are
+// pending and its deferred sends wait for rows. Returns how many of `requests` completed, from
+// the front.
+size_t Executor::State::computeStage(const plan::Stage& st, const std::vector<int32_t>& priority,
+                                     const std::vector<RequestId>& requests) {
+  std::vector<int32_t> required = pairOrder(st);
+  size_t completed = 0;
+  while (true) {
+    pollMessages();
+    std::erase_if(required, [this](int32_t p) { return done[static_cast<size_t>(p)] != 0; });
+    if (required.empty() && deferred.empty()) {
+      while (completed < requests.size() && transport.test(requests[completed])) ++completed;
+      if (completed == requests.size() && kvPending.empty()) return completed;
+    }
+    const auto next = std::find_if(priority.begin(), priority.end(), [this](int32_t p) {
+      return !done[static_cast<size_t>(p)] && canRun(p);
+    });
+    if (next != priority.end()) {
+      runPair(*next);
+    } else if (!required.empty()) {
+      inward->waitFor(missingBlock(required.front()));
+    } else if (!deferred.empty()) {
+      const int32_t t = deferred.front();
+      inward->waitFor(sourceLocal(t));
+    } else {
+      return completed;
+    }
   }
 }
 
@@ -399,11 +611,13 @@ void Executor::State::backwardPair(int32_t p) {
   const plan::BlockPair& pair = pv.pair;
   const int64_t row = pv.row, nk = pv.k.numTokens;
   float* grad = nullptr;
+  int32_t gradTransfer = -1;
   const int32_t kvLocal = localIndex[static_cast<size_t>(pair.kvBlock)];
   if (kvLocal >= 0) {
     grad = dkvOf(kvLocal);
   } else {
-    auto& partial = gradPartial[transferTo(pair.kvBlock, rank)];
+    gradTransfer = transferTo(pair.kvBlock, rank);
+    auto& partial = gradPartial[gradTransfer];
     if (partial.empty()) partial.assign(static_cast<size_t>(2 * nk * kRow), 0.f);
     grad = partial.data();
   }
@@ -418,58 +632,102 @@ void Executor::State::backwardPair(int32_t p) {
   bwd.flops += backwardFlops(plan.config.attention, pair.visible);
   if (qStream) qStream->countDown(pv.local);
   if (kvStream) kvStream->countDown(kvLocal);
+  if (gradTransfer >= 0) countDownGrad(gradTransfer);
   if (options.timeline) {
     options.timeline->add("bwd " + std::to_string(pair.qBlock) + "x" + std::to_string(pair.kvBlock),
                           0, start, end);
   }
 }
 
-void Executor::State::postKv(const plan::Stage& st, std::vector<RequestId>& requests,
-                             PassStats& stats, const std::function<bool(int32_t)>* sendable) {
+// A dK/dV partial is final once every pair this rank computes with the transfer's KV and every
+// return of the receivers it relays the block to are added: it leaves then, not at the stage
+// the plan names for it (sendGrad), whose wait then covers it. Sent earlier, it crosses the
+// link while later pairs compute instead of after them.
+void Executor::State::countGrads() {
+  gradRemaining.assign(plan.transfers.size(), 0);
+  gradSent.clear();
+  for (const plan::Stage& st : stagesOf(rank)) {
+    for (const int32_t p : st.compute) {
+      const int32_t kv = plan.pairs[static_cast<size_t>(p)].kvBlock;
+      if (localIndex[static_cast<size_t>(kv)] < 0)
+        ++gradRemaining[static_cast<size_t>(transferTo(kv, rank))];
+    }
+    for (const int32_t t : st.recvGrad) {
+      if (sourceLocal(t) >= 0) continue;
+      ++gradRemaining[static_cast<size_t>(
+          transferTo(plan.transfers[static_cast<size_t>(t)].block, rank))];
+    }
+  }
+}
+
+void Executor::State::countDownGrad(int32_t t) {
+  if (--gradRemaining[static_cast<size_t>(t)] == 0) gradSent[t] = sendGrad(t);
+}
+
+RequestId Executor::State::sendGrad(int32_t t) {
+  const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+  auto& partial = gradPartial[t];
+  if (partial.empty()) partial.assign(static_cast<size_t>(2 * blockTokens(tr.block) * kRow), 0.f);
+  const auto bytes = static_cast<int64_t>(partial.size() * sizeof(float));
+  bwd.sentBytes += bytes;
+  bwd.kvBytes += bytes;
+  return transport.isend(tr.sender, tagGrad(t), asBytes(std::span<const float>(partial)));
+}
+
+void Executor::State::postKv(const plan::Stage& st, std::vector<RequestId>& requests) {
+  PassStats& stats = inBackward ? bwd : fwd;
   for (const int32_t t : st.recv) {
     if (posted[static_cast<size_t>(t)]) continue;
     posted[static_cast<size_t>(t)] = 1;
     const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
     auto& buf = remote[t];
     buf.resize(static_cast<size_t>(tr.bytes));
-    requests.push_back(transport.irecv(tr.sender, tagKv(t), buf));
+    kvPending.emplace_back(transport.irecv(tr.sender, tagKv(t), buf), t);
     stats.recvBytes += tr.bytes;
   }
   for (const int32_t t : st.send) {
-    const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
-    if (posted[static_cast<size_t>(t)] || (sendable && !(*sendable)(tr.block))) continue;
-    posted[static_cast<size_t>(t)] = 1;
-    const std::byte* src = kvSource(tr.block);
-    requests.push_back(
-        transport.isend(tr.receiver, tagKv(t), {src, static_cast<size_t>(tr.bytes)}));
-    stats.sentBytes += tr.bytes;
-    stats.kvBytes += tr.bytes;
+    if (posted[static_cast<size_t>(t)]) continue;
+    const int32_t local = sourceLocal(t);
+    // Backward, K and V are in place since the forward.
+    if (!inBackward && local >= 0 && !haveBlock(local)) {
+      posted[static_cast<size_t>(t)] = 1;
+      deferred.push_back(t);
+      continue;
+    }
+    postKvSend(t, requests);
   }
 }
 
-void Executor::State::prepostFirstStage(bool backward) {
-  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
-  posted.assign(plan.transfers.size(), 0);
-  preposted.clear();
-  if (stages.empty()) return;
-  // Backward, K and V are in place since the forward; forward, only ready blocks are.
-  const std::function<bool(int32_t)> sendable = [this, backward](int32_t block) {
-    const int32_t local = localIndex[static_cast<size_t>(block)];
-    return local >= 0 && (backward || index().ready[static_cast<size_t>(local)]);
-  };
-  postKv(stages.front(), preposted, backward ? bwd : fwd, &sendable);
+void Executor::State::postKvSend(int32_t t, std::vector<RequestId>& requests) {
+  PassStats& stats = inBackward ? bwd : fwd;
+  posted[static_cast<size_t>(t)] = 1;
+  const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+  const std::byte* src = kvSource(tr.block);
+  requests.push_back(transport.isend(tr.receiver, tagKv(t), {src, static_cast<size_t>(tr.bytes)}));
+  stats.sentBytes += tr.bytes;
+  stats.kvBytes += tr.bytes;
 }
 
-void Executor::State::runStages(bool backward, const std::vector<char>& done) {
-  const auto& stages = (backward ? plan.backward : plan.forward)[static_cast<size_t>(rank)];
-  PassStats& stats = backward ? bwd : fwd;
+void Executor::State::computeDelta(int32_t local) {
+  const auto l = static_cast<size_t>(local);
+  const int64_t row = tokenStart[l], n = tokenStart[l + 1] - row;
+  const auto h = static_cast<int>(hq), d = static_cast<int>(dim);
+  kernels::computeDelta({constLayer->o.data() + row * qRow, n, h, d, kernels::DType::kFp32},
+                        {dO.data() + row * qRow * elem, n, h, d, options.dtype},
+                        delta.data() + row * hq);
+}
+
+void Executor::State::runStages() {
+  const auto& stages = stagesOf(rank);
+  PassStats& stats = inBackward ? bwd : fwd;
+  const std::vector<int32_t> priority = priorityOrder();
   std::vector<RequestId> requests;
-  std::vector<int32_t> order;
   for (size_t s = 0; s < stages.size(); ++s) {
     const plan::Stage& st = stages[s];
     requests.clear();
     if (s == 0) requests.swap(preposted);
-    postKv(st, requests, stats, nullptr);
+    stageRequests = &requests;
+    postKv(st, requests);
     for (const int32_t t : st.recvGrad) {
       const int64_t floats = 2 * blockTokens(plan.transfers[static_cast<size_t>(t)].block) * kRow;
       auto& buf = gradIn[t];
@@ -479,34 +737,19 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
                                          tagGrad(t), asWritableBytes(std::span<float>(buf))));
     }
     for (const int32_t t : st.sendGrad) {
-      const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
-      auto& partial = gradPartial[t];
-      if (partial.empty())
-        partial.assign(static_cast<size_t>(2 * blockTokens(tr.block) * kRow), 0.f);
-      requests.push_back(
-          transport.isend(tr.sender, tagGrad(t), asBytes(std::span<const float>(partial))));
-      const auto bytes = static_cast<int64_t>(partial.size() * sizeof(float));
-      stats.sentBytes += bytes;
-      stats.kvBytes += bytes;
+      const auto sent = gradSent.find(t);
+      requests.push_back(sent != gradSent.end() ? sent->second : sendGrad(t));
+      gradRemaining[static_cast<size_t>(t)] = -1;  // sent: never again
     }
     const double commPosted = Timeline::nowUs();
-    // Within a stage, pairs run grouped by Q block (stable), so that blocks finish one after
-    // another and their outputs leave while the rest compute; Q blocks whose tokens came from
-    // another rank first, as their outputs must travel back.
-    order.assign(st.compute.begin(), st.compute.end());
-    const std::vector<char>& ready = index().ready;
-    const auto key = [&](int32_t p) {
-      const int32_t q = plan.pairs[static_cast<size_t>(p)].qBlock;
-      return std::pair{ready[static_cast<size_t>(localIndex[static_cast<size_t>(q)])] != 0, q};
-    };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return key(a) < key(b); });
-    for (const int32_t p : order) {
-      if (done[static_cast<size_t>(p)]) continue;
-      backward ? backwardPair(p) : forwardPair(p);
+    const size_t completed = computeStage(st, priority, requests);
+    const double waitStart = Timeline::nowUs();
+    waitAll(transport, std::span<const RequestId>(requests).subspan(completed));
+    for (const auto& [request, t] : kvPending) {
+      transport.wait(request);
+      kvArrived[static_cast<size_t>(t)] = 1;
     }
-    const double computeEnd = Timeline::nowUs();
-    waitAll(transport, requests);
+    kvPending.clear();
     const double stageEnd = Timeline::nowUs();
     if (options.timeline) {
       if (!requests.empty()) {
@@ -514,7 +757,7 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
             "stage " + std::to_string(s) + " messages (" + std::to_string(requests.size()) + ")", 1,
             commPosted, stageEnd);
       }
-      if (stageEnd - computeEnd > 1.0) options.timeline->add("wait", 2, computeEnd, stageEnd);
+      if (stageEnd - waitStart > 1.0) options.timeline->add("wait", 2, waitStart, stageEnd);
     }
     for (const int32_t t : st.recvGrad) {
       const plan::Transfer& tr = plan.transfers[static_cast<size_t>(t)];
@@ -531,10 +774,15 @@ void Executor::State::runStages(bool backward, const std::vector<char>& done) {
       for (size_t i = 0; i < in.size(); ++i) into[i] += in[i];
       gradIn.erase(t);
       if (kvStream) kvStream->countDown(local);
+      if (local < 0) countDownGrad(transferTo(tr.block, rank));
     }
-    for (const int32_t t : st.sendGrad) gradPartial.erase(t);
+    for (const int32_t t : st.sendGrad) {
+      gradPartial.erase(t);
+      gradSent.erase(t);
+    }
     for (const int32_t t : st.release) remote.erase(t);
   }
+  stageRequests = nullptr;
   FCP_CHECK(remote.empty() && gradIn.empty(), "rank ", rank, " ends a pass still holding buffers");
 }
 
@@ -566,9 +814,9 @@ void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> lo
   }
   Field f{user.data(), nullptr, Elem::kRaw, Elem::kRaw, rowBytes, s.rows(local.data(), rowBytes)};
   detail::Inward in({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
-                    s.tag(kDispatchTag));
+                    s.blockTag(kDispatch));
   const PendingGuard guard(s.transport, [&in] { in.keepBuffersForever(); });
-  in.post();
+  in.start();
   in.finish();
 }
 
@@ -585,7 +833,7 @@ void Executor::undispatch(std::span<const std::byte> local, std::span<std::byte>
   auto* base = const_cast<std::byte*>(local.data());
   Field f{nullptr, user.data(), Elem::kRaw, Elem::kRaw, rowBytes, s.rows(base, rowBytes)};
   detail::Outward out({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
-                      s.outwardTag(kUndispatch), std::vector<int64_t>(s.localBlocks.size(), 0));
+                      s.blockTag(kUndispatch), std::vector<int64_t>(s.localBlocks.size(), 0));
   const PendingGuard guard(s.transport, [&out] { out.keepBuffersForever(); });
   out.start();
   out.finish();
@@ -612,7 +860,7 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
       {{in8(q), nullptr, s.storage, s.storage, s.qRow, s.rows(layer.q.data(), qBytes)},
        {in8(k), nullptr, s.storage, s.storage, s.kRow, s.kvRows(layer.kv.data(), kBytes, false)},
        {in8(v), nullptr, s.storage, s.storage, s.kRow, s.kvRows(layer.kv.data(), kBytes, true)}},
-      s.tag(kInwardTag));
+      s.blockTag(kInward));
   // LSE always travels (hq floats per token beside O's hq·d): the messages' layout must not
   // depend on what each rank asked for. A rank that does not want it keeps it in scratch.
   std::vector<float> unwantedLse;
@@ -625,7 +873,7 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
        s.rows(reinterpret_cast<std::byte*>(layer.o.data()), s.qRow * 4)},
       {nullptr, reinterpret_cast<std::byte*>(lse), Elem::kFp32, Elem::kFp32, s.hq,
        s.rows(reinterpret_cast<std::byte*>(layer.lse.data()), s.hq * 4)}};
-  detail::Outward out(s.context(&s.fwd), std::move(outFields), s.outwardTag(kForwardOut),
+  detail::Outward out(s.context(&s.fwd), std::move(outFields), s.blockTag(kForwardOut),
                       s.remainingPerBlock(false, false));
   // Destroyed before the streams when an error unwinds this pass (sends read layer.kv too).
   const PendingGuard guard(s.transport, [&] {
@@ -634,16 +882,14 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
     s.keepBuffersForever();
     keepForever(layer.kv);
   });
-  in.post();
   out.start();
   s.qStream = &out;
-  s.prepostFirstStage(false);
-  std::vector<char> done;
-  s.runEarlyPairs(false, done, in);
+  s.beginPass(false, in);
+  s.runStages();
   in.finish();
-  s.runStages(false, done);
   out.finish();
   s.qStream = nullptr;
+  s.inward = nullptr;
   s.layer = nullptr;
   s.constLayer = nullptr;
   layer.batchId = s.id;
@@ -672,17 +918,17 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
   detail::Inward in(s.context(&s.bwd),
                     {{static_cast<const std::byte*>(dO), nullptr, s.storage, s.storage, s.qRow,
                       s.rows(s.dO.data(), s.qRow * s.elem)}},
-                    s.tag(kInwardTag));
+                    s.blockTag(kInward));
   detail::Outward qOut(s.context(&s.bwd),
                        {{nullptr, static_cast<std::byte*>(dq), s.storage, Elem::kFp32, s.qRow,
                          s.rows(f8(s.dq), s.qRow * 4)}},
-                       s.outwardTag(kBackwardQ), s.remainingPerBlock(true, false));
+                       s.blockTag(kBackwardQ), s.remainingPerBlock(true, false));
   detail::Outward kvOut(s.context(&s.bwd),
                         {{nullptr, static_cast<std::byte*>(dk), s.storage, Elem::kFp32, s.kRow,
                           s.kvRows(f8(s.dkv), s.kRow * 4, false)},
                          {nullptr, static_cast<std::byte*>(dv), s.storage, Elem::kFp32, s.kRow,
                           s.kvRows(f8(s.dkv), s.kRow * 4, true)}},
-                        s.outwardTag(kBackwardKv), s.remainingPerBlock(true, true));
+                        s.blockTag(kBackwardKv), s.remainingPerBlock(true, true));
   // Destroyed before the streams when an error unwinds this pass.
   const PendingGuard guard(s.transport, [&] {
     in.keepBuffersForever();
@@ -690,33 +936,18 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
     kvOut.keepBuffersForever();
     s.keepBuffersForever();
   });
-  in.post();
   qOut.start();
   kvOut.start();
   s.qStream = &qOut;
   s.kvStream = &kvOut;
-  // D = rowsum(dO ∘ O) per block: ready blocks first, so that their pairs can start.
-  auto computeDelta = [&s, &layer](bool readyBlocks) {
-    for (size_t local = 0; local < s.localBlocks.size(); ++local) {
-      if (static_cast<bool>(s.index().ready[local]) != readyBlocks) continue;
-      const int64_t row = s.tokenStart[local], n = s.tokenStart[local + 1] - row;
-      const auto h = static_cast<int>(s.hq), d = static_cast<int>(s.dim);
-      kernels::computeDelta({layer.o.data() + row * s.qRow, n, h, d, kernels::DType::kFp32},
-                            {s.dO.data() + row * s.qRow * s.elem, n, h, d, s.options.dtype},
-                            s.delta.data() + row * s.hq);
-    }
-  };
-  s.prepostFirstStage(true);
-  computeDelta(true);
-  std::vector<char> done;
-  s.runEarlyPairs(true, done, in);
+  s.beginPass(true, in);
+  s.runStages();
   in.finish();
-  computeDelta(false);
-  s.runStages(true, done);
   FCP_CHECK(s.gradPartial.empty(), "rank ", s.rank, " ends the backward holding dK/dV partials");
   qOut.finish();
   kvOut.finish();
   s.qStream = s.kvStream = nullptr;
+  s.inward = nullptr;
   s.constLayer = nullptr;
   s.bwd.wallMs = msSince(start);
   if (s.options.timeline) s.options.timeline->add("backward", 2, startUs, Timeline::nowUs());

@@ -36,84 +36,147 @@ int64_t rowBytes(const std::vector<Field>& fields) {
 
 }  // namespace
 
-Inward::Inward(const ReshuffleContext& context, std::vector<Field> fields, int tag)
-    : ctx_(context), fields_(std::move(fields)), tag_(tag) {}
+Inward::Inward(const ReshuffleContext& context, std::vector<Field> fields, int tagBase)
+    : ctx_(context), fields_(std::move(fields)), tagBase_(tagBase) {}
 
-// Every field's rows for one destination rank are packed into one message, fields one after
-// another, pieces in stream order; pieces that stay on this rank are copied at once.
 void Inward::keepBuffersForever() {
   keepForever(sendBufs_);
-  keepForever(recvBufs_);
+  keepForever(incoming_);
 }
 
-void Inward::post() {
+// A message holds one block's rows for one FCP rank: every field's rows, fields one after
+// another, the block's pieces in stream order (the receiver's inbound pieces of that block, in
+// the same order). Pieces that stay on this rank are copied at once.
+void Inward::start() {
   const LayoutIndex& index = ctx_.index;
   const size_t n = index.inbound.size();
   const int64_t row = rowBytes(fields_);
-  startUs_ = Timeline::nowUs();
-  sendBufs_.assign(n, {});
-  recvBufs_.assign(n, {});
+  startUs_ = lastArrivalUs_ = Timeline::nowUs();
+  missing_.assign(static_cast<size_t>(index.numLocalBlocks), 0);
   for (size_t peer = 0; peer < n; ++peer) {
-    if (static_cast<int>(peer) == ctx_.rank || index.inbound[peer].empty()) continue;
-    int64_t tokens = 0;
-    for (const Piece& p : index.inbound[peer]) tokens += p.numTokens;
-    recvBufs_[peer].resize(static_cast<size_t>(tokens * row));
-    if (ctx_.stats) ctx_.stats->recvBytes += tokens * row;
-    requests_.push_back(ctx_.transport.irecv(static_cast<int>(peer), tag_, recvBufs_[peer]));
+    if (static_cast<int>(peer) == ctx_.rank) continue;
+    std::map<int32_t, std::pair<int32_t, int64_t>> tokensOf;  // block -> (local, tokens)
+    for (const Piece& p : index.inbound[peer]) {
+      auto& [local, tokens] = tokensOf[p.block];
+      local = p.localBlock;
+      tokens += p.numTokens;
+    }
+    for (const auto& [block, what] : tokensOf) {
+      Incoming in{static_cast<int>(peer), block, what.first,
+                  std::vector<std::byte>(static_cast<size_t>(what.second * row)), 0};
+      in.request = ctx_.transport.irecv(in.peer, tagBase_ + block, in.buffer);
+      if (ctx_.stats) ctx_.stats->recvBytes += what.second * row;
+      ++missing_[static_cast<size_t>(in.local)];
+      pending_.push_back(incoming_.size());
+      incoming_.push_back(std::move(in));
+    }
   }
+  sent_.assign(n, {});
   for (size_t peer = 0; peer < n; ++peer) {
-    const bool local = static_cast<int>(peer) == ctx_.rank;
-    std::vector<std::byte>& buf = sendBufs_[peer];
-    int64_t tokens = 0;
-    for (const Piece& p : index.outbound[peer]) tokens += p.numTokens;
-    if (tokens == 0) continue;
-    if (!local) buf.resize(static_cast<size_t>(tokens * row));
-    std::byte* dst = buf.data();
-    for (const Field& f : fields_) {
-      const int64_t w = f.wireBytes();
-      for (const Piece& p : index.outbound[peer]) {
-        for (int64_t i = 0; i < p.numTokens; ++i) {
-          const std::byte* src = f.user + (p.userOffset + i) * w;
-          if (local) {
-            copyElements(f.fcp(p.localBlock, p.blockOffset + i), f.fcpElem, src, f.userElem,
-                         f.elements);
-          } else {
-            std::memcpy(dst, src, static_cast<size_t>(w));
-            dst += w;
-          }
-        }
+    if (static_cast<int>(peer) == ctx_.rank) continue;
+    for (const Piece& p : index.outbound[peer]) sent_[peer][p.block] = false;
+  }
+  for (const Field& f : fields_) {
+    const int64_t w = f.wireBytes();
+    for (const Piece& p : index.outbound[static_cast<size_t>(ctx_.rank)]) {
+      for (int64_t i = 0; i < p.numTokens; ++i) {
+        copyElements(f.fcp(p.localBlock, p.blockOffset + i), f.fcpElem,
+                     f.user + (p.userOffset + i) * w, f.userElem, f.elements);
       }
     }
-    if (local) continue;
-    if (ctx_.stats) ctx_.stats->sentBytes += static_cast<int64_t>(buf.size());
-    requests_.push_back(ctx_.transport.isend(static_cast<int>(peer), tag_, buf));
   }
 }
 
-bool Inward::arrived() {
-  while (completed_ < requests_.size() && ctx_.transport.test(requests_[completed_])) ++completed_;
-  return completed_ == requests_.size();
+void Inward::send(int peer, int32_t block) {
+  auto& sent = sent_[static_cast<size_t>(peer)];
+  const auto it = sent.find(block);
+  if (it == sent.end() || it->second) return;
+  it->second = true;
+  std::vector<std::byte> buf;
+  for (const Field& f : fields_) {
+    const int64_t w = f.wireBytes();
+    for (const Piece& p : ctx_.index.outbound[static_cast<size_t>(peer)]) {
+      if (p.block != block) continue;
+      const std::byte* src = f.user + p.userOffset * w;
+      buf.insert(buf.end(), src, src + p.numTokens * w);
+    }
+  }
+  if (ctx_.stats) ctx_.stats->sentBytes += static_cast<int64_t>(buf.size());
+  sendBufs_.push_back(std::move(buf));
+  sends_.push_back(ctx_.transport.isend(peer, tagBase_ + block, sendBufs_.back()));
+}
+
+void Inward::sendRest() {
+  for (size_t peer = 0; peer < sent_.size(); ++peer) {
+    for (const auto& [block, sent] : sent_[peer]) {
+      if (!sent) send(static_cast<int>(peer), block);
+    }
+  }
+}
+
+void Inward::unpack(Incoming& in) {
+  const std::byte* src = in.buffer.data();
+  for (const Field& f : fields_) {
+    const int64_t w = f.wireBytes();
+    for (const Piece& p : ctx_.index.inbound[static_cast<size_t>(in.peer)]) {
+      if (p.block != in.block) continue;
+      for (int64_t i = 0; i < p.numTokens; ++i, src += w) {
+        copyElements(f.fcp(p.localBlock, p.blockOffset + i), f.fcpElem, src, f.userElem,
+                     f.elements);
+      }
+    }
+  }
+  in.buffer = {};
+  --missing_[static_cast<size_t>(in.local)];
+  lastArrivalUs_ = Timeline::nowUs();
+}
+
+int Inward::poll() {
+  int arrived = 0;
+  for (size_t i = 0; i < pending_.size();) {
+    Incoming& in = incoming_[pending_[i]];
+    if (!ctx_.transport.test(in.request)) {
+      ++i;
+      continue;
+    }
+    unpack(in);
+    ++arrived;
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  return arrived;
+}
+
+void Inward::waitFor(int32_t local) {
+  if (has(local)) return;
+  const double start = Timeline::nowUs();
+  for (size_t i = 0; i < pending_.size();) {
+    Incoming& in = incoming_[pending_[i]];
+    if (in.local != local) {
+      ++i;
+      continue;
+    }
+    ctx_.transport.wait(in.request);
+    unpack(in);
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  if (ctx_.timeline) ctx_.timeline->add("wait", 2, start, Timeline::nowUs());
 }
 
 void Inward::finish() {
+  sendRest();
   const double waitStart = Timeline::nowUs();
-  waitAll(ctx_.transport, std::span<const RequestId>(requests_).subspan(completed_));
-  completed_ = requests_.size();
-  if (ctx_.timeline) ctx_.timeline->add("wait", 2, waitStart, Timeline::nowUs());
-  for (size_t peer = 0; peer < recvBufs_.size(); ++peer) {
-    const std::byte* src = recvBufs_[peer].data();
-    if (recvBufs_[peer].empty()) continue;
-    for (const Field& f : fields_) {
-      const int64_t w = f.wireBytes();
-      for (const Piece& p : ctx_.index.inbound[peer]) {
-        for (int64_t i = 0; i < p.numTokens; ++i, src += w) {
-          copyElements(f.fcp(p.localBlock, p.blockOffset + i), f.fcpElem, src, f.userElem,
-                       f.elements);
-        }
-      }
-    }
+  for (const size_t i : pending_) {
+    ctx_.transport.wait(incoming_[i].request);
+    unpack(incoming_[i]);
   }
-  if (ctx_.timeline) ctx_.timeline->add("reshuffle in", 1, startUs_, Timeline::nowUs());
+  pending_.clear();
+  waitAll(ctx_.transport, sends_);
+  sends_.clear();
+  if (ctx_.timeline) {
+    const double end = Timeline::nowUs();
+    if (end - waitStart > 1.0) ctx_.timeline->add("wait", 2, waitStart, end);
+    ctx_.timeline->add("reshuffle in", 1, startUs_, lastArrivalUs_);
+  }
 }
 
 Outward::Outward(const ReshuffleContext& context, std::vector<Field> fields, int tagBase,

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "fcp/runtime/executor.h"
@@ -38,7 +39,7 @@ struct Piece {
 struct LayoutIndex {
   std::vector<std::vector<Piece>> inbound;   ///< [user rank] pieces this rank receives
   std::vector<std::vector<Piece>> outbound;  ///< [fcp rank] pieces this rank sends
-  std::vector<char> ready;                   ///< per local block: no token from another rank
+  int32_t numLocalBlocks = 0;                ///< blocks this rank owns
   int64_t userTokens = 0;                    ///< rows of the caller's tensors on this rank
 };
 
@@ -61,26 +62,49 @@ struct ReshuffleContext {
   Timeline* timeline = nullptr;
 };
 
-/// The inward reshuffle: post() sends every field's rows for each FCP rank in one message and
-/// copies the rows that stay here at once; finish() waits and unpacks what arrived.
+/// The inward reshuffle, one message per block and destination rank (tagged tagBase + block),
+/// so that a block can start as soon as its own rows are in, not when a peer's whole share is.
+/// start() posts every receive and copies the rows that stay on this rank; send() sends one
+/// block's rows to one FCP rank, in the order the caller chooses (a link carries them in that
+/// order); sendRest() sends the others; poll() and waitFor() unpack what arrived; finish()
+/// sends what is left and waits for everything.
 class Inward {
  public:
-  Inward(const ReshuffleContext& context, std::vector<Field> fields, int tag);
-  void post();
-  /// True once every message has arrived (never blocks): finish() will then not wait.
-  bool arrived();
+  Inward(const ReshuffleContext& context, std::vector<Field> fields, int tagBase);
+  void start();
+  /// Sends block `block`'s rows to FCP rank `peer` unless sent already or it has none there.
+  void send(int peer, int32_t block);
+  /// Sends every message not sent yet (by peer, then block).
+  void sendRest();
+  /// Unpacks every message that has arrived (never blocks); returns how many did.
+  int poll();
+  /// True when every row of local block `local` is in place.
+  bool has(int32_t local) const { return missing_[static_cast<size_t>(local)] == 0; }
+  /// Blocks until has(local).
+  void waitFor(int32_t local);
   void finish();
   /// After an error the transport could not withdraw from: the message buffers are never freed.
   void keepBuffersForever();
 
  private:
+  struct Incoming {
+    int peer;
+    int32_t block;
+    int32_t local;
+    std::vector<std::byte> buffer;
+    RequestId request;
+  };
+  void unpack(Incoming& in);
   ReshuffleContext ctx_;
   std::vector<Field> fields_;
-  int tag_;
-  std::vector<std::vector<std::byte>> sendBufs_, recvBufs_;
-  std::vector<RequestId> requests_;
-  size_t completed_ = 0;  ///< requests_[0, completed_) have completed (arrived() tests in order)
-  double startUs_ = 0;
+  int tagBase_;
+  std::vector<Incoming> incoming_;
+  std::vector<size_t> pending_;                ///< indices into incoming_ not arrived yet
+  std::vector<int32_t> missing_;               ///< per local block: messages still to arrive
+  std::vector<std::map<int32_t, bool>> sent_;  ///< [fcp rank] block with rows for it -> sent
+  std::vector<std::vector<std::byte>> sendBufs_;
+  std::vector<RequestId> sends_;
+  double startUs_ = 0, lastArrivalUs_ = 0;
 };
 
 /// The outward reshuffle: a block's rows leave (one message per block and user rank, tagged
