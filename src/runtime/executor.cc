@@ -18,10 +18,11 @@
 // Within a stage, pairs of travelling Q blocks go first among those that can run, and a block's
 // outputs leave as soon as its remaining count (pairs still to compute, and backward the dK/dV
 // returns still to add) reaches zero, while later blocks compute. While a stage waits for its
-// messages, later stages' pairs whose KV is local run. Pairs never wait for a message they do
-// not need, so the order of partial merges depends on arrival times (merges are exact in log
-// space up to rounding). In the dispatched layout every piece is local: the same code moves
-// nothing.
+// messages, later stages' pairs whose KV is local run. A pair never waits for a message it does
+// not need, but it does wait for the pairs before it (in plan order) that add into the same
+// output, so that every sum is taken in one order: results do not depend on arrival times and
+// are bitwise the same run to run and in either layout. In the dispatched layout every piece is
+// local: the same code moves nothing.
 //
 // Tags, from options.firstTag: 2t a transfer's KV and 2t + 1 its dK/dV partial, then per block
 // stream (forward O/LSE, backward dQ, backward dK/dV, undispatch, the inward reshuffle of
@@ -36,6 +37,7 @@
 #include <limits>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
@@ -116,6 +118,16 @@ struct Executor::State {
   std::vector<std::pair<RequestId, int32_t>> kvPending;  // KV receives not complete yet
   std::vector<RequestId> preposted;  // the first stage's messages posted with the reshuffle
   std::vector<RequestId>* stageRequests = nullptr;
+  // Sums are taken in one order whatever the arrival times, so that results are the same run to
+  // run and in either layout. Per pair of this rank's pass: the pair before it in plan order
+  // (stage by stage, then as the stage lists them) that adds into the same Q block (O, or dQ)
+  // and, backward, into the same dK/dV accumulator (-1: none); a pair runs only after them.
+  // Backward, a dK/dV accumulator is a local block's or a transfer's partial (kvAccumulator);
+  // the stages whose end adds returned partials into it (ascending) hold back the pairs of
+  // later stages until those returns are in.
+  std::vector<int32_t> afterQ, afterKv, stageOf, kvAcc;
+  std::vector<std::vector<int32_t>> returnStages;
+  int32_t currentStage = 0;
 
   /// After an error the transport could not withdraw from: KV and gradient buffers are never
   /// freed (PendingGuard).
@@ -199,6 +211,13 @@ struct Executor::State {
   void beginPass(bool backward, detail::Inward& in);
   bool haveBlock(int32_t local);
   bool canRun(int32_t p);
+  int32_t kvAccumulator(int32_t kvBlock) const {
+    const int32_t local = localIndex[static_cast<size_t>(kvBlock)];
+    return local >= 0 ? local
+                      : static_cast<int32_t>(localBlocks.size()) + transferTo(kvBlock, rank);
+  }
+  void orderSums();
+  bool inOrder(int32_t p) const;
   int32_t missingBlock(int32_t p);
   void pollMessages();
   void postDeferred();
@@ -425,6 +444,7 @@ void Executor::State::beginPass(bool backward, detail::Inward& in) {
   kvArrived.assign(plan.transfers.size(), 0);
   kvPending.clear();
   if (backward) countGrads();
+  orderSums();
   deferred.clear();
   preposted.clear();
   in.start();
@@ -468,9 +488,53 @@ bool Executor::State::haveBlock(int32_t local) {
   return true;
 }
 
-// Whether pair `p`'s inputs are here: its Q block's rows, and its KV block's (local) or the
-// transfer that brings it (remote).
+void Executor::State::orderSums() {
+  const size_t numPairs = plan.pairs.size();
+  afterQ.assign(numPairs, -1);
+  afterKv.assign(numPairs, -1);
+  stageOf.assign(numPairs, -1);
+  kvAcc.assign(numPairs, -1);
+  const size_t numAcc = localBlocks.size() + plan.transfers.size();
+  std::vector<int32_t> lastQ(localBlocks.size(), -1), lastKv(inBackward ? numAcc : 0, -1);
+  returnStages.assign(inBackward ? numAcc : 0, {});
+  const auto& stages = stagesOf(rank);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    for (const int32_t p : stages[s].compute) {
+      const auto i = static_cast<size_t>(p);
+      const plan::BlockPair& pair = plan.pairs[i];
+      stageOf[i] = static_cast<int32_t>(s);
+      int32_t& q = lastQ[static_cast<size_t>(localIndex[static_cast<size_t>(pair.qBlock)])];
+      afterQ[i] = std::exchange(q, p);
+      if (!inBackward) continue;
+      kvAcc[i] = kvAccumulator(pair.kvBlock);
+      afterKv[i] = std::exchange(lastKv[static_cast<size_t>(kvAcc[i])], p);
+    }
+    if (!inBackward) continue;
+    for (const int32_t t : stages[s].recvGrad) {
+      const auto acc = static_cast<size_t>(kvAccumulator(plan.transfers[static_cast<size_t>(t)].block));
+      if (returnStages[acc].empty() || returnStages[acc].back() != static_cast<int32_t>(s))
+        returnStages[acc].push_back(static_cast<int32_t>(s));
+    }
+  }
+}
+
+// Whether every sum pair `p` adds into has taken what comes before it (orderSums).
+bool Executor::State::inOrder(int32_t p) const {
+  const auto i = static_cast<size_t>(p);
+  if (afterQ[i] >= 0 && !done[static_cast<size_t>(afterQ[i])]) return false;
+  if (!inBackward) return true;
+  if (afterKv[i] >= 0 && !done[static_cast<size_t>(afterKv[i])]) return false;
+  // The returns of stages before the current one are in; those of later stages before p's are
+  // not.
+  const std::vector<int32_t>& returns = returnStages[static_cast<size_t>(kvAcc[i])];
+  const auto next = std::lower_bound(returns.begin(), returns.end(), currentStage);
+  return next == returns.end() || *next >= stageOf[i];
+}
+
+// Whether pair `p` may run: its sums are in order (inOrder) and its inputs are here: its Q
+// block's rows, and its KV block's (local) or the transfer that brings it (remote).
 bool Executor::State::canRun(int32_t p) {
+  if (!inOrder(p)) return false;
   const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
   if (!haveBlock(localIndex[static_cast<size_t>(pair.qBlock)])) return false;
   const int32_t kl = localIndex[static_cast<size_t>(pair.kvBlock)];
@@ -552,7 +616,12 @@ size_t Executor::State::computeStage(const plan::Stage& st, const std::vector<in
     if (next != priority.end()) {
       runPair(*next);
     } else if (!required.empty()) {
-      inward->waitFor(missingBlock(required.front()));
+      // A pair of the stage in order exists (the first in plan order not done): its inputs are
+      // what is missing.
+      const auto first = std::find_if(required.begin(), required.end(),
+                                      [this](int32_t p) { return inOrder(p); });
+      FCP_CHECK(first != required.end(), "rank ", rank, " has no pair of its stage in order");
+      inward->waitFor(missingBlock(*first));
     } else if (!deferred.empty()) {
       const int32_t t = deferred.front();
       inward->waitFor(sourceLocal(t));
@@ -724,6 +793,7 @@ void Executor::State::runStages() {
   std::vector<RequestId> requests;
   for (size_t s = 0; s < stages.size(); ++s) {
     const plan::Stage& st = stages[s];
+    currentStage = static_cast<int32_t>(s);
     requests.clear();
     if (s == 0) requests.swap(preposted);
     stageRequests = &requests;

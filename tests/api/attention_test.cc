@@ -351,6 +351,32 @@ TEST(AttentionBatchTest, DispatchedEqualsTransparent) {
   }
 }
 
+// Pairs run as their inputs arrive, but every sum is taken in plan order: outputs and gradients
+// are bitwise the same run to run and in either layout, whatever the threads' timing.
+TEST(AttentionBatchTest, ResultsAreBitwiseTheSameRunToRunAndInEitherLayout) {
+  Rng rng(23);
+  for (const DType dtype : {DType::kFp32, DType::kBf16}) {
+    Problem p;
+    p.lengths = randomLengths(rng, 700, 200);
+    p.starts = randomSplit(rng, cuOf(p.lengths).back(), 4, 1);
+    p.dtype = dtype;
+    p.blockSize = 32;
+    const Whole in = randomInputs(p, rng.next());
+    const Outputs first = run(p, {in})[0];
+    for (int repeat = 0; repeat < 6; ++repeat) {
+      p.layout = repeat % 3 == 2 ? Layout::kDispatched : Layout::kTransparent;
+      const Outputs again = run(p, {in})[0];
+      const std::string what = std::string(kernels::dtypeName(dtype)) + " run " +
+                               std::to_string(repeat) + " " +
+                               (p.layout == Layout::kDispatched ? "dispatched" : "transparent");
+      EXPECT_TRUE(again.o == first.o) << what << ": out";
+      EXPECT_TRUE(again.dq == first.dq) << what << ": dq";
+      EXPECT_TRUE(again.dk == first.dk) << what << ": dk";
+      EXPECT_TRUE(again.dv == first.dv) << what << ": dv";
+    }
+  }
+}
+
 TEST(AttentionBatchTest, FourLayersShareOneBatchAndEqualFourSingleLayerRuns) {
   Rng rng(3);
   for (const Layout layout : {Layout::kTransparent, Layout::kDispatched}) {
