@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "fcp/plan/plan.h"
+
 namespace fcp::app {
 
 /// Help of every subcommand's --workload.
@@ -32,7 +34,7 @@ inline constexpr int64_t kMaxRepeats = 1000;
 inline constexpr double kMaxTimeoutSeconds = 24 * 3600;
 /// Largest --comm-ratio (FLOP per byte; GPU-X is 5920): above it the capped link is so slow
 /// that a run of the default batch takes hours.
-inline constexpr double kMaxCommRatio = 1e5;
+inline constexpr double kMaxCommRatio = plan::kMaxCommRatio;
 /// Most attention FLOPs `fcp run` takes on per rank (forward and backward, every warm-up and
 /// timed repeat of every strategy): about 15 minutes at 20 GFLOP/s.
 inline constexpr double kMaxRunFlopsPerRank = 2e13;

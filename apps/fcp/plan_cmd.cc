@@ -45,6 +45,7 @@ struct PlanArgs {
   bool noCostAwareBlocks = false;
   std::string placement = "local";
   double localitySlack = 0.01;
+  double commRatio = 0;
   double commBalanceSlack = 0.002;
   bool json = false;
   std::string planOut;
@@ -163,6 +164,7 @@ void runPlan(const PlanArgs& a) {
   config.costAwareBlocks = !a.noCostAwareBlocks;
   config.placement = plan::parsePlacement(a.placement);
   config.localitySlack = a.localitySlack;
+  config.commRatio = a.commRatio;
   config.commBalanceSlack = a.commBalanceSlack;
   config.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(config.attention);
@@ -309,6 +311,9 @@ void addPlanCommand(CLI::App& app) {
   addNumber(cmd, "--locality-slack", args->localitySlack, 0, 1,
             "With --placement local: compute above the lower bound the busiest worker may "
             "keep rather than move more bytes (0 to 1)");
+  addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
+            "With --placement local: FLOP per byte of the link (GPU-X 5920; 0: unknown); the "
+            "local placement then wins on estimated step time, not compute balance alone");
   cmd->add_flag("--no-locality", args->noLocality,
                 "With --placement lpt: do not relabel workers to keep blocks where the user "
                 "layout holds them");

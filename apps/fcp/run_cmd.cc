@@ -145,6 +145,7 @@ Setup validate(const RunArgs& a) {
   if (!(a.tolerance > 0))
     throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
   auto& c = s.config;
+  c.commRatio = a.commRatio;  // the planner weighs bytes against compute at the capped link
   c.blockSize = parseTokenCount(a.blockSize, "--block-size");
   requireAtLeast(c.blockSize, kMinBlockSize, "--block-size",
                  "smaller blocks make more pairs than any batch can use");
@@ -763,7 +764,7 @@ void addRunCommand(CLI::App& app) {
   addInteger(cmd, "--threads", args->threads, 1, kMaxThreads, "Kernel threads per rank");
   addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
             "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y "
-            "2500; 0 = uncapped)");
+            "2500; 0 = uncapped); FCP's planner is told R (as fcp plan --comm-ratio)");
   cmd->add_flag("--check", args->check,
                 "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the "
                 "default batch: minutes)");

@@ -15,7 +15,7 @@ using nlohmann::json;
 constexpr int kFormatVersion = 1;
 
 json configToJson(const PlanConfig& c) {
-  return {{"workers", c.numWorkers},
+  json j = {{"workers", c.numWorkers},
           {"tokens_per_worker", c.tokensPerWorker},
           {"block_size", c.blockSize},
           {"memory_limit_tokens", c.memoryLimitTokens},
@@ -37,6 +37,9 @@ json configToJson(const PlanConfig& c) {
           {"element_bytes", c.attention.elementBytes},
           {"mask", std::string(maskName(c.attention.mask))},
           {"user_starts", c.userStarts}};
+  // Only when set, so that plans made without it keep their JSON (and digests) as before.
+  if (c.commRatio > 0) j["comm_ratio"] = c.commRatio;
+  return j;
 }
 
 /// An integer that must fit T exactly: nlohmann's get<T>() would narrow 2^32 + 1 to 1, or
@@ -106,6 +109,7 @@ PlanConfig configFromJson(const json& j) {
   c.placement = j.contains("placement") ? parsePlacement(field<std::string>(j, "placement"))
                                         : Placement::kLpt;
   if (j.contains("locality_slack")) c.localitySlack = field<double>(j, "locality_slack");
+  if (j.contains("comm_ratio")) c.commRatio = field<double>(j, "comm_ratio");
   c.locality = field<bool>(j, "locality");
   c.commBalanceSlack = field<double>(j, "comm_balance_slack");
   // Absent in plans saved before cost-aware blocks: those were made without them.

@@ -443,6 +443,30 @@ StepBytes stepBytes(Placed& p) {
   return bytes;
 }
 
+/// With a known link (config.commRatio > 0): whether the local placement's estimated step time
+/// is below the paper's placement's. A step takes at least the busiest worker's compute and at
+/// least the busiest worker's bytes over its link (both passes, each in its busier direction);
+/// bytes are weighed at commRatio useful FLOPs each, at a full block's efficiency. The local
+/// plan's communication balancing may spend compute up to the paper's estimated time. Where the
+/// paper's placement balances compute within `slack`, the evenness rule of the compute-only
+/// choice holds too: uneven traffic simulated slower than its bytes say (docs/locality.md).
+bool localIsFaster(Placed& lpt, Placed& local, const PlanConfig& config,
+                   const CostModel& costModel, const DistributorOptions& options, double slack) {
+  const double costPerByte = config.commRatio / costModel.forward.at(config.blockSize);
+  const auto stepTime = [costPerByte](const Placed& p, const StepBytes& b) {
+    return std::max(maxCost(p.plan), costPerByte * static_cast<double>(b.busiestWorker));
+  };
+  const StepBytes lptBytes = stepBytes(lpt);
+  const double lptTime = stepTime(lpt, lptBytes);
+  if (stepTime(local, stepBytes(local)) >= lptTime) return false;
+  balanceComm(local, config, options, kLocalStepsPerWorker, lptTime);
+  const StepBytes localBytes = stepBytes(local);
+  const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
+  return stepTime(local, localBytes) < lptTime &&
+         (!lptBalanced ||
+          localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance));
+}
+
 void checkTokenCoverage(const Plan& plan, Violations& v) {
   const auto numSequences = plan.batch.sequenceLengths.size();
   std::vector<std::vector<Chunk>> bySequence(numSequences);
@@ -613,6 +637,9 @@ void checkConfigRanges(const Plan& plan, Violations& v) {
   if (!(c.localitySlack >= 0 && c.localitySlack <= 1)) {
     v.add("plan has locality slack ", c.localitySlack, ": expected 0 to 1");
   }
+  if (!(c.commRatio >= 0 && c.commRatio <= kMaxCommRatio)) {
+    v.add("plan has communication ratio ", c.commRatio, ": expected 0 to ", kMaxCommRatio);
+  }
   if (!(c.alpha > 0 && c.alpha <= 1e6) || !(c.beta > 0 && c.beta <= 1e6)) {
     v.add("plan has alpha ", c.alpha, " and beta ", c.beta, ": expected each in (0, 1e6]");
   }
@@ -726,6 +753,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     throwInvalidArgument("invalid communication balance slack ", config.commBalanceSlack,
                          ": expected below 1 (negative turns balancing off)");
   }
+  if (!(config.commRatio >= 0 && config.commRatio <= kMaxCommRatio)) {
+    throwInvalidArgument("invalid communication ratio ", config.commRatio, ": expected 0 to ",
+                         kMaxCommRatio, " FLOP per byte (0: unknown)");
+  }
   if (!config.userStarts.empty())
     checkUserLayout(config.userStarts, batch.numTokens(), config.numWorkers);
   if (config.blockSize <= 0 || config.blockSize > kMaxSequenceLength) {
@@ -760,8 +791,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     // slower on GPU-X than the paper's (docs/locality.md). That balancing may not spend compute
     // past the limit: the local placement's own bound may be above the paper's.
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
-    const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
-    if (maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
+    if (config.commRatio > 0) {
+      if (localIsFaster(lpt, local, config, costModel, options, slack)) lpt = std::move(local);
+    } else if (const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
+               maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
       const StepBytes lptBytes = stepBytes(lpt);
       StepBytes localBytes = stepBytes(local);
       if (localBytes.total <= lptBytes.total) {

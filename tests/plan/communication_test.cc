@@ -250,6 +250,53 @@ TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
   EXPECT_GE(wins, 3);  // the cases above were picked where it wins
 }
 
+// Told how slow the link is (commRatio, useful FLOP per byte), the choice weighs bytes against
+// compute: the local placement wins where its estimated step time, max(busiest worker's cost,
+// busiest worker's bytes at the ratio), is below the paper's, even a few per cent above the
+// compute bound; otherwise the paper's plan is kept as it is. The cases were picked where
+// compute alone keeps the paper's placement.
+TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) {
+  constexpr double kRatio = 5920;  // GPU-X
+  struct Case {
+    const char* workload;
+    int64_t workers;
+    uint64_t seed;
+  };
+  int flips = 0;
+  for (const Case& k : {Case{"lognormal", 2, 2}, Case{"lognormal", 2, 4}, Case{"lognormal", 3, 3},
+                        Case{"lognormal-narrow", 3, 5}, Case{"bimodal", 3, 0}}) {
+    const Batch batch = sampleBatch(findWorkload(k.workload), k.workers * 8192, k.seed);
+    PlanConfig c;
+    c.numWorkers = k.workers;
+    c.tokensPerWorker = 8192;
+    c.blockSize = 2048;
+    const CostModel costModel{c.attention};
+    const Plan blind = buildPlan(batch, c, costModel);
+    c.commRatio = kRatio;
+    const Plan told = buildPlan(batch, c, costModel);
+    expectValid(told, k.workload);
+    c.placement = Placement::kLpt;
+    const Plan paper = buildPlan(batch, c, costModel);
+    const double perByte = kRatio / costModel.forward.at(c.blockSize);
+    const auto stepTime = [perByte](const Plan& p) {
+      double busiest = 0;
+      for (const WorkerLoad& l : p.loads) busiest = std::max(busiest, l.cost);
+      return std::max(busiest,
+                      perByte * static_cast<double>(computeStats(p).maxWorkerStepBytes));
+    };
+    const std::string what = std::string(k.workload) + " " + std::to_string(k.workers) +
+                             " workers seed " + std::to_string(k.seed);
+    if (told.placement == Placement::kLocal) {
+      EXPECT_LT(stepTime(told), stepTime(paper)) << what;
+    } else {
+      EXPECT_EQ(told.owner, paper.owner) << what;
+      EXPECT_EQ(computeStats(told).stepBytes, computeStats(paper).stepBytes) << what;
+    }
+    flips += blind.placement == Placement::kLpt && told.placement == Placement::kLocal;
+  }
+  EXPECT_GE(flips, 3);
+}
+
 TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   const Plan good = planFor(sampleBatch(findWorkload("lognormal"), 16 * 16384, 4), 16, 1024, 2, 2);
   ASSERT_TRUE(validate(good).empty());

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <string>
 
 #include "fcp/core/error.h"
@@ -68,12 +69,29 @@ TEST(PlanInputTest, ValidateRefusesWhatNoPlannerMakes) {
   EXPECT_TRUE(mentions(validate(p), "locality slack 5"));
 
   p = good;
+  p.config.commRatio = -1;
+  EXPECT_TRUE(mentions(validate(p), "communication ratio -1"));
+
+  p = good;
   p.config.improveStepsPerBlock = kMaxImproveStepsPerBlock + 1;
   EXPECT_TRUE(mentions(validate(p), "steps per block"));
 
   p = good;
   p.localityMoves = -1;
   EXPECT_TRUE(mentions(validate(p), "locality_moves -1"));
+}
+
+TEST(PlanInputTest, ACommunicationRatioOutOfRangeIsNamed) {
+  const Batch batch{{3000, 5000}};
+  for (const double ratio : {-1.0, std::nan(""), kMaxCommRatio * 2}) {
+    PlanConfig c;
+    c.numWorkers = 2;
+    c.commRatio = ratio;
+    const std::string message =
+        errorOf([&] { buildPlan(batch, c, CostModel{c.attention}); });
+    EXPECT_NE(message.find("invalid communication ratio"), std::string::npos) << message;
+    EXPECT_NE(message.find("FLOP per byte"), std::string::npos) << message;
+  }
 }
 
 TEST(PlanInputTest, ValidateCostsRecomputesPairCostsFromTheConfiguration) {

@@ -42,6 +42,9 @@ std::string_view placementName(Placement placement);
 /// Throws Error(kInvalidArgument) naming `name` unless it is "local" or "lpt".
 Placement parsePlacement(std::string_view name);
 
+/// The largest PlanConfig::commRatio: FLOP per byte.
+inline constexpr double kMaxCommRatio = 1e5;
+
 /// Everything the planner was asked for.
 struct PlanConfig {
   int64_t numWorkers = 16;
@@ -64,6 +67,13 @@ struct PlanConfig {
   /// move another block (see assignBlocksNearHome); the paper's placement is used instead if
   /// it balances better than this.
   double localitySlack = 0.01;
+  /// How slow the link is against compute: the useful FLOPs a worker's kernels do, at a full
+  /// block's efficiency, in the time one byte crosses its link (--comm-ratio; GPU-X about
+  /// 5920). 0 (the default): unknown, and the local placement must balance compute as well as
+  /// the paper's. Above 0, it wins when its estimated step time, max(busiest worker's cost,
+  /// busiest worker's bytes at this ratio), is lower than the paper's placement's: where bytes
+  /// dominate, fewer bytes may be worth a few per cent more compute.
+  double commRatio = 0;
   /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
   /// them balances the same), so they are relabelled to keep blocks where the user layout
   /// already holds most of their tokens, shrinking the reshuffle.
