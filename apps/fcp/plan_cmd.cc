@@ -312,8 +312,9 @@ void addPlanCommand(CLI::App& app) {
             "With --placement local: compute above the lower bound the busiest worker may "
             "keep rather than move more bytes (0 to 1)");
   addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
-            "With --placement local: FLOP per byte of the link (GPU-X 5920; 0: unknown); the "
-            "local placement then wins on estimated step time, not compute balance alone");
+            "With --placement local: cost units (forward FLOPs at peak) per byte of the link, "
+            "i.e. peak FLOP/s / 3.5 / link bytes/s (GPU-X about 1700; 0: unknown); the placement "
+            "then wins on estimated step time, not compute balance alone");
   cmd->add_flag("--no-locality", args->noLocality,
                 "With --placement lpt: do not relabel workers to keep blocks where the user "
                 "layout holds them");

@@ -145,7 +145,6 @@ Setup validate(const RunArgs& a) {
   if (!(a.tolerance > 0))
     throwInvalidArgument("invalid --tolerance ", a.tolerance, ": expected > 0");
   auto& c = s.config;
-  c.commRatio = a.commRatio;  // the planner weighs bytes against compute at the capped link
   c.blockSize = parseTokenCount(a.blockSize, "--block-size");
   requireAtLeast(c.blockSize, kMinBlockSize, "--block-size",
                  "smaller blocks make more pairs than any batch can use");
@@ -213,6 +212,42 @@ double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threa
     const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
     best = std::max(best, 4.0 * static_cast<double>(b * b) *
                               static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
+  }
+  return best;
+}
+
+/// The planner's cost units this rank's kernels get through per second of a training step: one
+/// causal block of min(blockSize, 2K) tokens, forward and backward, fp32, best of 3. A pair's
+/// cost is its forward's FLOPs at the kernels' peak (blockPairs; the backward is proportional),
+/// so the block's forward cost is divided by the time of both passes. With the link's bytes per
+/// second it gives the ratio the planner weighs bytes against compute by
+/// (PlanConfig::commRatio), in the units of the model it plans with, whatever curve that is.
+double measureCostRate(const AttentionConfig& a, const CostModel& costModel, int64_t blockSize,
+                       int threads) {
+  const int64_t b = std::min<int64_t>(blockSize, 2048);
+  AttentionConfig fp32 = a;
+  fp32.elementBytes = 4;
+  const Tensors t = makeInputs(54321, 0, b, fp32);
+  const auto n = static_cast<size_t>(b * a.numHeadsQ);
+  std::vector<float> o(t.q.size()), lse(n), delta(n), dq(t.q.size()), dk(t.k.size()),
+      dv(t.v.size());
+  const kernels::Segment seg{b, 0, 0};
+  const kernels::BlockMask mask{kernels::MaskKind::kCausal, {&seg, 1}, {&seg, 1}};
+  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv),
+             d = static_cast<int>(a.headDim);
+  const kernels::TensorView q{t.q.data(), b, h, d}, k{t.k.data(), b, hk, d},
+      v{t.v.data(), b, hk, d}, dO{t.dO.data(), b, h, d};
+  const int64_t visible = kernels::countVisiblePairs(mask);
+  const double cost = costModel.forwardCost(visible, b);
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const double start = runtime::Timeline::nowUs();
+    kernels::forward(q, k, v, mask, o.data(), lse.data(), {threads});
+    kernels::computeDelta({o.data(), b, h, d}, dO, delta.data());
+    kernels::backward(q, k, v, dO, lse.data(), delta.data(), mask, dq.data(), dk.data(), dv.data(),
+                      {threads});
+    const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
+    best = std::max(best, cost / seconds);
   }
   return best;
 }
@@ -557,7 +592,9 @@ void printTable(const std::vector<StrategyResult>& results, const Setup& s, cons
               a.layout.c_str(),
               capBytesPerSecond > 0 ? (std::to_string(capBytesPerSecond / 1e9).substr(0, 6) +
                                        " GB/s per rank (--comm-ratio " + formatNumber(a.commRatio) +
-                                       ")")
+                                       "; FCP plans with a byte worth " +
+                                       formatNumber(std::round(s.config.commRatio)) +
+                                       " cost units)")
                                           .c_str()
                                     : "uncapped (shared memory)");
   std::printf("  median of %lld repeats after %lld warm-up\n", static_cast<long long>(a.repeats),
@@ -636,6 +673,12 @@ void runRun(const RunArgs& a) {
       net->allreduce({&flops, 1}, runtime::ReduceOp::kMin);
       cap = static_cast<double>(flops) / a.commRatio;
       throttled = runtime::makeThrottledTransport(*net, cap, a.timeoutSeconds);
+      // FCP's planner is told how many of its cost units one byte over this link is worth
+      // (every rank the same, so that every rank makes the same plan).
+      int64_t costRate = std::llround(measureCostRate(
+          c.attention, {c.attention, s.forward, s.backward}, c.blockSize, static_cast<int>(a.threads)));
+      net->allreduce({&costRate, 1}, runtime::ReduceOp::kMin);
+      c.commRatio = std::min(plan::kMaxCommRatio, static_cast<double>(costRate) / cap);
     }
     runtime::Transport& data = throttled ? *throttled : *net;
     const auto starts = plan::userLayoutStarts(s.batch.numTokens(), ranks);
@@ -764,7 +807,8 @@ void addRunCommand(CLI::App& app) {
   addInteger(cmd, "--threads", args->threads, 1, kMaxThreads, "Kernel threads per rank");
   addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
             "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y "
-            "2500; 0 = uncapped); FCP's planner is told R (as fcp plan --comm-ratio)");
+            "2500; 0 = uncapped); FCP's planner is told the capped link's speed in its own cost units "
+            "(fcp plan --comm-ratio)");
   cmd->add_flag("--check", args->check,
                 "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the "
                 "default batch: minutes)");

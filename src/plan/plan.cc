@@ -443,28 +443,71 @@ StepBytes stepBytes(Placed& p) {
   return bytes;
 }
 
-/// With a known link (config.commRatio > 0): whether the local placement's estimated step time
-/// is below the paper's placement's. A step takes at least the busiest worker's compute and at
+/// With a known link (config.commRatio > 0), the local placement `local` with every block
+/// left at its home worker, when the cap allows: nothing is reshuffled, at the price of
+/// balance. Where a link is slow against compute (a batch of short sequences on a few workers
+/// at GPU-X's ratio moves ten times the bytes its compute can hide) that can be the fastest.
+std::optional<Placed> stayHome(const Placed& local, const Batch& batch, const PlanConfig& config,
+                               const DistributorOptions& options) {
+  const std::vector<int64_t> user =
+      config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
+                                : config.userStarts;
+  std::vector<int32_t> home = homeWorkers(batch, local.plan.blocks, user);
+  if (home == local.plan.owner) return std::nullopt;  // the same plan
+  std::vector<int64_t> held(static_cast<size_t>(config.numWorkers), 0);
+  for (size_t b = 0; b < home.size(); ++b)
+    held[static_cast<size_t>(home[b])] += local.plan.blocks[b].numTokens();
+  if (*std::max_element(held.begin(), held.end()) > memoryCapTokens(options)) return std::nullopt;
+  Placed p;
+  p.plan = local.plan;
+  p.costs = local.costs;
+  p.plan.owner = std::move(home);
+  p.plan.transfers.clear();
+  p.plan.reshuffle.clear();
+  p.plan.localityMoves = 0;
+  p.plan.improveSteps = 0;
+  p.plan.loads = computeLoads(p.plan);
+  p.plan.greedyMaxCost = maxCost(p.plan);
+  return p;
+}
+
+/// With a known link (config.commRatio > 0): of the paper's placement (`lpt`), the local one
+/// and the local one with every block at home (stayHome), the one with the least estimated
+/// step time (ties: the fewest bytes); moved into `lpt`. A step takes at least the busiest worker's compute and at
 /// least the busiest worker's bytes over its link (both passes, each in its busier direction);
-/// bytes are weighed at commRatio useful FLOPs each, at a full block's efficiency. The local
-/// plan's communication balancing may spend compute up to the paper's estimated time. Where the
-/// paper's placement balances compute within `slack`, the evenness rule of the compute-only
+/// a byte weighs commRatio cost units. A local
+/// candidate's communication balancing may spend compute up to the best estimate so far. Where
+/// the paper's placement balances compute within `slack`, the evenness rule of the compute-only
 /// choice holds too: uneven traffic simulated slower than its bytes say (docs/locality.md).
-bool localIsFaster(Placed& lpt, Placed& local, const PlanConfig& config,
-                   const CostModel& costModel, const DistributorOptions& options, double slack) {
-  const double costPerByte = config.commRatio / costModel.forward.at(config.blockSize);
+void takeFastest(Placed& lpt, Placed& local, const Batch& batch, const PlanConfig& config,
+                 const CostModel& costModel, const DistributorOptions& options, double slack) {
+  const double costPerByte = config.commRatio;
   const auto stepTime = [costPerByte](const Placed& p, const StepBytes& b) {
     return std::max(maxCost(p.plan), costPerByte * static_cast<double>(b.busiestWorker));
   };
   const StepBytes lptBytes = stepBytes(lpt);
-  const double lptTime = stepTime(lpt, lptBytes);
-  if (stepTime(local, stepBytes(local)) >= lptTime) return false;
-  balanceComm(local, config, options, kLocalStepsPerWorker, lptTime);
-  const StepBytes localBytes = stepBytes(local);
   const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
-  return stepTime(local, localBytes) < lptTime &&
-         (!lptBalanced ||
-          localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance));
+  double best = stepTime(lpt, lptBytes);
+  int64_t bestBytes = lptBytes.total;
+  // Faster, or as fast with fewer bytes (one block can set the busiest worker's cost alike).
+  const auto beats = [&](double time, int64_t total) {
+    return time < best || (time == best && total < bestBytes);
+  };
+  std::optional<Placed> home = stayHome(local, batch, config, options);
+  Placed* fastest = &lpt;
+  for (Placed* c : {&local, home ? &*home : nullptr}) {
+    if (!c) continue;
+    if (const StepBytes before = stepBytes(*c); !beats(stepTime(*c, before), before.total)) continue;
+    balanceComm(*c, config, options, kLocalStepsPerWorker, best);
+    const StepBytes bytes = stepBytes(*c);
+    if (beats(stepTime(*c, bytes), bytes.total) &&
+        (!lptBalanced || bytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance))) {
+      best = stepTime(*c, bytes);
+      bestBytes = bytes.total;
+      fastest = c;
+    }
+  }
+  if (fastest != &lpt) lpt = std::move(*fastest);
 }
 
 void checkTokenCoverage(const Plan& plan, Violations& v) {
@@ -755,7 +798,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   }
   if (!(config.commRatio >= 0 && config.commRatio <= kMaxCommRatio)) {
     throwInvalidArgument("invalid communication ratio ", config.commRatio, ": expected 0 to ",
-                         kMaxCommRatio, " FLOP per byte (0: unknown)");
+                         kMaxCommRatio, " cost units per byte (0: unknown)");
   }
   if (!config.userStarts.empty())
     checkUserLayout(config.userStarts, batch.numTokens(), config.numWorkers);
@@ -792,7 +835,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     // past the limit: the local placement's own bound may be above the paper's.
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
     if (config.commRatio > 0) {
-      if (localIsFaster(lpt, local, config, costModel, options, slack)) lpt = std::move(local);
+      takeFastest(lpt, local, batch, config, costModel, options, slack);
     } else if (const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
                maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
       const StepBytes lptBytes = stepBytes(lpt);

@@ -250,21 +250,22 @@ TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
   EXPECT_GE(wins, 3);  // the cases above were picked where it wins
 }
 
-// Told how slow the link is (commRatio, useful FLOP per byte), the choice weighs bytes against
-// compute: the local placement wins where its estimated step time, max(busiest worker's cost,
-// busiest worker's bytes at the ratio), is below the paper's, even a few per cent above the
-// compute bound; otherwise the paper's plan is kept as it is. The cases were picked where
+// Told how slow the link is (commRatio, cost units per byte), the choice weighs bytes against
+// compute: a local placement (balanced, or every block at home) wins where its estimated step
+// time, max(busiest worker's cost, busiest worker's bytes at the ratio), is below the paper's,
+// even above the compute bound; otherwise the paper's plan is kept as it is. The cases were picked where
 // compute alone keeps the paper's placement.
 TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) {
-  constexpr double kRatio = 5920;  // GPU-X
+  constexpr double kRatio = 1700;  // GPU-X: 5920 FLOP per byte over 3.5 (forward and backward)
   struct Case {
     const char* workload;
     int64_t workers;
     uint64_t seed;
   };
   int flips = 0;
-  for (const Case& k : {Case{"lognormal", 2, 2}, Case{"lognormal", 2, 4}, Case{"lognormal", 3, 3},
-                        Case{"lognormal-narrow", 3, 5}, Case{"bimodal", 3, 0}}) {
+  for (const Case& k : {Case{"lognormal", 2, 6}, Case{"lognormal", 3, 0}, Case{"lognormal", 4, 1},
+                        Case{"bimodal", 4, 0}, Case{"lognormal-narrow", 2, 5},
+                        Case{"bimodal", 2, 3}}) {
     const Batch batch = sampleBatch(findWorkload(k.workload), k.workers * 8192, k.seed);
     PlanConfig c;
     c.numWorkers = k.workers;
@@ -277,7 +278,7 @@ TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) 
     expectValid(told, k.workload);
     c.placement = Placement::kLpt;
     const Plan paper = buildPlan(batch, c, costModel);
-    const double perByte = kRatio / costModel.forward.at(c.blockSize);
+    const double perByte = kRatio;  // cost units per byte
     const auto stepTime = [perByte](const Plan& p) {
       double busiest = 0;
       for (const WorkerLoad& l : p.loads) busiest = std::max(busiest, l.cost);
@@ -287,7 +288,9 @@ TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) 
     const std::string what = std::string(k.workload) + " " + std::to_string(k.workers) +
                              " workers seed " + std::to_string(k.seed);
     if (told.placement == Placement::kLocal) {
-      EXPECT_LT(stepTime(told), stepTime(paper)) << what;
+      EXPECT_LE(stepTime(told), stepTime(paper)) << what;
+      if (stepTime(told) == stepTime(paper))
+        EXPECT_LT(computeStats(told).stepBytes, computeStats(paper).stepBytes) << what;
     } else {
       EXPECT_EQ(told.owner, paper.owner) << what;
       EXPECT_EQ(computeStats(told).stepBytes, computeStats(paper).stepBytes) << what;

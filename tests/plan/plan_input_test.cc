@@ -90,7 +90,7 @@ TEST(PlanInputTest, ACommunicationRatioOutOfRangeIsNamed) {
     const std::string message =
         errorOf([&] { buildPlan(batch, c, CostModel{c.attention}); });
     EXPECT_NE(message.find("invalid communication ratio"), std::string::npos) << message;
-    EXPECT_NE(message.find("FLOP per byte"), std::string::npos) << message;
+    EXPECT_NE(message.find("cost units per byte"), std::string::npos) << message;
   }
 }
 

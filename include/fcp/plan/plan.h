@@ -42,7 +42,8 @@ std::string_view placementName(Placement placement);
 /// Throws Error(kInvalidArgument) naming `name` unless it is "local" or "lpt".
 Placement parsePlacement(std::string_view name);
 
-/// The largest PlanConfig::commRatio: FLOP per byte.
+/// The largest PlanConfig::commRatio (cost units per byte), and of fcp run's --comm-ratio (FLOP
+/// per byte).
 inline constexpr double kMaxCommRatio = 1e5;
 
 /// Everything the planner was asked for.
@@ -67,12 +68,15 @@ struct PlanConfig {
   /// move another block (see assignBlocksNearHome); the paper's placement is used instead if
   /// it balances better than this.
   double localitySlack = 0.01;
-  /// How slow the link is against compute: the useful FLOPs a worker's kernels do, at a full
-  /// block's efficiency, in the time one byte crosses its link (--comm-ratio; GPU-X about
-  /// 5920). 0 (the default): unknown, and the local placement must balance compute as well as
-  /// the paper's. Above 0, it wins when its estimated step time, max(busiest worker's cost,
-  /// busiest worker's bytes at this ratio), is lower than the paper's placement's: where bytes
-  /// dominate, fewer bytes may be worth a few per cent more compute.
+  /// How slow the link is against compute: the cost units a worker gets through in the time
+  /// one byte crosses its link. A pair's cost is its forward FLOPs at the kernels' peak (the
+  /// backward, 2.5x that, is proportional), so this is peak FLOP/s / 3.5 over link bytes/s
+  /// when the backward runs at the forward's efficiency (GPU-X's 5920 FLOP per byte: about
+  /// 1700); `fcp run --comm-ratio` measures it for its capped link. 0 (the default): unknown, and the local placement must balance compute as
+  /// well as the paper's. Above 0, the placement with the least estimated step time,
+  /// max(busiest worker's cost, busiest worker's bytes x this ratio), wins among the paper's,
+  /// the local one and the local one with every block at home: where bytes dominate, fewer
+  /// bytes are worth more compute.
   double commRatio = 0;
   /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
   /// them balances the same), so they are relabelled to keep blocks where the user layout
