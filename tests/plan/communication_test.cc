@@ -206,6 +206,13 @@ double imbalanceOf(const std::vector<int64_t>& v) {
   return max > 0 ? (static_cast<double>(max) - mean) / static_cast<double>(max) : 0.0;
 }
 
+// A batch drawn from a built-in workload.
+struct Case {
+  const char* workload;
+  int64_t workers;
+  uint64_t seed;
+};
+
 // The local placement wins only when it is no worse than the paper's in the ways that set a
 // step's time: compute within the locality slack of the paper's bound (or the paper's busiest
 // worker), no more bytes in all or at the busiest worker, and, where the paper's placement is
@@ -213,11 +220,6 @@ double imbalanceOf(const std::vector<int64_t>& v) {
 // simulated 10-26 % slower on GPU-X). Checked against the paper's plan built separately, on
 // batches where the local placement wins.
 TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
-  struct Case {
-    const char* workload;
-    int64_t workers;
-    uint64_t seed;
-  };
   int wins = 0;
   for (const Case& k : {Case{"lognormal", 8, 5}, Case{"lognormal", 8, 7}, Case{"bimodal", 8, 1},
                         Case{"bimodal", 3, 0}, Case{"lognormal", 3, 4}, Case{"lognormal", 64, 3}}) {
@@ -257,11 +259,6 @@ TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
 // compute alone keeps the paper's placement.
 TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) {
   constexpr double kRatio = 1700;  // GPU-X: 5920 FLOP per byte over 3.5 (forward and backward)
-  struct Case {
-    const char* workload;
-    int64_t workers;
-    uint64_t seed;
-  };
   int flips = 0;
   for (const Case& k : {Case{"lognormal", 2, 6}, Case{"lognormal", 3, 0}, Case{"lognormal", 4, 1},
                         Case{"bimodal", 4, 0}, Case{"lognormal-narrow", 2, 5},
