@@ -675,8 +675,9 @@ void runRun(const RunArgs& a) {
       throttled = runtime::makeThrottledTransport(*net, cap, a.timeoutSeconds);
       // FCP's planner is told how many of its cost units one byte over this link is worth
       // (every rank the same, so that every rank makes the same plan).
-      int64_t costRate = std::llround(measureCostRate(
-          c.attention, {c.attention, s.forward, s.backward}, c.blockSize, static_cast<int>(a.threads)));
+      const CostModel costModel{c.attention, s.forward, s.backward};
+      int64_t costRate = std::llround(
+          measureCostRate(c.attention, costModel, c.blockSize, static_cast<int>(a.threads)));
       net->allreduce({&costRate, 1}, runtime::ReduceOp::kMin);
       c.commRatio = std::min(plan::kMaxCommRatio, static_cast<double>(costRate) / cap);
     }
@@ -807,8 +808,8 @@ void addRunCommand(CLI::App& app) {
   addInteger(cmd, "--threads", args->threads, 1, kMaxThreads, "Kernel threads per rank");
   addNumber(cmd, "--comm-ratio", args->commRatio, 0, kMaxCommRatio,
             "Cap each rank's bandwidth at kernel FLOP/s / R (FLOP per byte; GPU-X 5920, GPU-Y "
-            "2500; 0 = uncapped); FCP's planner is told the capped link's speed in its own cost units "
-            "(fcp plan --comm-ratio)");
+            "2500; 0 = uncapped); FCP's planner is told the capped link's speed in its own cost "
+            "units (fcp plan --comm-ratio)");
   cmd->add_flag("--check", args->check,
                 "Compare outputs and dQ/dK/dV with a float64 reference computed on rank 0 (the "
                 "default batch: minutes)");

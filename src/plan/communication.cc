@@ -126,11 +126,13 @@ std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers) {
   return starts;
 }
 
+std::vector<int64_t> userLayout(const PlanConfig& config, int64_t numTokens) {
+  return config.userStarts.empty() ? userLayoutStarts(numTokens, config.numWorkers)
+                                   : config.userStarts;
+}
+
 std::vector<int64_t> userLayout(const Plan& plan) {
-  if (plan.config.userStarts.empty()) {
-    return userLayoutStarts(plan.batch.numTokens(), plan.config.numWorkers);
-  }
-  return plan.config.userStarts;
+  return userLayout(plan.config, plan.batch.numTokens());
 }
 
 void checkUserLayout(const std::vector<int64_t>& starts, int64_t numTokens, int64_t numWorkers) {

@@ -177,9 +177,7 @@ constexpr int64_t kLocalStepsPerWorker = 32;
 std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
                                  const CostModel& costModel, const DistributorOptions& options,
                                  const Sharding& sharding) {
-  const std::vector<int64_t> user =
-      config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
-                                : config.userStarts;
+  const std::vector<int64_t> user = userLayout(config, batch.numTokens());
   auto start = std::chrono::steady_clock::now();
   Placed p =
       placeWith(batch, config, costModel,
@@ -443,6 +441,13 @@ StepBytes stepBytes(Placed& p) {
   return bytes;
 }
 
+/// The evenness rule of the placement choice: where the paper's placement balances compute
+/// within the slack (`paperBalanced`), a local plan's KV traffic may be no less even than the
+/// paper's, or within kLocalCommImbalance; where it does not, compute decides.
+bool evenEnough(const StepBytes& local, const StepBytes& paper, bool paperBalanced) {
+  return !paperBalanced || local.kvImbalance <= std::max(paper.kvImbalance, kLocalCommImbalance);
+}
+
 /// The share of the lesser of compute and communication that a step does not hide behind the
 /// other: the runtime's wall time came out 1.0-1.22x max(compute, bytes at the link) where
 /// both were of a size (docs/runtime.md, seeds tables). With max alone, a plan 0.1 % lighter in
@@ -463,9 +468,7 @@ double estimatedStepTime(double busiestCost, int64_t busiestBytes, double ratio)
 /// at GPU-X's ratio moves ten times the bytes its compute can hide) that can be the fastest.
 std::optional<Placed> stayHome(const Placed& local, const Batch& batch, const PlanConfig& config,
                                const DistributorOptions& options) {
-  const std::vector<int64_t> user =
-      config.userStarts.empty() ? userLayoutStarts(batch.numTokens(), config.numWorkers)
-                                : config.userStarts;
+  const std::vector<int64_t> user = userLayout(config, batch.numTokens());
   std::vector<int32_t> home = homeWorkers(batch, local.plan.blocks, user);
   if (home == local.plan.owner) return std::nullopt;  // the same plan
   std::vector<int64_t> held(static_cast<size_t>(config.numWorkers), 0);
@@ -511,11 +514,11 @@ void takeFastest(Placed& lpt, Placed& local, const Batch& batch, const PlanConfi
   Placed* fastest = &lpt;
   for (Placed* c : {&local, home ? &*home : nullptr}) {
     if (!c) continue;
-    if (const StepBytes before = stepBytes(*c); !beats(stepTime(*c, before), before.total)) continue;
+    const StepBytes before = stepBytes(*c);
+    if (!beats(stepTime(*c, before), before.total)) continue;
     balanceComm(*c, config, options, kLocalStepsPerWorker, best);
     const StepBytes bytes = stepBytes(*c);
-    if (beats(stepTime(*c, bytes), bytes.total) &&
-        (!lptBalanced || bytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance))) {
+    if (beats(stepTime(*c, bytes), bytes.total) && evenEnough(bytes, lptBytes, lptBalanced)) {
       best = stepTime(*c, bytes);
       bestBytes = bytes.total;
       fastest = c;
@@ -857,14 +860,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       if (localBytes.total <= lptBytes.total) {
         balanceComm(local, config, options, kLocalStepsPerWorker, limit);
         if (!local.hasTraffic) localBytes = stepBytes(local);  // balancing moved blocks
-        // The evenness of communication is asked for only where the paper's placement
-        // balances compute within the slack; where it does not, the local placement's compute
-        // decides.
         const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
         if (localBytes.total <= lptBytes.total &&
             localBytes.busiestWorker <= lptBytes.busiestWorker &&
-            (!lptBalanced ||
-             localBytes.kvImbalance <= std::max(lptBytes.kvImbalance, kLocalCommImbalance)))
+            evenEnough(localBytes, lptBytes, lptBalanced))
           lpt = std::move(local);
       }
     }

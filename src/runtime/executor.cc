@@ -511,7 +511,8 @@ void Executor::State::orderSums() {
     }
     if (!inBackward) continue;
     for (const int32_t t : stages[s].recvGrad) {
-      const auto acc = static_cast<size_t>(kvAccumulator(plan.transfers[static_cast<size_t>(t)].block));
+      const int32_t block = plan.transfers[static_cast<size_t>(t)].block;
+      const auto acc = static_cast<size_t>(kvAccumulator(block));
       if (returnStages[acc].empty() || returnStages[acc].back() != static_cast<int32_t>(s))
         returnStages[acc].push_back(static_cast<int32_t>(s));
     }

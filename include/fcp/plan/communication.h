@@ -14,7 +14,10 @@ namespace fcp::plan {
 /// worker r holds [start[r], start[r + 1]) = [floor(r T / N), floor((r + 1) T / N)).
 std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers);
 
-/// The plan's user layout: config.userStarts, or the even split when that is empty.
+/// The user layout of `numTokens` tokens under `config`: config.userStarts, or the even split
+/// when that is empty.
+std::vector<int64_t> userLayout(const PlanConfig& config, int64_t numTokens);
+/// The plan's user layout (the same, for its batch).
 std::vector<int64_t> userLayout(const Plan& plan);
 
 /// Throws Error(kInvalidArgument) unless `starts` is a user layout of `numTokens` tokens over
