@@ -32,6 +32,12 @@ int launcherRank() {
 
 }  // namespace
 
+std::string describeDraw(const std::string& workload, uint64_t seed, int64_t minSequences) {
+  std::string text = "workload " + workload + " (seed " + std::to_string(seed);
+  if (minSequences > 1) text += ", at least " + std::to_string(minSequences) + " sequences";
+  return text + ")";
+}
+
 CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
                      const std::string& help) {
   CLI::Option* option = cmd->add_option_function<std::string>(

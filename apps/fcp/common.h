@@ -41,6 +41,10 @@ inline constexpr double kMaxRunFlopsPerRank = 2e13;
 /// Most bytes of tensors `fcp run` estimates a rank holds.
 inline constexpr double kMaxRunBytesPerRank = 8.0 * (1 << 30);
 
+/// How a sampled batch was drawn, for headers: "workload lognormal (seed 4)", or with a
+/// minimum count "workload lognormal (seed 4, at least 8 sequences)".
+std::string describeDraw(const std::string& workload, uint64_t seed, int64_t minSequences);
+
 /// A text flag; an empty value ('') is an error rather than "not given".
 CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
                      const std::string& help);

@@ -34,6 +34,7 @@ struct PlanArgs {
   double alpha = 1.0;
   double beta = 1.0;
   uint64_t seed = 0;
+  int64_t minSequences = 1;
   std::string mask = "causal";
   int64_t headsQ = 64;
   int64_t headsKv = 8;
@@ -185,8 +186,8 @@ void runPlan(const PlanArgs& a) {
       throwInvalidArgument("--workers ", a.workers, " x --tokens-per-worker ", config.tokensPerWorker,
                            " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
     }
-    batch = sampleBatch(workload, a.workers * config.tokensPerWorker, a.seed);
-    source = "workload " + workload.name + " (seed " + std::to_string(a.seed) + ")";
+    batch = sampleBatch(workload, a.workers * config.tokensPerWorker, a.seed, a.minSequences);
+    source = describeDraw(workload.name, a.seed, a.minSequences);
   }
   config.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
 
@@ -289,6 +290,9 @@ void addPlanCommand(CLI::App& app) {
   addNumber(cmd, "--beta", args->beta, 1e-6, 1e6, "Weight of compute in the distributor's score");
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
               "Seed of the batch sampler");
+  addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
+             "Draw the first batch of the seed's stream with at least this many sequences (default 1)")
+      ->excludes(trace);
   addText(cmd, "--curve", args->curve,
                   "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
                   "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU curve");

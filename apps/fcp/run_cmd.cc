@@ -61,6 +61,7 @@ struct RunArgs {
   // needs the distributor's memory repair at this slack.)
   double memorySlack = 0.1;
   uint64_t seed = 0;
+  int64_t minSequences = 1;
   std::string mask = "causal";
   // CPU-sized model (README): 2·B·(Hq/Hkv)/bytes = 2·2048·8/4 = 8192 FLOP per KV byte, above
   // GPU-X's 5920; the head size does not change that ratio, and 64 keeps a run near a minute.
@@ -162,7 +163,7 @@ Setup validate(const RunArgs& a) {
   } else {
     s.workload = loadWorkload(a.workload);
     parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
-    s.source = "workload " + a.workload + " (seed " + std::to_string(a.seed) + ")";
+    s.source = describeDraw(a.workload, a.seed, a.minSequences);
   }
   if (!a.timeline.empty()) checkOutputPath(a.timeline, "--timeline file");
   return s;
@@ -660,7 +661,7 @@ void runRun(const RunArgs& a) {
     c.numWorkers = ranks;
     if (a.trace.empty()) {
       c.tokensPerWorker = parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
-      s.batch = sampleBatch(s.workload, ranks * c.tokensPerWorker, a.seed);
+      s.batch = sampleBatch(s.workload, ranks * c.tokensPerWorker, a.seed, a.minSequences);
     } else {
       c.tokensPerWorker = (s.batch.numTokens() + ranks - 1) / ranks;
     }
@@ -782,6 +783,9 @@ void addRunCommand(CLI::App& app) {
             "Tolerated overshoot of the memory budget");
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
               "Seed of the batch and of the tensors");
+  addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
+             "Draw the first batch of the seed's stream with at least this many sequences (default 1)")
+      ->excludes(trace);
   addText(
       cmd, "--curve", args->curve,
       "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "

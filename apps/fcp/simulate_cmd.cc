@@ -36,6 +36,7 @@ struct SimulateArgs {
   std::string tokensPerWorker;  // default 32K for workloads, the trace's share for traces
   int64_t batches = 1;
   uint64_t seed = 0;
+  int64_t minSequences = 1;
   std::string mask = "causal";
   int64_t coalesce = 16;
   int64_t buffers = 3;
@@ -224,7 +225,7 @@ void runSimulate(const SimulateArgs& a) {
     std::map<std::string, Cell> cells;
     for (int64_t k = 0; k < batches; ++k) {
       const Batch batch = workload ? sampleBatch(*workload, workers * config.tokensPerWorker,
-                                                 a.seed + static_cast<uint64_t>(k))
+                                                 a.seed + static_cast<uint64_t>(k), a.minSequences)
                                    : traceBatch;
       for (const std::string& strategy : a.strategies) {
         sim::SimOptions o = options;
@@ -294,6 +295,9 @@ void addSimulateCommand(CLI::App& app) {
                   "Tokens per worker (default 32K; with --trace, the trace's share)");
   addInteger(cmd, "--batches", args->batches, 1, kMaxBatches, "Sampled batches per cell (mean reported)");
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(), "Seed of the first batch");
+  addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
+             "Draw the first batch of the seed's stream with at least this many sequences (default 1)")
+      ->excludes(trace);
   addText(cmd, "--mask", args->mask, "causal or full");
   addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce, "FCP: rounds per pipeline stage");
   addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth, "FCP: stages of remote KV held (>= 2)");

@@ -60,12 +60,11 @@ const Workload& findWorkload(std::string_view name) {
   throwInvalidArgument("unknown workload '", name, "': expected one of ", known);
 }
 
-Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
-  if (numTokens <= 0 || numTokens > kMaxBatchTokens) {
-    throwInvalidArgument("invalid batch size ", numTokens, " tokens: expected 1 to ",
-                         kMaxBatchTokens);
-  }
-  Rng rng(seed);
+namespace {
+
+/// Draws one batch of exactly `numTokens` tokens from `rng`'s stream (the last sequence cut to
+/// fit).
+Batch drawBatch(const Workload& workload, int64_t numTokens, Rng& rng) {
   Batch batch;
   int64_t filled = 0;
   if (!workload.lengths.empty()) {
@@ -77,7 +76,6 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
     }
     return batch;
   }
-  FCP_CHECK(!workload.components.empty(), "workload '", workload.name, "' has no components");
   const auto numComponents = static_cast<uint64_t>(workload.components.size());
   while (filled < numTokens) {
     // One draw picks the component (always drawn, so the stream does not depend on the count).
@@ -90,6 +88,39 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed) {
     filled += len;
   }
   return batch;
+}
+
+}  // namespace
+
+Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed,
+                  int64_t minSequences) {
+  if (numTokens <= 0 || numTokens > kMaxBatchTokens) {
+    throwInvalidArgument("invalid batch size ", numTokens, " tokens: expected 1 to ",
+                         kMaxBatchTokens);
+  }
+  FCP_CHECK(!workload.components.empty() || !workload.lengths.empty(), "workload '",
+            workload.name, "' has no components");
+  // Every sequence but the last is at least the shortest length the workload draws.
+  const int64_t shortest = workload.lengths.empty()
+                               ? kMinSampledLength
+                               : *std::min_element(workload.lengths.begin(), workload.lengths.end());
+  const int64_t most = 1 + (numTokens - 1) / shortest;
+  if (minSequences < 1 || minSequences > most) {
+    throwInvalidArgument("invalid minimum of ", minSequences, " sequences: expected 1 to ", most,
+                         " for ", numTokens, " tokens of workload '", printable(workload.name),
+                         "' (no sequence but the last is under ", shortest, " tokens)");
+  }
+  // Bounded in batches and in lengths drawn (a huge batch takes many lengths per try).
+  Rng rng(seed);
+  int64_t tries = 0;
+  for (int64_t drawn = 0; tries < kMaxBatchDraws && drawn < 64 * kMaxBatchDraws; ++tries) {
+    Batch batch = drawBatch(workload, numTokens, rng);
+    if (batch.numSequences() >= minSequences) return batch;
+    drawn += batch.numSequences();
+  }
+  throwInvalidArgument("no batch of ", numTokens, " tokens drawn from workload '",
+                       printable(workload.name), "' (seed ", seed, ") had ", minSequences,
+                       " sequences in ", tries, " tries: expected fewer sequences or more tokens");
 }
 
 Batch readTrace(const std::string& path) {

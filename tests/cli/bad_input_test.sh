@@ -58,6 +58,10 @@ expect zero_tokens "--tokens-per-worker '0'" --tokens-per-worker 0
 expect overflow_tokens "--tokens-per-worker '9999999999999999999K'" --tokens-per-worker 9999999999999999999K
 expect batch_too_large "passes" --workers 1000000 --tokens-per-worker 1M
 expect memory_cannot_hold "cannot hold the batch" --memory-limit 16K
+expect zero_min_sequences "--min-sequences '0'" --min-sequences 0
+expect impossible_min_sequences "minimum of 70 sequences: expected 1 to 64" --workers 2 --tokens-per-worker 32K --min-sequences 70
+expect unlikely_min_sequences "had 60 sequences in" --workers 2 --tokens-per-worker 32K --min-sequences 60
+expect min_sequences_and_trace "--min-sequences" --trace "$tmp/bad_line.txt" --min-sequences 2
 # Blocks over the cap are no longer an error (they are cut finer): see plan_test.sh.
 expect bad_mask "'diagonal'" --mask diagonal
 expect bad_heads "not a multiple" --heads-q 12 --heads-kv 8

@@ -161,6 +161,61 @@ TEST(WorkloadTest, EmpiricalWorkloadDrawsItsListedLengthsUniformly) {
   EXPECT_NE(sampleBatch(w, 100'000, 9).sequenceLengths, sampleBatch(w, 100'000, 10).sequenceLengths);
 }
 
+TEST(WorkloadTest, AMinimumCountTakesTheFirstBatchOfTheStreamThatHasIt) {
+  // The reference draws an empirical workload by hand: one length per Rng::next() % count, the
+  // last cut to fit, batch after batch from one stream, and keeps the first with enough.
+  const std::vector<int64_t> lengths = {1000, 3000, 9000, 20000};
+  const Workload w{"list", {}, lengths};
+  const auto reference = [&](int64_t numTokens, uint64_t seed, int64_t minSequences) {
+    Rng rng(seed);
+    for (;;) {
+      std::vector<int64_t> batch;
+      for (int64_t filled = 0; filled < numTokens;) {
+        const int64_t len = std::min(lengths[rng.next() % lengths.size()], numTokens - filled);
+        batch.push_back(len);
+        filled += len;
+      }
+      if (static_cast<int64_t>(batch.size()) >= minSequences) return batch;
+    }
+  };
+  int64_t redrawn = 0;
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    const Batch first = sampleBatch(w, 32768, seed);
+    EXPECT_EQ(first.sequenceLengths, reference(32768, seed, 1));
+    EXPECT_EQ(sampleBatch(w, 32768, seed, first.numSequences()), first);
+    for (const int64_t minSequences : {6, 10}) {
+      const Batch b = sampleBatch(w, 32768, seed, minSequences);
+      EXPECT_EQ(b.sequenceLengths, reference(32768, seed, minSequences));
+      EXPECT_GE(b.numSequences(), minSequences);
+      EXPECT_EQ(b.numTokens(), 32768);
+      redrawn += b != first;
+    }
+  }
+  EXPECT_GE(redrawn, 10);  // the condition is not vacuous on these batches
+  // The built-in ones too: lognormal seed 4 on 32K tokens has 4 sequences; at least 8 redraws.
+  const Batch few = sampleBatch(findWorkload("lognormal"), 32768, 4);
+  const Batch eight = sampleBatch(findWorkload("lognormal"), 32768, 4, 8);
+  EXPECT_LT(few.numSequences(), 8);
+  EXPECT_GE(eight.numSequences(), 8);
+  EXPECT_EQ(eight.numTokens(), 32768);
+  for (size_t i = 0; i + 1 < eight.sequenceLengths.size(); ++i) {
+    EXPECT_GE(eight.sequenceLengths[i], kMinSampledLength);
+  }
+}
+
+TEST(WorkloadTest, AMinimumCountNoBatchCanHaveIsNamed) {
+  const Workload& w = findWorkload("lognormal");
+  // 10000 tokens hold at most 1 + 9999 / 1024 = 10 sequences (all but the last >= 1K).
+  std::string e = errorOf([&] { sampleBatch(w, 10000, 0, 11); });
+  EXPECT_NE(e.find("invalid minimum of 11 sequences: expected 1 to 10"), std::string::npos) << e;
+  e = errorOf([&] { sampleBatch(w, 10000, 0, 0); });
+  EXPECT_NE(e.find("invalid minimum of 0 sequences"), std::string::npos) << e;
+  // Possible but never drawn: 90 sequences in 100000 tokens need 89 draws averaging under
+  // 1124 tokens, each under it with probability ~0.27.
+  e = errorOf([&] { sampleBatch(w, 100000, 0, 90); });
+  EXPECT_NE(e.find("had 90 sequences in 100000 tries"), std::string::npos) << e;
+}
+
 TEST(WorkloadTest, LoadWorkloadPrefersBuiltinNamesAndNamesBadFiles) {
   EXPECT_EQ(loadWorkload("bimodal").components.size(), 2u);
   const std::string missing = errorOf([] { loadWorkload("zipf"); });

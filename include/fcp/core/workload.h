@@ -54,10 +54,18 @@ const Workload& findWorkload(std::string_view name);
 /// naming the built-in workloads when it is neither, or the file's bad line.
 Workload loadWorkload(const std::string& nameOrPath);
 
+/// Most batches sampleBatch draws before it gives up on `minSequences`.
+inline constexpr int64_t kMaxBatchDraws = 100000;
+
 /// Draws lengths from `workload` (seeded, identical on every machine) until exactly
 /// `numTokens` tokens are filled; the last sequence is cut to fit, so it may be shorter
-/// than kMinSampledLength.
-Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed);
+/// than kMinSampledLength. With `minSequences` > 1 it returns the first batch of the seed's
+/// stream with at least that many sequences (the distribution conditioned on the count; the
+/// first draw is the batch `minSequences` = 1 gives). Throws Error(kInvalidArgument) for a
+/// size out of range, a count no batch of that size can have, or none found in kMaxBatchDraws
+/// batches.
+Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed,
+                  int64_t minSequences = 1);
 
 /// Reads a trace: one positive sequence length per line; blank lines and text after '#' are
 /// ignored. Throws Error(kInvalidArgument) for a missing or unreadable file, one that is not a
