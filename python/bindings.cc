@@ -211,7 +211,8 @@ PYBIND11_MODULE(_fcp, m) {
           py::init([](std::shared_ptr<runtime::Transport> transport, std::vector<int64_t> cuSeqlens,
                       int64_t begin, int64_t end, int64_t heads, int64_t kvHeads, int64_t headDim,
                       bool causal, const std::string& dtype, bool dispatched,
-                      const std::string& strategy, int64_t blockSize, int threads) {
+                      const std::string& strategy, int64_t blockSize, int threads,
+                      double commRatio) {
             BatchOptions o;
             o.cuSeqlens = std::move(cuSeqlens);
             o.localBegin = begin;
@@ -224,6 +225,7 @@ PYBIND11_MODULE(_fcp, m) {
             o.layout = dispatched ? Layout::kDispatched : Layout::kTransparent;
             o.strategy = strategy;
             o.planConfig.blockSize = blockSize;
+            o.planConfig.commRatio = commRatio;
             o.numThreads = threads;
             py::gil_scoped_release release;
             return std::make_unique<AttentionBatch>(*transport, o);
@@ -231,7 +233,7 @@ PYBIND11_MODULE(_fcp, m) {
           py::arg("transport"), py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"),
           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"),
           py::arg("dtype"), py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"),
-          py::arg("threads"), py::keep_alive<1, 2>())
+          py::arg("threads"), py::arg("comm_ratio"), py::keep_alive<1, 2>())
       .def_property_readonly("num_user_tokens", &AttentionBatch::numUserTokens)
       .def_property_readonly("num_local_tokens", &AttentionBatch::numLocalTokens)
       .def_property_readonly("num_call_tokens", &AttentionBatch::numCallTokens)

@@ -14,6 +14,12 @@ Two layouts. ``layout="transparent"``: q, k, v, o have this rank's rows of the c
 with ``batch.undispatch(x)``, both differentiable), uses ``batch.position`` and
 ``batch.sequence`` for RoPE and the loss, and attention calls move no tokens.
 
+``comm_ratio`` tells FCP's planner how slow the link is: the cost units (forward FLOPs at
+the kernel's peak) that one byte sent or received is worth, about peak FLOP/s / link bytes/s /
+3.5 (GPU-X: 5920 FLOP per byte, about 1700). With it the planner keeps whichever placement has
+the least estimated step time, and may leave short sequences where they are; 0 (the default)
+balances compute first. Every rank must pass the same value.
+
 Every call is collective over the group: every rank calls it, in the same order.
 """
 from __future__ import annotations
@@ -117,7 +123,7 @@ class Batch:
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
                  layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 timeout_seconds: float = 300.0):
+                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
         if dtype not in _DTYPES:
             raise _fcp.Error(f"dtype {dtype} is not supported: expected torch.float32 or torch.bfloat16")
         if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds <= 86400):
@@ -132,7 +138,8 @@ class Batch:
         self._transport = _transport(group, timeout_seconds)
         self._impl = _fcp.AttentionBatch(self._transport, self.cu_seqlens, self.begin, self.end, self.heads,
                                          self.kv_heads, self.head_dim, causal, _DTYPES[dtype],
-                                         layout == "dispatched", strategy, int(block_size), int(threads))
+                                         layout == "dispatched", strategy, int(block_size), int(threads),
+                                         float(comm_ratio))
         self._sequence = None
         self._position = None
         #: Seconds this rank spent inside attention (forward and backward) with this batch.

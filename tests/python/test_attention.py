@@ -147,3 +147,26 @@ def test_bad_input_is_one_line_error(group):
                              ({"timeout_seconds": float("nan")}, "timeout_seconds nan: expected")]:
         with pytest.raises(fcp.Error, match=message):
             ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16, **options)
+
+
+def test_a_slow_link_keeps_whole_sequences_where_they_are(group):
+    """comm_ratio reaches the planner. Every rank holds 256 tokens: rank 0 one sequence, the
+    others four short ones, so rank 0 has 2.5x their causal work. Compute-first planning moves
+    some of it away; with a link so slow that any byte outweighs the imbalance, every block
+    stays with the rank that holds it and dispatch moves nothing."""
+    comm, rank, ranks = group
+    lengths = [256] + [64] * (4 * (ranks - 1))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    begin, end = 256 * rank, 256 * (rank + 1)
+    index = torch.arange(begin, end, dtype=torch.int64)
+    options = dict(heads=2, kv_heads=1, head_dim=16, layout="dispatched", block_size=64)
+    balanced = ft.Batch(cu, (begin, end), comm, **options).dispatch(index)  # collective
+    if rank == 0 and ranks > 1:
+        assert not torch.equal(balanced, index)
+    slow = ft.Batch(cu, (begin, end), comm, comm_ratio=1e5, **options)
+    assert slow.num_local_tokens == end - begin
+    assert torch.equal(slow.dispatch(index), index)
+    with pytest.raises(fcp.Error, match="invalid communication ratio -1"):
+        ft.Batch(cu, (begin, end), comm, comm_ratio=-1, **options)
