@@ -14,6 +14,7 @@
 #include "common.h"
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
+#include "fcp/core/input.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
 #include "fcp/sim/hardware.h"
@@ -41,6 +42,7 @@ struct SimulateArgs {
   int64_t coalesce = 16;
   int64_t buffers = 3;
   double memorySlack = 0.1;
+  double commRatio = 0;  // FCP's planner; below 0 ("hardware"): the profile's planCommRatio
   int64_t headsQ = 64;
   int64_t headsKv = 8;
   int64_t headDim = 128;
@@ -163,6 +165,8 @@ struct Output {
   }
 };
 
+static_assert(kMaxCommRatio == 1e5, "--comm-ratio's help names the largest ratio");
+
 void runSimulate(const SimulateArgs& a) {
   checkArgs(a);
   Output table;
@@ -210,6 +214,7 @@ void runSimulate(const SimulateArgs& a) {
   for (const int64_t workers : a.workers) {
     plan::PlanConfig config = base;
     config.numWorkers = workers;
+    config.commRatio = a.commRatio >= 0 ? a.commRatio : hw.planCommRatio(workers);
     if (a.trace.empty()) {
       config.tokensPerWorker =
           parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
@@ -302,6 +307,26 @@ void addSimulateCommand(CLI::App& app) {
   addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce, "FCP: rounds per pipeline stage");
   addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth, "FCP: stages of remote KV held (>= 2)");
   addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100, "Tolerated overshoot of the memory budget");
+  cmd->add_option_function<std::string>(
+         "--comm-ratio",
+         [args](const std::string& text) {
+           if (text == "hardware") {
+             args->commRatio = -1;
+             return;
+           }
+           try {
+             args->commRatio = parseNumber(text, "--comm-ratio", 0, kMaxCommRatio);
+           } catch (const Error&) {
+             throwInvalidArgument("invalid --comm-ratio '", text,
+                                  "': expected a number from 0 to 100000, or hardware");
+           }
+         },
+         "FCP: the link's speed as its planner takes it (as fcp plan --comm-ratio), cost units "
+         "per byte; 'hardware': the profile's, peak FLOP/s / 3.5 / NIC (within one node, "
+         "NVLink) bytes/s; 0: balance compute first [0 to 100000, or hardware]")
+      ->type_name("NUMBER|hardware")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
+      ->default_str("0");
   addInteger(cmd, "--heads-q", args->headsQ, 1, kMaxHeads, "Query heads");
   addInteger(cmd, "--heads-kv", args->headsKv, 1, kMaxHeads, "Key/value heads (GQA)");
   addInteger(cmd, "--head-dim", args->headDim, 1, kMaxHeadDim, "Head dimension");

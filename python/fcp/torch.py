@@ -16,9 +16,9 @@ with ``batch.undispatch(x)``, both differentiable), uses ``batch.position`` and
 
 ``comm_ratio`` tells FCP's planner how slow the link is: the cost units (forward FLOPs at
 the kernel's peak) that one byte sent or received is worth, about peak FLOP/s / link bytes/s /
-3.5 (GPU-X: 5920 FLOP per byte, about 1700). With it the planner keeps whichever placement has
-the least estimated step time, and may leave short sequences where they are; 0 (the default)
-balances compute first. Every rank must pass the same value.
+3.5 (GPU-X: 5920 FLOP per byte, about 1700). With it, where the paper's placement is bound by
+its bytes, the planner keeps whichever placement has the least estimated step time, and may
+leave short sequences where they are; 0 (the default) balances compute first. Every rank must pass the same value.
 
 Every call is collective over the group: every rank calls it, in the same order.
 """

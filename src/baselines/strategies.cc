@@ -25,6 +25,7 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
   plan::PlanConfig c = config;
   c.locality = step >= 4;
   c.placement = plan::Placement::kLpt;  // the paper's method, step by step
+  c.commRatio = 0;
   plan::Plan p = plan::buildPlan(batch, c, costModel);
   static const char* const kNames[] = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce", "fcp"};
   p.strategy = kNames[step];

@@ -1,5 +1,6 @@
 #include "fcp/sim/hardware.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +9,7 @@
 
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
+#include "fcp/plan/plan.h"
 
 #ifndef FCP_SOURCE_DATA_DIR
 #define FCP_SOURCE_DATA_DIR "data"
@@ -98,6 +100,11 @@ EfficiencyCurve curve(const json& j, const char* field) {
 
 CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
   return CostModel{attention, forward, backward};
+}
+
+double HardwareProfile::planCommRatio(int64_t workers) const {
+  const double link = workers <= workersPerNode ? intraNodeBytesPerSecond : interNodeBytesPerSecond;
+  return std::min(plan::kMaxCommRatio, peakFlops / 3.5 / link);
 }
 
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source) {

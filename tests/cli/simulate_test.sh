@@ -36,6 +36,9 @@ expect unknown_hardware "'tpu-v9'" --hardware tpu-v9
 expect json_and_csv "--json and --csv" --json --csv
 expect zero_block "--block-size '0'" --block-size 0
 expect missing_trace "$tmp/missing.txt" --trace "$tmp/missing.txt"
+expect bad_comm_ratio "--comm-ratio 'fast': expected a number from 0 to 100000, or hardware" \
+  --comm-ratio fast
+expect negative_comm_ratio "--comm-ratio '-1'" --comm-ratio -1
 
 # A refusal in a later cell (bytescale past its worker limit, after the 8-worker cells ran):
 # nonzero exit, the error as stderr's last line (after progress lines), nothing on stdout.
@@ -78,6 +81,28 @@ PY
   fi
 }
 check_json
+
+# --comm-ratio hardware tells FCP's planner the profile's link: H100, 64 workers (past one node,
+# so the NIC's 50 GB/s), 989 TFLOP/s / 3.5 / 50 GB/s = 5651.43 cost units per byte, the same
+# plan as that number given by hand; on this batch it differs from compute first (0).
+check_ratio() {
+  local cell="--strategy fcp --workers 64 --workload lognormal --tokens-per-worker 8K"
+  cell="$cell --block-size 2K --hardware h100 --seed 1 --json"
+  local hardware first byhand
+  hardware=$("$fcp" simulate $cell --comm-ratio hardware 2>/dev/null)
+  byhand=$("$fcp" simulate $cell --comm-ratio 5651.428571428571 2>/dev/null)
+  first=$("$fcp" simulate $cell 2>/dev/null)
+  bytes() { /usr/bin/python3 -c 'import json, sys; print(json.loads(sys.argv[1])["transfer_bytes"])' "$1"; }
+  if [ -n "$hardware" ] && [ "$(bytes "$hardware")" = "$(bytes "$byhand")" ] &&
+     [ "$(bytes "$hardware")" != "$(bytes "$first")" ]; then
+    passed=$((passed + 1))
+  else
+    echo "FAIL hardware_ratio: transfer bytes hardware $(bytes "$hardware"), by hand" \
+      "$(bytes "$byhand"), compute first $(bytes "$first")"
+    failures=$((failures + 1))
+  fi
+}
+check_ratio
 
 echo "$passed passed, $failures failed"
 [ $failures -eq 0 ]

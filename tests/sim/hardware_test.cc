@@ -13,6 +13,7 @@
 #include <string>
 
 #include "fcp/core/error.h"
+#include "fcp/plan/plan.h"
 #include "../common/error_of.h"
 
 namespace fcp::sim {
@@ -87,6 +88,17 @@ TEST(EfficiencyCurvesTest, ABadPointNamesItsCurve) {
     EXPECT_NE(message.find("1.7"), std::string::npos) << message;
   }
   std::filesystem::remove(path);
+}
+
+TEST(HardwareProfileTest, ThePlannersLinkRatioIsPeakOver3Point5OverTheLinkAJobCrosses) {
+  // gpu-x: 989 TFLOP/s, 8 per node on 450 GB/s NVLink, 167.06 GB/s NIC (data/hardware).
+  const HardwareProfile gpuX = loadHardwareProfile("gpu-x");
+  EXPECT_NEAR(gpuX.planCommRatio(8), 989e12 / 3.5 / 450e9, 1e-9 * 628);       // one node
+  EXPECT_NEAR(gpuX.planCommRatio(9), 989e12 / 3.5 / 167.06e9, 1e-9 * 1691);  // past it
+  EXPECT_NEAR(gpuX.planCommRatio(4096), 989e12 / 3.5 / 167.06e9, 1e-9 * 1691);
+  HardwareProfile slow = gpuX;  // a link so slow the planner's range caps it
+  slow.interNodeBytesPerSecond = 1e6;
+  EXPECT_EQ(slow.planCommRatio(64), plan::kMaxCommRatio);
 }
 
 TEST(HardwareInputTest, DeepNestingIsAnErrorNotACrash) {

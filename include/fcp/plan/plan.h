@@ -73,9 +73,11 @@ struct PlanConfig {
   /// backward, 2.5x that, is proportional), so this is peak FLOP/s / 3.5 over link bytes/s
   /// when the backward runs at the forward's efficiency (GPU-X's 5920 FLOP per byte: about
   /// 1700); `fcp run --comm-ratio` measures it for its capped link. 0 (the default): unknown,
-  /// and the local placement must balance compute as well as the paper's. Above 0, the placement with the least estimated step time (the larger
-  /// of the busiest worker's cost and its bytes x this ratio, plus a fifth of the smaller) wins
-  /// among the paper's, the local one and the local one with every block at home: where bytes
+  /// and the local placement must balance compute as well as the paper's. Above 0, where the
+  /// paper's placement is bound by its bytes (its busiest worker's bytes x this ratio at least
+  /// its busiest cost), the placement with the least estimated step time (the larger of the
+  /// busiest worker's cost and its bytes x this ratio, plus a fifth of the smaller) wins among
+  /// the paper's, the local one and the local one with every block at home: where bytes
   /// dominate, fewer bytes are worth more compute.
   double commRatio = 0;
   /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of

@@ -35,6 +35,11 @@ struct HardwareProfile {
   CostModel costModel(const AttentionConfig& attention) const;
   /// Compute-to-communication ratio: peak FLOP/s over NIC bytes/s (the paper's Table).
   double flopsPerByte() const { return peakFlops / interNodeBytesPerSecond; }
+  /// The link's speed in the units FCP's planner takes (PlanConfig::commRatio: cost units,
+  /// i.e. forward FLOPs at peak, per byte) for a job on `workers` workers: peak FLOP/s over
+  /// 3.5 (forward plus a backward of 2.5x its FLOPs) over the NIC's bytes/s, or NVLink's when
+  /// the job fits in one node.
+  double planCommRatio(int64_t workers) const;
 };
 
 /// Parses a profile from JSON text:
