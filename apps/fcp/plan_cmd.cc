@@ -291,7 +291,8 @@ void addPlanCommand(CLI::App& app) {
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
               "Seed of the batch sampler");
   addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
-             "Draw the first batch of the seed's stream with at least this many sequences (default 1)")
+             "Draw the first batch of the seed's stream with at least this many sequences "
+             "(default 1)")
       ->excludes(trace);
   addText(cmd, "--curve", args->curve,
                   "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "

@@ -301,7 +301,8 @@ void addSimulateCommand(CLI::App& app) {
   addInteger(cmd, "--batches", args->batches, 1, kMaxBatches, "Sampled batches per cell (mean reported)");
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(), "Seed of the first batch");
   addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
-             "Draw the first batch of the seed's stream with at least this many sequences (default 1)")
+             "Draw the first batch of the seed's stream with at least this many sequences "
+             "(default 1)")
       ->excludes(trace);
   addText(cmd, "--mask", args->mask, "causal or full");
   addInteger(cmd, "--coalesce", args->coalesce, 1, plan::kMaxCoalesce, "FCP: rounds per pipeline stage");

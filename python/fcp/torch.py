@@ -18,7 +18,8 @@ with ``batch.undispatch(x)``, both differentiable), uses ``batch.position`` and
 the kernel's peak) that one byte sent or received is worth, about peak FLOP/s / link bytes/s /
 3.5 (GPU-X: 5920 FLOP per byte, about 1700). With it, where the paper's placement is bound by
 its bytes, the planner keeps whichever placement has the least estimated step time, and may
-leave short sequences where they are; 0 (the default) balances compute first. Every rank must pass the same value.
+leave short sequences where they are; 0 (the default) balances compute first. Every rank must
+pass the same value.
 
 Every call is collective over the group: every rank calls it, in the same order.
 """

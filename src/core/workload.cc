@@ -101,9 +101,9 @@ Batch sampleBatch(const Workload& workload, int64_t numTokens, uint64_t seed,
   FCP_CHECK(!workload.components.empty() || !workload.lengths.empty(), "workload '",
             workload.name, "' has no components");
   // Every sequence but the last is at least the shortest length the workload draws.
-  const int64_t shortest = workload.lengths.empty()
-                               ? kMinSampledLength
-                               : *std::min_element(workload.lengths.begin(), workload.lengths.end());
+  const auto& lengths = workload.lengths;
+  const int64_t shortest = lengths.empty() ? kMinSampledLength
+                                           : *std::min_element(lengths.begin(), lengths.end());
   const int64_t most = 1 + (numTokens - 1) / shortest;
   if (minSequences < 1 || minSequences > most) {
     throwInvalidArgument("invalid minimum of ", minSequences, " sequences: expected 1 to ", most,
