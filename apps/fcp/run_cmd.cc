@@ -194,27 +194,58 @@ Tensors makeInputs(uint64_t seed, int rank, int64_t tokens, const AttentionConfi
   return t;
 }
 
-/// Forward FLOP/s of this rank's kernel on one full-mask block pair, the best of three.
-double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threads) {
-  const int64_t b = std::min<int64_t>(blockSize, 2048);
-  AttentionConfig fp32 = a;
-  fp32.elementBytes = 4;
-  Tensors t = makeInputs(12345, 0, b, fp32);
-  std::vector<float> o(t.q.size()), lse(static_cast<size_t>(b * a.numHeadsQ));
-  const kernels::Segment seg{b, 0, 0};
-  const kernels::BlockMask mask{kernels::MaskKind::kFull, {&seg, 1}, {&seg, 1}};
-  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv),
-             d = static_cast<int>(a.headDim);
-  double best = 0;
+/// One fp32 block of min(blockSize, 2K) tokens with random inputs, and the buffers a forward
+/// and backward over it write: what the two rate probes below time.
+struct ProbeBlock {
+  int64_t tokens;
+  int h, hk, d;
+  Tensors in;
+  std::vector<float> o, lse, delta, dq, dk, dv;
+  kernels::Segment seg;
+
+  ProbeBlock(const AttentionConfig& a, int64_t blockSize, uint64_t seed)
+      : tokens(std::min<int64_t>(blockSize, 2048)),
+        h(static_cast<int>(a.numHeadsQ)),
+        hk(static_cast<int>(a.numHeadsKv)),
+        d(static_cast<int>(a.headDim)),
+        seg{tokens, 0, 0} {
+    AttentionConfig fp32 = a;
+    fp32.elementBytes = 4;
+    in = makeInputs(seed, 0, tokens, fp32);
+    const auto rows = static_cast<size_t>(tokens * a.numHeadsQ);
+    for (auto* x : {&o, &dq}) x->resize(in.q.size());
+    for (auto* x : {&lse, &delta}) x->resize(rows);
+    dk.resize(in.k.size());
+    dv.resize(in.v.size());
+  }
+  kernels::BlockMask mask(kernels::MaskKind kind) const { return {kind, {&seg, 1}, {&seg, 1}}; }
+  kernels::TensorView q() const { return {in.q.data(), tokens, h, d}; }
+  kernels::TensorView k() const { return {in.k.data(), tokens, hk, d}; }
+  kernels::TensorView v() const { return {in.v.data(), tokens, hk, d}; }
+  kernels::TensorView dO() const { return {in.dO.data(), tokens, h, d}; }
+};
+
+/// The least of three timings of `run`, in seconds.
+template <typename Run>
+double fastestOfThree(Run&& run) {
+  double least = std::numeric_limits<double>::infinity();
   for (int i = 0; i < 3; ++i) {
     const double start = runtime::Timeline::nowUs();
-    kernels::forward({t.q.data(), b, h, d}, {t.k.data(), b, hk, d}, {t.v.data(), b, hk, d}, mask,
-                     o.data(), lse.data(), {threads});
-    const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
-    best = std::max(best, 4.0 * static_cast<double>(b * b) *
-                              static_cast<double>(a.numHeadsQ * a.headDim) / seconds);
+    run();
+    least = std::min(least, (runtime::Timeline::nowUs() - start) / 1e6);
   }
-  return best;
+  return least;
+}
+
+/// Forward FLOP/s of this rank's kernel on one full-mask block pair, the best of three.
+double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threads) {
+  ProbeBlock p(a, blockSize, 12345);
+  const kernels::BlockMask mask = p.mask(kernels::MaskKind::kFull);
+  const double seconds = fastestOfThree([&] {
+    kernels::forward(p.q(), p.k(), p.v(), mask, p.o.data(), p.lse.data(), {threads});
+  });
+  return 4.0 * static_cast<double>(p.tokens * p.tokens) *
+         static_cast<double>(a.numHeadsQ * a.headDim) / seconds;
 }
 
 /// The planner's cost units this rank's kernels get through per second of a training step: one
@@ -225,32 +256,16 @@ double measureKernelFlops(const AttentionConfig& a, int64_t blockSize, int threa
 /// (PlanConfig::commRatio), in the units of the model it plans with, whatever curve that is.
 double measureCostRate(const AttentionConfig& a, const CostModel& costModel, int64_t blockSize,
                        int threads) {
-  const int64_t b = std::min<int64_t>(blockSize, 2048);
-  AttentionConfig fp32 = a;
-  fp32.elementBytes = 4;
-  const Tensors t = makeInputs(54321, 0, b, fp32);
-  const auto n = static_cast<size_t>(b * a.numHeadsQ);
-  std::vector<float> o(t.q.size()), lse(n), delta(n), dq(t.q.size()), dk(t.k.size()),
-      dv(t.v.size());
-  const kernels::Segment seg{b, 0, 0};
-  const kernels::BlockMask mask{kernels::MaskKind::kCausal, {&seg, 1}, {&seg, 1}};
-  const auto h = static_cast<int>(a.numHeadsQ), hk = static_cast<int>(a.numHeadsKv),
-             d = static_cast<int>(a.headDim);
-  const kernels::TensorView q{t.q.data(), b, h, d}, k{t.k.data(), b, hk, d},
-      v{t.v.data(), b, hk, d}, dO{t.dO.data(), b, h, d};
-  const int64_t visible = kernels::countVisiblePairs(mask);
-  const double cost = costModel.forwardCost(visible, b);
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    const double start = runtime::Timeline::nowUs();
-    kernels::forward(q, k, v, mask, o.data(), lse.data(), {threads});
-    kernels::computeDelta({o.data(), b, h, d}, dO, delta.data());
-    kernels::backward(q, k, v, dO, lse.data(), delta.data(), mask, dq.data(), dk.data(), dv.data(),
-                      {threads});
-    const double seconds = (runtime::Timeline::nowUs() - start) / 1e6;
-    best = std::max(best, cost / seconds);
-  }
-  return best;
+  ProbeBlock p(a, blockSize, 54321);
+  const kernels::BlockMask mask = p.mask(kernels::MaskKind::kCausal);
+  const double cost = costModel.forwardCost(kernels::countVisiblePairs(mask), p.tokens);
+  const double seconds = fastestOfThree([&] {
+    kernels::forward(p.q(), p.k(), p.v(), mask, p.o.data(), p.lse.data(), {threads});
+    kernels::computeDelta({p.o.data(), p.tokens, p.h, p.d}, p.dO(), p.delta.data());
+    kernels::backward(p.q(), p.k(), p.v(), p.dO(), p.lse.data(), p.delta.data(), mask,
+                      p.dq.data(), p.dk.data(), p.dv.data(), {threads});
+  });
+  return cost / seconds;
 }
 
 /// Largest value over ranks, for doubles stored as integer nanoseconds / units.
