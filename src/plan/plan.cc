@@ -488,15 +488,15 @@ std::optional<Placed> stayHome(const Placed& local, const Batch& batch, const Pl
   return p;
 }
 
-/// Whether a placement's step is bound by its bytes at `ratio` cost units per byte (0: the link
-/// is unknown): its busiest worker's bytes weigh at least its busiest cost. Only then does the
+/// Whether a placement's step is bound by its `bytes` at `ratio` (> 0) cost units per byte: its
+/// busiest worker's bytes weigh at least its busiest cost. Only then does the
 /// link-aware choice (takeFastest) run; where compute binds the paper's placement, fewer bytes
 /// cannot shorten the step, and the local placements' contiguous blocks lengthen its dependency
 /// chains: on GPU-X such choices simulated up to 34 % slower (16 workers x 32K tokens,
 /// lognormal-narrow; docs/locality.md, "The simulator told the link"), so the compute-only
 /// choice decides there.
-bool boundByBytes(Placed& p, double ratio) {
-  return ratio > 0 && ratio * static_cast<double>(stepBytes(p).busiestWorker) >= maxCost(p.plan);
+bool boundByBytes(const Placed& p, const StepBytes& bytes, double ratio) {
+  return ratio * static_cast<double>(bytes.busiestWorker) >= maxCost(p.plan);
 }
 
 /// With a known link (config.commRatio > 0): of the paper's placement (`lpt`), the local one
@@ -509,12 +509,11 @@ bool boundByBytes(Placed& p, double ratio) {
 /// evenness rule of the compute-only choice holds too: uneven traffic simulated slower than its
 /// bytes say (docs/locality.md). The others are considered only where the paper's placement is
 /// bound by its bytes (its busiest worker's bytes x commRatio at least its busiest cost).
-void takeFastest(Placed& lpt, Placed& local, const Batch& batch, const PlanConfig& config,
-                 const DistributorOptions& options, double slack) {
+void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Batch& batch,
+                 const PlanConfig& config, const DistributorOptions& options, double slack) {
   const auto stepTime = [&config](const Placed& p, const StepBytes& b) {
     return estimatedStepTime(maxCost(p.plan), b.busiestWorker, config.commRatio);
   };
-  const StepBytes lptBytes = stepBytes(lpt);
   const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
   double best = stepTime(lpt, lptBytes);
   int64_t bestBytes = lptBytes.total;
@@ -863,19 +862,21 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     // slower on GPU-X than the paper's (docs/locality.md). That balancing may not spend compute
     // past the limit: the local placement's own bound may be above the paper's.
     const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
-    if (boundByBytes(lpt, config.commRatio)) {
-      takeFastest(lpt, local, batch, config, options, slack);
+    std::optional<StepBytes> lptBytes;  // built once, for whichever choice needs it
+    if (config.commRatio > 0) lptBytes = stepBytes(lpt);
+    if (lptBytes && boundByBytes(lpt, *lptBytes, config.commRatio)) {
+      takeFastest(lpt, *lptBytes, local, batch, config, options, slack);
     } else if (const double limit = std::max(maxCost(lpt.plan), lpt.plan.lowerBound * slack);
                maxCost(local.plan) <= limit) {  // else the paper's bytes are never counted here
-      const StepBytes lptBytes = stepBytes(lpt);
+      if (!lptBytes) lptBytes = stepBytes(lpt);
       StepBytes localBytes = stepBytes(local);
-      if (localBytes.total <= lptBytes.total) {
+      if (localBytes.total <= lptBytes->total) {
         balanceComm(local, config, options, kLocalStepsPerWorker, limit);
         if (!local.hasTraffic) localBytes = stepBytes(local);  // balancing moved blocks
         const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
-        if (localBytes.total <= lptBytes.total &&
-            localBytes.busiestWorker <= lptBytes.busiestWorker &&
-            evenEnough(localBytes, lptBytes, lptBalanced))
+        if (localBytes.total <= lptBytes->total &&
+            localBytes.busiestWorker <= lptBytes->busiestWorker &&
+            evenEnough(localBytes, *lptBytes, lptBalanced))
           lpt = std::move(local);
       }
     }

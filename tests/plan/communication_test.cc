@@ -255,8 +255,9 @@ TEST(CommunicationTest, AWinningLocalPlacementIsNoWorseThanThePapers) {
 // Told how slow the link is (commRatio, cost units per byte), the choice weighs bytes against
 // compute: a local placement (balanced, or every block at home) wins where its estimated step
 // time (busiest worker's cost against its bytes at the ratio) is below the paper's, even above
-// the compute bound; otherwise the paper's plan is kept as it is. The cases were picked where
-// compute alone keeps the paper's placement.
+// the compute bound; otherwise the paper's plan is kept as it is. That choice runs only where
+// the paper's placement is bound by its bytes; where its compute binds, the plan is the one made
+// without a ratio. The cases were picked where compute alone keeps the paper's placement.
 TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) {
   int flips = 0, computeBound = 0;
   const auto check = [&](const Case& k, const AttentionConfig& attention, double ratio) {
