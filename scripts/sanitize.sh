@@ -7,7 +7,8 @@
 #    interpreter that would load it is not instrumented). LeakSanitizer ignores only Open
 #    MPI's own allocations (tests/sanitizers/lsan.supp); nothing of FCP's is suppressed.
 #  - ${FCP_TSAN_BUILD_DIR:-build-tsan}: the runtime's and the API's threaded tests (ranks as
-#    threads, the progress and pipeline threads) built with ThreadSanitizer.
+#    threads, the progress and pipeline threads) and the planner's on two threads, built with
+#    ThreadSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # ccache (when CMake found it): hash paths relative to this tree, so another clone hits too.
@@ -33,9 +34,10 @@ echo "sanitize: ASan+UBSan suite passed in $((SECONDS - start)) s"
 start=$SECONDS
 cmake -S . -B "$tsan_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFCP_SANITIZE=thread \
   -DFCP_BUILD_PYTHON=OFF -DFCP_BUILD_BENCH=OFF -DFCP_BUILD_CLI=OFF -DFCP_INSTALL=OFF >/dev/null
-cmake --build "$tsan_dir" -j "$jobs" --target fcp_runtime_tests fcp_api_tests
+cmake --build "$tsan_dir" -j "$jobs" --target fcp_runtime_tests fcp_api_tests fcp_plan_tests
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 for t in fcp_runtime_tests fcp_api_tests; do
   "$tsan_dir/tests/$t" --gtest_brief=1
 done
+"$tsan_dir/tests/fcp_plan_tests" --gtest_brief=1 --gtest_filter='PlanTest.APlanIsTheSame*'
 echo "sanitize: TSan threaded tests passed in $((SECONDS - start)) s"

@@ -6,6 +6,7 @@
 #include "fcp/core/error.h"
 #include "fcp/plan/coloring.h"
 #include "huge_pages.h"
+#include "parallel.h"
 
 namespace fcp::plan {
 
@@ -399,10 +400,16 @@ void buildStages(Plan& plan) {
                        std::move(received),
                        std::move(need)};
   std::vector<std::vector<Stage>> forward(n), backward(n);
-  for (size_t w = 0; w < n; ++w) {
-    forward[w] = forwardStages(in, w);
-    backward[w] = backwardStages(in, w, forward[w]);
-  }
+  const auto fill = [&](size_t first, size_t last) {
+    for (size_t w = first; w < last; ++w) {
+      forward[w] = forwardStages(in, w);
+      backward[w] = backwardStages(in, w, forward[w]);
+    }
+  };
+  // Workers' stages are independent: two halves on two threads for large plans.
+  detail::runBoth(
+      detail::worthParallel(static_cast<int64_t>(plan.pairs.size())), [&] { fill(0, n / 2); },
+      [&] { fill(n / 2, n); });
   plan.forward = std::move(forward);
   plan.backward = std::move(backward);
 }

@@ -14,6 +14,7 @@
 #include "fcp/core/statistics.h"
 #include "fcp/plan/coloring.h"
 #include "fcp/plan/limits.h"
+#include "parallel.h"
 #include "violations.h"
 
 namespace fcp::plan {
@@ -847,10 +848,18 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
                          " tokens (M(1+delta)); raise the tokens per worker, the memory limit or "
                          "slack, or the number of workers");
   }
-  Placed lpt = placeBest(&placeLpt, batch, config, costModel, options);
+  // The two placements are independent: on two threads when the batch is large (their
+  // shard and assign times then overlap, and the phases can sum above the total).
+  const bool withLocal = config.placement == Placement::kLocal;
+  const bool parallel = detail::worthParallel(estimatePairs(batch, config.blockSize));
+  Placed lpt, local;
+  detail::runBoth(
+      parallel && withLocal, [&] { lpt = placeBest(&placeLpt, batch, config, costModel, options); },
+      [&] {
+        if (withLocal) local = placeBest(&placeLocal, batch, config, costModel, options);
+      });
   double shardMs = lpt.shardMs, assignMs = lpt.assignMs, balanceMs = lpt.balanceMs;
-  if (config.placement == Placement::kLocal) {
-    Placed local = placeBest(&placeLocal, batch, config, costModel, options);
+  if (withLocal) {
     shardMs += local.shardMs;
     assignMs += local.assignMs;
     const auto chooseStart = std::chrono::steady_clock::now();
@@ -880,20 +889,31 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
           lpt = std::move(local);
       }
     }
+    local = Placed{};  // its memory is free for the transfers and stages
     balanceMs += msSince(chooseStart);
   }
   Plan plan = std::move(lpt.plan);
 
-  // Built already when the two placements were compared by their bytes.
+  // Built already when the two placements were compared by their bytes. The reshuffle needs
+  // only the owners: it is built beside the transfers and their colouring.
   const auto transfersStart = std::chrono::steady_clock::now();
-  if (!lpt.hasTraffic) plan.transfers = buildTransfers(plan);
-  const double transfersMs = msSince(transfersStart);
-  const auto colorStart = std::chrono::steady_clock::now();
-  colorTransfers(plan);
-  const double colorMs = msSince(colorStart);
+  double transfersMs = 0, colorMs = 0;
+  std::vector<ReshufflePiece> reshuffle;
+  detail::runBoth(
+      parallel,
+      [&] {
+        if (!lpt.hasTraffic) plan.transfers = buildTransfers(plan);
+        transfersMs = msSince(transfersStart);
+        const auto colorStart = std::chrono::steady_clock::now();
+        colorTransfers(plan);
+        colorMs = msSince(colorStart);
+      },
+      [&] {
+        if (!lpt.hasTraffic) reshuffle = buildReshuffle(plan);
+      });
+  if (!lpt.hasTraffic) plan.reshuffle = std::move(reshuffle);
   const auto scheduleStart = std::chrono::steady_clock::now();
   buildStages(plan);
-  if (!lpt.hasTraffic) plan.reshuffle = buildReshuffle(plan);
   if (plan.placement == Placement::kLocal || !config.locality)
     plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
   if (timings) {

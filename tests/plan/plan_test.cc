@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/json.h"
@@ -75,6 +77,58 @@ TEST(PlanTest, SameSeedGivesByteIdenticalJson) {
   const std::string b = planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 42));
   EXPECT_EQ(a, b);
   EXPECT_NE(a, planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 43)));
+}
+
+/// Sets FCP_PLAN_THREADS for one scope (unset before and after).
+class PlanThreads {
+ public:
+  explicit PlanThreads(const char* value) { setenv("FCP_PLAN_THREADS", value, 1); }
+  ~PlanThreads() { unsetenv("FCP_PLAN_THREADS"); }
+  PlanThreads(const PlanThreads&) = delete;
+  PlanThreads& operator=(const PlanThreads&) = delete;
+};
+
+TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
+  // Large enough for the second thread (64K pairs and up): the two placements, the reshuffle
+  // beside the transfers and each half of the stages run side by side. The plan on one thread
+  // is the reference, to the byte.
+  struct Case {
+    const char* workload;
+    int64_t workers, tokensPerWorker, blockSize;
+    uint64_t seed;
+  };
+  for (const Case& c : {Case{"lognormal", 1024, 32 * 1024, 4 * 1024, 0},
+                        Case{"lognormal", 64, 32 * 1024, 1024, 0}}) {
+    std::string one, two;
+    {
+      const PlanThreads threads("1");
+      one = planToJson(makePlan(c.workload, c.workers, MaskKind::kCausal, c.seed,
+                                c.tokensPerWorker, c.blockSize));
+    }
+    {
+      const PlanThreads threads("2");
+      const Plan plan = makePlan(c.workload, c.workers, MaskKind::kCausal, c.seed,
+                                 c.tokensPerWorker, c.blockSize);
+      ASSERT_GE(plan.pairs.size(), size_t{1} << 16) << c.workload;
+      two = planToJson(plan);
+    }
+    EXPECT_EQ(one, two) << c.workload << " on " << c.workers << " workers";
+  }
+}
+
+TEST(PlanTest, APlannerThreadCountOtherThanOneOrTwoIsNamed) {
+  for (const char* bad : {"3", "0", "two", "-1"}) {
+    const PlanThreads threads(bad);
+    try {
+      makePlan("bimodal", 32, MaskKind::kCausal, 42);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(std::string("FCP_PLAN_THREADS '") + bad + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(PlanTest, JsonRoundTripIsExact) {

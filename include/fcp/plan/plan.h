@@ -159,7 +159,9 @@ struct Plan {
 };
 
 /// Wall-clock time of each planning phase, in milliseconds. Kept out of `Plan`, which must be
-/// identical on every rank.
+/// identical on every rank. Large plans build the two placements on two threads: shardMs and
+/// assignMs then add up both placements' times, which overlapped, so the phases may sum above
+/// totalMs.
 struct PlanTimings {
   double shardMs = 0;
   double assignMs = 0;   ///< the Block Distributor (greedy and improvement)

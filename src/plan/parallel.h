@@ -1,0 +1,78 @@
+#pragma once
+// Private to the plan module: running two independent pieces of planning at once.
+//
+// Every rank must reach the same plan, so concurrency here never decides anything: the two
+// callables read shared inputs only and write disjoint outputs, and the plan is the same
+// whether they ran one after the other or side by side, in either order.
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+#include "fcp/core/error.h"
+
+namespace fcp::plan::detail {
+
+/// Threads the planner may use: FCP_PLAN_THREADS, 1 or 2; unset or empty, 2 where the machine
+/// has a second hardware thread, else 1. The plan is the same either way; 1 suits a rank whose
+/// cores are all busy. Any other value is an error.
+inline int planThreads() {
+  const char* env = std::getenv("FCP_PLAN_THREADS");
+  if (env == nullptr || *env == '\0') return std::thread::hardware_concurrency() > 1 ? 2 : 1;
+  const std::string_view value(env);
+  if (value == "1") return 1;
+  if (value == "2") return 2;
+  throwInvalidArgument("invalid FCP_PLAN_THREADS '", value, "': expected 1 or 2 planner threads");
+}
+
+/// Whether planning work of about `pairs` block pairs is worth a second thread: below this a
+/// plan takes a few milliseconds, and starting a thread (tens of microseconds) buys little.
+/// False when planThreads() is 1 (read first, so a bad FCP_PLAN_THREADS fails every plan).
+inline bool worthParallel(int64_t pairs) {
+  constexpr int64_t kParallelPairs = int64_t{1} << 16;
+  return planThreads() > 1 && pairs >= kParallelPairs;
+}
+
+/// Runs `first()` and `second()`, on two threads when `parallel`, else in that order. Both
+/// always finish before it returns; if either throws, it rethrows `first`'s exception, else
+/// `second`'s: what running them in order would have thrown (there, `second` never runs after
+/// `first` throws), so the error is the same whatever the timing.
+///
+/// `second` goes to whichever thread claims it first: the helper when it starts, or this
+/// thread once `first` is done. On a machine whose other cores are busy the helper may not
+/// start for a while; this thread then runs both rather than wait for it.
+template <typename First, typename Second>
+void runBoth(bool parallel, First&& first, Second&& second) {
+  if (!parallel) {
+    first();
+    second();
+    return;
+  }
+  std::atomic<bool> claimed{false};
+  std::exception_ptr secondError;
+  const auto runSecond = [&] {
+    if (claimed.exchange(true)) return;
+    try {
+      second();
+    } catch (...) {
+      secondError = std::current_exception();
+    }
+  };
+  std::thread helper(runSecond);
+  try {
+    first();
+  } catch (...) {
+    claimed.exchange(true);  // not started yet: it need not run
+    helper.join();
+    throw;
+  }
+  runSecond();
+  helper.join();
+  if (secondError) std::rethrow_exception(secondError);
+}
+
+}  // namespace fcp::plan::detail
