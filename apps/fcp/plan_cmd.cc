@@ -98,6 +98,11 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               "improvement steps)\n",
               100 * s.lowerBoundGap, 100 * (p.greedyMaxCost / p.lowerBound - 1),
               static_cast<long long>(p.improveSteps));
+  if (s.memoryLowerBound > p.lowerBound) {
+    std::printf("  the memory cap raises the bound %.4f%% (no assignment of these blocks does "
+                "better): busiest worker %.4f%% above it\n",
+                100 * (s.memoryLowerBound / p.lowerBound - 1), 100 * s.memoryBoundGap);
+  }
   std::printf("  memory: max %lld tokens per worker, cap %lld\n",
               static_cast<long long>(s.maxWorkerTokens), static_cast<long long>(s.memoryCapTokens));
   std::printf("  communication: %lld transfers, %.3g bytes, %d rounds (= max degree %d), %d "
@@ -254,6 +259,8 @@ void runPlan(const PlanArgs& a) {
        {{"busiest_worker", s.maxWorkerCommBytes}, {"sorted_transfers", s.sortedRoundBound}}},
       {"lower_bound_gap", s.lowerBoundGap},
       {"lower_bound", p.lowerBound},
+      {"memory_lower_bound", s.memoryLowerBound},
+      {"memory_bound_gap", s.memoryBoundGap},
       {"max_worker_cost", (1 + s.lowerBoundGap) * p.lowerBound},
       {"greedy_lower_bound_gap", p.greedyMaxCost / p.lowerBound - 1},
       {"improve_steps", p.improveSteps},

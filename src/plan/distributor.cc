@@ -520,6 +520,77 @@ int64_t safeBlockTokens(int64_t batchTokens, const DistributorOptions& options) 
   return std::clamp<int64_t>(cap + 1 + floorDiv, 0, cap);
 }
 
+double memoryAwareLowerBound(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                             int64_t numWorkers, int64_t cap) {
+  FCP_CHECK(tokens.size() == costs.size(), "tokens for ", tokens.size(), " blocks, costs for ",
+            costs.size());
+  const size_t numBlocks = costs.size();
+  if (numBlocks == 0 || numWorkers <= 0) return 0;
+  int64_t batchTokens = 0;
+  double total = 0, largest = 0;
+  for (size_t i = 0; i < numBlocks; ++i) {
+    batchTokens += tokens[i];
+    total += costs[i];
+    largest = std::max(largest, costs[i]);
+  }
+  double bound = std::max(largest, total / static_cast<double>(numWorkers));
+
+  std::vector<int32_t> byCost(numBlocks), byDensity(numBlocks);
+  std::iota(byCost.begin(), byCost.end(), 0);
+  std::iota(byDensity.begin(), byDensity.end(), 0);
+  const auto cost = [&](int32_t i) { return costs[static_cast<size_t>(i)]; };
+  const auto size = [&](int32_t i) { return tokens[static_cast<size_t>(i)]; };
+  std::sort(byCost.begin(), byCost.end(), [&](int32_t a, int32_t b) {
+    return cost(a) != cost(b) ? cost(a) > cost(b) : a < b;
+  });
+  // Cost per token ascending; a block of no tokens covers nothing and goes last.
+  const auto density = [&](int32_t i) {
+    return size(i) > 0 ? cost(i) / static_cast<double>(size(i))
+                       : std::numeric_limits<double>::infinity();
+  };
+  std::sort(byDensity.begin(), byDensity.end(), [&](int32_t a, int32_t b) {
+    const double da = density(a), db = density(b);
+    return da != db ? da < db : a < b;
+  });
+  // coveredTokens[j], coverCost[j]: the j least dense blocks' tokens and cost.
+  std::vector<int64_t> coveredTokens(numBlocks + 1, 0);
+  std::vector<double> coverCost(numBlocks + 1, 0.0);
+  for (size_t j = 0; j < numBlocks; ++j) {
+    coveredTokens[j + 1] = coveredTokens[j] + size(byDensity[j]);
+    coverCost[j + 1] = coverCost[j] + cost(byDensity[j]);
+  }
+  // The least cost of `need` tokens, taking blocks in order of density (the last in part).
+  const auto cheapestCover = [&](int64_t need) {
+    const auto j = static_cast<size_t>(
+        std::lower_bound(coveredTokens.begin(), coveredTokens.end(), need) -
+        coveredTokens.begin());
+    if (j == 0) return 0.0;
+    const int32_t last = byDensity[j - 1];
+    return coverCost[j - 1] +
+           static_cast<double>(need - coveredTokens[j - 1]) * density(last);
+  };
+
+  double costOfG = 0;
+  int64_t tokensOfG = 0;
+  const auto most = static_cast<size_t>(std::min<int64_t>(numWorkers, static_cast<int64_t>(numBlocks)));
+  for (size_t g = 1; g <= most; ++g) {
+    costOfG += cost(byCost[g - 1]);
+    tokensOfG += size(byCost[g - 1]);
+    const double twoCheapest = g >= 2 ? cost(byCost[g - 2]) + cost(byCost[g - 1])
+                                      : std::numeric_limits<double>::infinity();
+    if (twoCheapest <= bound) break;  // it only falls as g grows
+    // E = T - (N - g) cap - tokens of G, without forming (N - g) cap past T.
+    const int64_t others = numWorkers - static_cast<int64_t>(g);
+    const int64_t rest = batchTokens - tokensOfG;
+    if (others > 0 && cap > rest / others) continue;  // the others can hold all the rest
+    const int64_t extra = rest - others * cap;
+    if (extra <= 0) continue;
+    const double average = (costOfG + cheapestCover(extra)) / static_cast<double>(g);
+    bound = std::max(bound, std::min(twoCheapest, average));
+  }
+  return bound;
+}
+
 namespace {
 
 /// The batch's totals, after checking that the whole batch fits under the cap; `oversized`

@@ -986,6 +986,12 @@ PlanStats computeStats(const Plan& plan) {
   s.memoryImbalance = imbalance(tokens);
   s.lowerBoundGap = plan.lowerBound > 0 ? maxCost / plan.lowerBound - 1 : 0;
   s.memoryCapTokens = memoryCapTokens(distributorOptions(plan.config));
+  s.memoryLowerBound = std::max(
+      plan.lowerBound,
+      memoryAwareLowerBound(blockTokens(plan.blocks),
+                            blockCosts(static_cast<int64_t>(plan.blocks.size()), plan.pairs),
+                            plan.config.numWorkers, s.memoryCapTokens));
+  s.memoryBoundGap = s.memoryLowerBound > 0 ? maxCost / s.memoryLowerBound - 1 : 0;
   for (const BlockPair& p : plan.pairs)
     s.totalForwardFlops += forwardFlops(plan.config.attention, p.visible);
 

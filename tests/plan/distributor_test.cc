@@ -210,6 +210,45 @@ TEST(DistributorTest, TradesWhenNoSingleMoveOrSwapLowersTheBusiest) {
   }
 }
 
+TEST(DistributorTest, TheMemoryAwareBoundCountsWhatTheCapForcesOntoGiantHolders) {
+  // By hand: 3 workers of 10 tokens; two giants (2 tokens, cost 10) and four small blocks (5
+  // tokens, cost 1). LB = max(10, 24 / 3) = 10. The third worker holds at most 10 of the 20
+  // small tokens, so the giants' holders carry the other 10 (cost 2 at the least): 11, which
+  // a giant and a small block each, and two small blocks on the third worker, reach.
+  const Blocks b{{2, 2, 5, 5, 5, 5}, {10, 10, 1, 1, 1, 1}};
+  EXPECT_DOUBLE_EQ(memoryAwareLowerBound(b.tokens, b.costs, 3, 10), 11.0);
+  EXPECT_DOUBLE_EQ(bruteForceOptimum(b, 3, 10), 11.0);
+  // Room for everything beside the giants: the paper's bound.
+  EXPECT_DOUBLE_EQ(memoryAwareLowerBound(b.tokens, b.costs, 3, 20), 10.0);
+  EXPECT_EQ(memoryAwareLowerBound({}, {}, 3, 10), 0.0);
+}
+
+TEST(DistributorTest, TheMemoryAwareBoundIsBelowEveryAssignmentUnderTheCap) {
+  // Against the optimum by exhaustion on random small batches with tight caps; the bound must
+  // never pass it, and must beat max(largest, average) on some (else it says nothing new).
+  Rng rng(20261126);
+  int raised = 0, tried = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const auto n = static_cast<int32_t>(2 + rng.next() % 3);
+    const int count = 3 + static_cast<int>(rng.next() % (n == 4 ? 4 : 5));
+    const Blocks b = randomBlocks(rng, count, 8);
+    const int64_t total = std::accumulate(b.tokens.begin(), b.tokens.end(), int64_t{0});
+    const int64_t cap = (total + n - 1) / n + static_cast<int64_t>(rng.next() % 4);
+    const double optimum = bruteForceOptimum(b, n, cap);
+    if (std::isinf(optimum)) continue;  // no assignment fits
+    ++tried;
+    const double bound = memoryAwareLowerBound(b.tokens, b.costs, n, cap);
+    const double paper =
+        std::max(*std::max_element(b.costs.begin(), b.costs.end()),
+                 std::accumulate(b.costs.begin(), b.costs.end(), 0.0) / n);
+    ASSERT_LE(bound, optimum * (1 + 1e-12)) << "trial " << trial;
+    ASSERT_GE(bound, paper * (1 - 1e-12)) << "trial " << trial;
+    raised += bound > paper * (1 + 1e-9);
+  }
+  EXPECT_GT(tried, 2000);
+  EXPECT_GT(raised, tried / 50) << raised << " of " << tried;
+}
+
 TEST(DistributorTest, BadOptionsAreErrors) {
   DistributorOptions o;
   o.memoryLimitTokens = 10;

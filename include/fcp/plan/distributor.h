@@ -83,6 +83,21 @@ std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
 /// hold at least N (cap - m + 1) <= T - m tokens, impossible when (N - 1) m < N (cap + 1) - T.
 int64_t safeBlockTokens(int64_t batchTokens, const DistributorOptions& options);
 
+/// A lower bound on the busiest worker's cost of every assignment of these blocks to
+/// `numWorkers` workers under `cap` tokens each; at least LB = max(largest cost, total / N).
+/// LB ignores memory; this counts it. Take the g costliest blocks G (each g from 1 to N).
+/// Either some worker holds two of them (it costs at least the two cheapest of G), or g
+/// workers hold one each; the other N - g workers then hold at most (N - g) cap tokens, so the
+/// holders carry at least E = T - (N - g) cap - (tokens of G) more tokens between them, which
+/// cost at least the cheapest cover of E tokens by blocks in order of cost per token (a block
+/// counted in part). The busiest holder costs at least (cost of G + that cover) / g. So every
+/// assignment is above min(two cheapest of G, that average) for every g. It matters where
+/// giant blocks (each near a worker's share) leave their holders room the other workers
+/// cannot absorb (docs/planner.md). Sums run in a fixed order: every rank gets the same
+/// number. `tokens` and `costs` have the same length; O(B log B).
+double memoryAwareLowerBound(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                             int64_t numWorkers, int64_t cap);
+
 /// Locality first: every block starts on `home[i]` (the worker whose user-layout slice holds
 /// its tokens), so nothing moves unless balance needs it. If the layout puts a worker over the
 /// cap, moves and swaps first bring it under (as the greedy's repair does). Then every worker

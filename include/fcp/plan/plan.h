@@ -210,6 +210,10 @@ struct PlanStats {
   double computeImbalance = 0;  ///< (max - mean) / max of worker cost
   double memoryImbalance = 0;   ///< (max - mean) / max of worker tokens
   double lowerBoundGap = 0;     ///< max cost / LB - 1
+  /// memoryAwareLowerBound of the plan's blocks under its cap (>= LB): no assignment of these
+  /// blocks has a busiest worker below it.
+  double memoryLowerBound = 0;
+  double memoryBoundGap = 0;  ///< max cost / memoryLowerBound - 1
   int64_t maxWorkerTokens = 0;
   int64_t memoryCapTokens = 0;
   double totalForwardFlops = 0;
