@@ -349,21 +349,48 @@ class SparseFirst {
  public:
   SparseFirst(size_t numWorkers, const std::vector<int64_t>& tokens,
               const std::vector<double>& costs)
-      : lists_(numWorkers), fresh_(numWorkers, 0), tokens_(tokens), costs_(costs) {}
+      : lists_(numWorkers),
+        fresh_(numWorkers, 0),
+        range_(numWorkers),
+        prefix_(numWorkers),
+        tokens_(tokens),
+        costs_(costs) {}
 
   const std::vector<int32_t>& of(const Loads& loads, int32_t worker) {
     const auto w = static_cast<size_t>(worker);
     if (!fresh_[w]) {
       lists_[w] = loads.blocks[w];
+      range_[w] = {kInf, -kInf};
+      for (int32_t b : lists_[w]) {
+        range_[w].first = std::min(range_[w].first, costs_[static_cast<size_t>(b)]);
+        range_[w].second = std::max(range_[w].second, costs_[static_cast<size_t>(b)]);
+      }
       std::sort(lists_[w].begin(), lists_[w].end(), [&](int32_t a, int32_t b) {
         // c_a / m_a < c_b / m_b, cross-multiplied (block tokens are positive).
         const double da = costs_[static_cast<size_t>(a)] * static_cast<double>(tokens_[static_cast<size_t>(b)]);
         const double db = costs_[static_cast<size_t>(b)] * static_cast<double>(tokens_[static_cast<size_t>(a)]);
         return da != db ? da < db : a < b;
       });
+      // Running sums in list order, added one block at a time as a loop over the list would.
+      prefix_[w].assign(1, {0, 0.0});
+      for (int32_t b : lists_[w]) {
+        prefix_[w].push_back({prefix_[w].back().first + tokens_[static_cast<size_t>(b)],
+                              prefix_[w].back().second + costs_[static_cast<size_t>(b)]});
+      }
       fresh_[w] = 1;
     }
     return lists_[w];
+  }
+
+  /// Tokens and cost of the worker's first k blocks in the list, for k = 0 .. size, as of the
+  /// last of().
+  const std::vector<std::pair<int64_t, double>>& prefix(int32_t worker) const {
+    return prefix_[static_cast<size_t>(worker)];
+  }
+
+  /// The least and the largest cost of the worker's blocks, as of the last of().
+  std::pair<double, double> costRange(int32_t worker) const {
+    return range_[static_cast<size_t>(worker)];
   }
 
   void changed(int32_t worker) { fresh_[static_cast<size_t>(worker)] = 0; }
@@ -371,6 +398,8 @@ class SparseFirst {
  private:
   std::vector<std::vector<int32_t>> lists_;
   std::vector<char> fresh_;
+  std::vector<std::pair<double, double>> range_;
+  std::vector<std::vector<std::pair<int64_t, double>>> prefix_;
   const std::vector<int64_t>& tokens_;
   const std::vector<double>& costs_;
 };
@@ -398,7 +427,6 @@ Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
   for (size_t k = 0; k < pairWorkers; ++k) pairsHere[static_cast<size_t>(byLoad[k])] = 1;
 
   Trade best;
-  std::vector<int32_t> back;
   // Block i of w to u, `set` back: kept if it fits both caps and lowers the pair's maximum.
   const auto consider = [&](int32_t i, int32_t u, int64_t mBack, double cBack, auto&& set) {
     const auto us = static_cast<size_t>(u);
@@ -422,17 +450,28 @@ Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
       if (!(cw - ci < best.newMax)) continue;  // w keeps at least cw - ci
       const int64_t need = loads.mem[us] + tokens[static_cast<size_t>(i)] - cap;
       if (need <= 0) continue;  // a plain move, which bestChange has weighed
-      // u's least dense blocks, as many as make room: the least cost back for the room.
-      back.clear();
-      int64_t mBack = 0;
-      double cBack = 0;
-      for (int32_t j : theirs) {
-        if (mBack >= need) break;
-        back.push_back(j);
-        mBack += tokens[static_cast<size_t>(j)];
-        cBack += costs[static_cast<size_t>(j)];
+      // u's least dense blocks, as many as make room: the least cost back for the room (the
+      // shortest prefix of the list holding `need` tokens).
+      const auto& sums = sparseFirst.prefix(u);
+      const auto enough = std::lower_bound(
+          sums.begin(), sums.end(), need,
+          [](const std::pair<int64_t, double>& p, int64_t m) { return p.first < m; });
+      if (enough != sums.end()) {
+        const auto count = enough - sums.begin();
+        consider(i, u, enough->first, enough->second, [&](std::vector<int32_t>& v) {
+          v.assign(theirs.begin(), theirs.begin() + count);
+        });
       }
-      if (mBack >= need) consider(i, u, mBack, cBack, [&](std::vector<int32_t>& v) { v = back; });
+      // One block back beats the best so far only if its cost c is in (cu + ci - best,
+      // min(ci, best - cw + ci)): where no block of u is (with a margin far above rounding),
+      // none is tried. Pairs of blocks are tried as before.
+      if (!pairsHere[us]) {
+        const auto [least, largest] = sparseFirst.costRange(u);
+        const double b = best.newMax, cu = loads.cost[us];
+        const double margin = 1e-9 * (cw + ci + cu + (b < kInf ? b : 0.0));
+        if (largest <= cu + ci - b - margin || least >= std::min(ci, b - cw + ci) + margin)
+          continue;
+      }
       // One block or two of any cost: the cost back may need to be near i's to help.
       for (size_t x = 0; x < theirs.size(); ++x) {
         const int32_t j = theirs[x];
