@@ -444,24 +444,43 @@ void validateCommunication(const Plan& plan, Violations& v) {
   if (plan.congestionFree && plan.numRounds != delta) {
     v.add("plan has ", plan.numRounds, " rounds, but Δ = ", delta);
   }
-  std::vector<std::tuple<int32_t, int32_t, int32_t>> bySender, byReceiver;  // (round, worker, id)
+  // Transfers by round (CSR, in id order within a round); a round is a matching when no worker
+  // sends twice or receives twice in it.
+  std::vector<int64_t> roundStart(static_cast<size_t>(std::max(plan.numRounds, 0)) + 1, 0);
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     const Transfer& tr = plan.transfers[t];
     if (tr.round < 0 || tr.round >= plan.numRounds) {
       v.add("transfer ", t, " is in round ", tr.round, ", not one of 0..", plan.numRounds - 1);
+      continue;
     }
-    bySender.push_back({tr.round, tr.sender, static_cast<int32_t>(t)});
-    byReceiver.push_back({tr.round, tr.receiver, static_cast<int32_t>(t)});
+    ++roundStart[static_cast<size_t>(tr.round) + 1];
   }
-  for (auto* list : {&bySender, &byReceiver}) {
-    if (!plan.congestionFree) break;
-    std::sort(list->begin(), list->end());
-    for (size_t i = 1; i < list->size(); ++i) {
-      const auto& [r0, w0, t0] = (*list)[i - 1];
-      const auto& [r1, w1, t1] = (*list)[i];
-      if (r0 == r1 && w0 == w1) {
-        v.add("round ", r1, " is not a matching: worker ", w1,
-              (list == &bySender ? " sends" : " receives"), " transfers ", t0, " and ", t1);
+  if (plan.congestionFree && v.empty()) {
+    for (size_t r = 1; r < roundStart.size(); ++r) roundStart[r] += roundStart[r - 1];
+    std::vector<int32_t> byRound(plan.transfers.size());
+    std::vector<int64_t> next(roundStart.begin(), roundStart.end() - 1);
+    for (size_t t = 0; t < plan.transfers.size(); ++t)
+      byRound[static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].round)]++)] =
+          static_cast<int32_t>(t);
+    // The transfer each worker last sent and received in the round being checked.
+    std::vector<int32_t> sending(static_cast<size_t>(n), -1), receiving(static_cast<size_t>(n), -1);
+    std::vector<int32_t> sendRound(static_cast<size_t>(n), -1), recvRound(static_cast<size_t>(n), -1);
+    for (int32_t r = 0; r < plan.numRounds; ++r) {
+      for (int64_t i = roundStart[static_cast<size_t>(r)]; i < roundStart[static_cast<size_t>(r) + 1];
+           ++i) {
+        const int32_t t = byRound[static_cast<size_t>(i)];
+        const Transfer& tr = plan.transfers[static_cast<size_t>(t)];
+        for (const bool sends : {true, false}) {
+          const auto w = static_cast<size_t>(sends ? tr.sender : tr.receiver);
+          std::vector<int32_t>& last = sends ? sending : receiving;
+          std::vector<int32_t>& in = sends ? sendRound : recvRound;
+          if (in[w] == r) {
+            v.add("round ", r, " is not a matching: worker ", w, (sends ? " sends" : " receives"),
+                  " transfers ", last[w], " and ", t);
+          }
+          in[w] = r;
+          last[w] = t;
+        }
       }
     }
   }
@@ -471,6 +490,21 @@ void validateCommunication(const Plan& plan, Violations& v) {
           ": expected >= 1 / >= 2");
     return;
   }
+
+  // Transfers are in (block, receiver) order (they equal buildTransfers' above): each block's
+  // are a run, found through its start.
+  std::vector<int64_t> blockStart(plan.blocks.size() + 1, 0);
+  for (const Transfer& tr : plan.transfers) ++blockStart[static_cast<size_t>(tr.block) + 1];
+  for (size_t b = 1; b < blockStart.size(); ++b) blockStart[b] += blockStart[b - 1];
+  const auto transferOf = [&](int32_t block, int32_t receiver) -> int32_t {
+    const auto first = plan.transfers.begin() + blockStart[static_cast<size_t>(block)];
+    const auto last = plan.transfers.begin() + blockStart[static_cast<size_t>(block) + 1];
+    const auto it = std::lower_bound(first, last, receiver, [](const Transfer& t, int32_t r) {
+      return t.receiver < r;
+    });
+    return it != last && it->receiver == receiver ? static_cast<int32_t>(it - plan.transfers.begin())
+                                                  : -1;
+  };
 
   // Stages, both passes: replay every worker's stages.
   const int64_t bufferLimit = plan.config.bufferDepth * plan.config.coalesce;
@@ -539,7 +573,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
             continue;
           }
           if (plan.owner[static_cast<size_t>(pair.kvBlock)] == w) continue;
-          const int32_t t = findTransfer(plan.transfers, pair.kvBlock, static_cast<int32_t>(w));
+          const int32_t t = transferOf(pair.kvBlock, static_cast<int32_t>(w));
           if (t < 0 || recvAt[static_cast<size_t>(t)] < 0 || recvAt[static_cast<size_t>(t)] >= s ||
               releasedAt[static_cast<size_t>(t)] >= 0) {
             v.add(pass, ": worker ", w, " computes pair ", p, " at stage ", s,
@@ -590,7 +624,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
       // only after the partials of everything it relayed came back (it adds them in).
       const Transfer& tr = plan.transfers[t];
       if (tr.sender == plan.owner[static_cast<size_t>(tr.block)] || sentAt[t] < 0) continue;
-      const int32_t in = findTransfer(plan.transfers, tr.block, tr.sender);
+      const int32_t in = transferOf(tr.block, tr.sender);
       const auto i = static_cast<size_t>(in);
       if (in < 0 || recvAt[i] < 0 || recvAt[i] >= sentAt[t] || releasedAt[i] < sentAt[t]) {
         v.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
