@@ -563,11 +563,14 @@ double memoryAwareLowerBound(const std::vector<int64_t>& tokens, const std::vect
                              int64_t numWorkers, int64_t cap) {
   FCP_CHECK(tokens.size() == costs.size(), "tokens for ", tokens.size(), " blocks, costs for ",
             costs.size());
+  FCP_CHECK(cap >= 0, "memory cap ", cap, " tokens");
   const size_t numBlocks = costs.size();
   if (numBlocks == 0 || numWorkers <= 0) return 0;
   int64_t batchTokens = 0;
   double total = 0, largest = 0;
   for (size_t i = 0; i < numBlocks; ++i) {
+    FCP_CHECK(tokens[i] >= 0 && costs[i] >= 0, "block ", i, " of ", tokens[i], " tokens, cost ",
+              costs[i]);
     batchTokens += tokens[i];
     total += costs[i];
     largest = std::max(largest, costs[i]);

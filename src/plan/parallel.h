@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -26,7 +28,9 @@ inline int planThreads() {
   const std::string_view value(env);
   if (value == "1") return 1;
   if (value == "2") return 2;
-  throwInvalidArgument("invalid FCP_PLAN_THREADS '", value, "': expected 1 or 2 planner threads");
+  std::string shown;  // one line whatever the variable holds
+  for (const char c : value) shown += (c == '\n' || c == '\r') ? ' ' : c;
+  throwInvalidArgument("invalid FCP_PLAN_THREADS '", shown, "': expected 1 or 2 planner threads");
 }
 
 /// Whether planning work of about `pairs` block pairs is worth a second thread: below this a
@@ -62,7 +66,14 @@ void runBoth(bool parallel, First&& first, Second&& second) {
       secondError = std::current_exception();
     }
   };
-  std::thread helper(runSecond);
+  std::thread helper;
+  try {
+    helper = std::thread(runSecond);
+  } catch (const std::system_error&) {  // no thread to be had (a process limit): in order
+    first();
+    second();
+    return;
+  }
   try {
     first();
   } catch (...) {

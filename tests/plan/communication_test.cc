@@ -2,6 +2,8 @@
 // invariants validate() holds them to.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -338,6 +340,14 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   p = good;
   p.numRounds += 1;
   EXPECT_TRUE(mentions(validate(p), "rounds, but"));
+
+  // Any round count a plan file may claim: named, and nothing sized by it.
+  for (const int32_t claimed : {std::numeric_limits<int32_t>::max(),
+                                std::numeric_limits<int32_t>::min(), 0}) {
+    p = good;
+    p.numRounds = claimed;
+    EXPECT_TRUE(mentions(validate(p), "rounds, but")) << claimed;
+  }
 
   p = good;
   p.transfers.pop_back();

@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <optional>
+#include <string>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/json.h"
+#include "fcp/plan/limits.h"
 
 namespace fcp::plan {
 namespace {
@@ -79,13 +82,25 @@ TEST(PlanTest, SameSeedGivesByteIdenticalJson) {
   EXPECT_NE(a, planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 43)));
 }
 
-/// Sets FCP_PLAN_THREADS for one scope (unset before and after).
+/// Sets FCP_PLAN_THREADS for one scope, then puts back what was there.
 class PlanThreads {
  public:
-  explicit PlanThreads(const char* value) { setenv("FCP_PLAN_THREADS", value, 1); }
-  ~PlanThreads() { unsetenv("FCP_PLAN_THREADS"); }
+  explicit PlanThreads(const char* value) {
+    if (const char* old = std::getenv("FCP_PLAN_THREADS")) old_ = old;
+    setenv("FCP_PLAN_THREADS", value, 1);
+  }
+  ~PlanThreads() {
+    if (old_) {
+      setenv("FCP_PLAN_THREADS", old_->c_str(), 1);
+    } else {
+      unsetenv("FCP_PLAN_THREADS");
+    }
+  }
   PlanThreads(const PlanThreads&) = delete;
   PlanThreads& operator=(const PlanThreads&) = delete;
+
+ private:
+  std::optional<std::string> old_;
 };
 
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
@@ -109,6 +124,10 @@ TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
       const PlanThreads threads("2");
       const Plan plan = makePlan(c.workload, c.workers, MaskKind::kCausal, c.seed,
                                  c.tokensPerWorker, c.blockSize);
+      // Both thresholds: the placements' (estimated pairs) and the stages' (the plan's pairs).
+      const Batch batch =
+          sampleBatch(findWorkload(c.workload), c.workers * c.tokensPerWorker, c.seed);
+      ASSERT_GE(estimatePairs(batch, c.blockSize), int64_t{1} << 16) << c.workload;
       ASSERT_GE(plan.pairs.size(), size_t{1} << 16) << c.workload;
       two = planToJson(plan);
     }
