@@ -91,6 +91,10 @@ struct Placed {
 struct Sharding {
   int64_t blockSize = 0;
   std::vector<int64_t> sequenceSizes;
+  /// A cost-aware candidate is kept only if its busiest worker costs less than this; blocks
+  /// whose memory-aware bound is not below it are not assigned at all (the placement returns
+  /// nullopt, as for blocks the cap refuses).
+  double mustBeat = std::numeric_limits<double>::infinity();
 };
 
 Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
@@ -119,6 +123,15 @@ std::vector<int64_t> blockTokens(const std::vector<Block>& blocks) {
   return tokens;
 }
 
+/// Whether blocks with costs `p.costs` cannot beat `mustBeat` under any assignment: their
+/// memory-aware bound is at or above it (with a margin far above rounding).
+bool cannotBeat(const Placed& p, const DistributorOptions& options, double mustBeat) {
+  if (!(mustBeat < std::numeric_limits<double>::infinity())) return false;
+  const double bound = memoryAwareLowerBound(blockTokens(p.plan.blocks), p.costs,
+                                             options.numWorkers, memoryCapTokens(options));
+  return bound >= mustBeat * (1 + 1e-12);
+}
+
 /// The paper's placement, up to its assignment: Zig-Zag blocks, the LPT greedy and its
 /// improvement (finishLpt adds the rest). Nullopt when the memory cap cannot place the blocks.
 std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
@@ -129,6 +142,7 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
       batch, config, costModel,
       shardBatch(batch, sharding.blockSize, config.attention.mask, sharding.sequenceSizes));
   p.shardMs = msSince(start);
+  if (cannotBeat(p, options, sharding.mustBeat)) return std::nullopt;
   start = std::chrono::steady_clock::now();
   std::optional<Assignment> a = tryAssignBlocks(blockTokens(p.plan.blocks), p.costs, options);
   if (!a) return std::nullopt;
@@ -184,6 +198,7 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
       placeWith(batch, config, costModel,
                 shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes));
   p.shardMs = msSince(start);
+  if (cannotBeat(p, options, sharding.mustBeat)) return std::nullopt;
   start = std::chrono::steady_clock::now();
   std::optional<Assignment> a = tryAssignBlocksNearHome(
       blockTokens(p.plan.blocks), p.costs, homeWorkers(batch, p.plan.blocks, user), options);
@@ -372,9 +387,12 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
       estimatePairs(batch, size / 2) <= kMaxPairs) {
     candidates.push_back({size / 2, {}});
   }
-  for (const Sharding& sharding : candidates) {
+  for (Sharding& sharding : candidates) {
+    // Only a busiest worker below the best so far is kept: blocks that cannot get there are
+    // not assigned.
+    sharding.mustBeat = maxCost(best.plan);
     std::optional<Placed> fine = place(batch, config, costModel, options, sharding);
-    if (!fine) continue;  // finer blocks that the cap refuses: keep what packed
+    if (!fine) continue;  // finer blocks that the cap refuses, or that cannot win: keep best
     shardMs += fine->shardMs;
     assignMs += fine->assignMs;
     balanceMs += fine->balanceMs;
