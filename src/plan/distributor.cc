@@ -360,22 +360,21 @@ class SparseFirst {
     const auto w = static_cast<size_t>(worker);
     if (!fresh_[w]) {
       lists_[w] = loads.blocks[w];
-      range_[w] = {kInf, -kInf};
-      for (int32_t b : lists_[w]) {
-        range_[w].first = std::min(range_[w].first, costs_[static_cast<size_t>(b)]);
-        range_[w].second = std::max(range_[w].second, costs_[static_cast<size_t>(b)]);
-      }
       std::sort(lists_[w].begin(), lists_[w].end(), [&](int32_t a, int32_t b) {
         // c_a / m_a < c_b / m_b, cross-multiplied (block tokens are positive).
         const double da = costs_[static_cast<size_t>(a)] * static_cast<double>(tokens_[static_cast<size_t>(b)]);
         const double db = costs_[static_cast<size_t>(b)] * static_cast<double>(tokens_[static_cast<size_t>(a)]);
         return da != db ? da < db : a < b;
       });
-      // Running sums in list order, added one block at a time as a loop over the list would.
+      // Running sums in list order, added one block at a time as a loop over the list would,
+      // and the least and largest cost.
       prefix_[w].assign(1, {0, 0.0});
+      range_[w] = {kInf, -kInf};
       for (int32_t b : lists_[w]) {
-        prefix_[w].push_back({prefix_[w].back().first + tokens_[static_cast<size_t>(b)],
-                              prefix_[w].back().second + costs_[static_cast<size_t>(b)]});
+        const double c = costs_[static_cast<size_t>(b)];
+        prefix_[w].push_back(
+            {prefix_[w].back().first + tokens_[static_cast<size_t>(b)], prefix_[w].back().second + c});
+        range_[w] = {std::min(range_[w].first, c), std::max(range_[w].second, c)};
       }
       fresh_[w] = 1;
     }

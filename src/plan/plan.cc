@@ -123,12 +123,13 @@ std::vector<int64_t> blockTokens(const std::vector<Block>& blocks) {
   return tokens;
 }
 
-/// Whether blocks with costs `p.costs` cannot beat `mustBeat` under any assignment: their
+/// Whether blocks of `tokens` and `costs` cannot beat `mustBeat` under any assignment: their
 /// memory-aware bound is at or above it (with a margin far above rounding).
-bool cannotBeat(const Placed& p, const DistributorOptions& options, double mustBeat) {
+bool cannotBeat(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
+                const DistributorOptions& options, double mustBeat) {
   if (!(mustBeat < std::numeric_limits<double>::infinity())) return false;
-  const double bound = memoryAwareLowerBound(blockTokens(p.plan.blocks), p.costs,
-                                             options.numWorkers, memoryCapTokens(options));
+  const double bound =
+      memoryAwareLowerBound(tokens, costs, options.numWorkers, memoryCapTokens(options));
   return bound >= mustBeat * (1 + 1e-12);
 }
 
@@ -142,9 +143,10 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
       batch, config, costModel,
       shardBatch(batch, sharding.blockSize, config.attention.mask, sharding.sequenceSizes));
   p.shardMs = msSince(start);
-  if (cannotBeat(p, options, sharding.mustBeat)) return std::nullopt;
+  const std::vector<int64_t> tokens = blockTokens(p.plan.blocks);
+  if (cannotBeat(tokens, p.costs, options, sharding.mustBeat)) return std::nullopt;
   start = std::chrono::steady_clock::now();
-  std::optional<Assignment> a = tryAssignBlocks(blockTokens(p.plan.blocks), p.costs, options);
+  std::optional<Assignment> a = tryAssignBlocks(tokens, p.costs, options);
   if (!a) return std::nullopt;
   takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLpt;
@@ -198,10 +200,11 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
       placeWith(batch, config, costModel,
                 shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes));
   p.shardMs = msSince(start);
-  if (cannotBeat(p, options, sharding.mustBeat)) return std::nullopt;
+  const std::vector<int64_t> tokens = blockTokens(p.plan.blocks);
+  if (cannotBeat(tokens, p.costs, options, sharding.mustBeat)) return std::nullopt;
   start = std::chrono::steady_clock::now();
   std::optional<Assignment> a = tryAssignBlocksNearHome(
-      blockTokens(p.plan.blocks), p.costs, homeWorkers(batch, p.plan.blocks, user), options);
+      tokens, p.costs, homeWorkers(batch, p.plan.blocks, user), options);
   if (!a) return std::nullopt;
   takeAssignment(p, std::move(*a));
   p.plan.placement = Placement::kLocal;
