@@ -467,11 +467,12 @@ void validateCommunication(const Plan& plan, Violations& v) {
       byRound[static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].round)]++)] =
           static_cast<int32_t>(t);
     // The transfer each worker last sent and received in the round being checked.
-    std::vector<int32_t> sending(static_cast<size_t>(n), -1), receiving(static_cast<size_t>(n), -1);
-    std::vector<int32_t> sendRound(static_cast<size_t>(n), -1), recvRound(static_cast<size_t>(n), -1);
+    const auto workers = static_cast<size_t>(n);
+    std::vector<int32_t> sending(workers, -1), receiving(workers, -1);
+    std::vector<int32_t> sendRound(workers, -1), recvRound(workers, -1);
     for (int32_t r = 0; r < plan.numRounds; ++r) {
-      for (int64_t i = roundStart[static_cast<size_t>(r)]; i < roundStart[static_cast<size_t>(r) + 1];
-           ++i) {
+      const auto rs = static_cast<size_t>(r);
+      for (int64_t i = roundStart[rs]; i < roundStart[rs + 1]; ++i) {
         const int32_t t = byRound[static_cast<size_t>(i)];
         const Transfer& tr = plan.transfers[static_cast<size_t>(t)];
         for (const bool sends : {true, false}) {
@@ -506,8 +507,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
     const auto it = std::lower_bound(first, last, receiver, [](const Transfer& t, int32_t r) {
       return t.receiver < r;
     });
-    return it != last && it->receiver == receiver ? static_cast<int32_t>(it - plan.transfers.begin())
-                                                  : -1;
+    if (it == last || it->receiver != receiver) return -1;
+    return static_cast<int32_t>(it - plan.transfers.begin());
   };
 
   // Stages, both passes: replay every worker's stages.

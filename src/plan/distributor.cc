@@ -372,8 +372,8 @@ class SparseFirst {
       range_[w] = {kInf, -kInf};
       for (int32_t b : lists_[w]) {
         const double c = costs_[static_cast<size_t>(b)];
-        prefix_[w].push_back(
-            {prefix_[w].back().first + tokens_[static_cast<size_t>(b)], prefix_[w].back().second + c});
+        const auto [m, sum] = prefix_[w].back();
+        prefix_[w].push_back({m + tokens_[static_cast<size_t>(b)], sum + c});
         range_[w] = {std::min(range_[w].first, c), std::max(range_[w].second, c)};
       }
       fresh_[w] = 1;
@@ -613,7 +613,8 @@ double memoryAwareLowerBound(const std::vector<int64_t>& tokens, const std::vect
 
   double costOfG = 0;
   int64_t tokensOfG = 0;
-  const auto most = static_cast<size_t>(std::min<int64_t>(numWorkers, static_cast<int64_t>(numBlocks)));
+  const auto most =
+      static_cast<size_t>(std::min<int64_t>(numWorkers, static_cast<int64_t>(numBlocks)));
   for (size_t g = 1; g <= most; ++g) {
     costOfG += cost(byCost[g - 1]);
     tokensOfG += size(byCost[g - 1]);
