@@ -75,6 +75,12 @@ void printSharding(const plan::Plan& p) {
         "blocks were too costly to balance\n",
         static_cast<long long>(p.costCutSequences), formatTokenCount(p.smallestBlockSize).c_str());
   }
+  if (p.packedBlockSize > 0 && p.packedBlockSize < p.shardBlockSize) {
+    std::printf(
+        "  memory-aware packing: short sequences packed into blocks of at most %s, to fill "
+        "the room the memory cap leaves\n",
+        formatTokenCount(p.packedBlockSize).c_str());
+  }
 }
 
 void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings& t,
@@ -234,7 +240,8 @@ void runPlan(const PlanArgs& a) {
        {{"block_size", p.shardBlockSize},
         {"memory_retries", p.memoryRetries},
         {"cost_cut_sequences", p.costCutSequences},
-        {"smallest_block_size", p.smallestBlockSize}}},
+        {"smallest_block_size", p.smallestBlockSize},
+        {"packed_block_size", p.packedBlockSize}}},
       {"mask", std::string(maskName(config.attention.mask))},
       {"sequences", p.batch.numSequences()},
       {"median_sequence_length",

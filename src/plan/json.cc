@@ -173,7 +173,7 @@ std::string planToJson(const Plan& plan) {
   for (const ReshufflePiece& p : plan.reshuffle) {
     reshuffle.push_back({p.userWorker, p.fcpWorker, p.begin, p.end});
   }
-  const json doc = {{"format", "fcp-plan"},
+  json doc = {{"format", "fcp-plan"},
                     {"version", kFormatVersion},
                     {"strategy", plan.strategy},
                     {"congestion_free", plan.congestionFree},
@@ -200,6 +200,9 @@ std::string planToJson(const Plan& plan) {
                     {"forward", stagesToJson(plan.forward)},
                     {"backward", stagesToJson(plan.backward)},
                     {"reshuffle", std::move(reshuffle)}};
+  // Only when memory-aware packing cut it, so that other plans keep their JSON (and digests).
+  if (plan.packedBlockSize != plan.shardBlockSize)
+    doc["sharding"]["packed_block_size"] = plan.packedBlockSize;
   return doc.dump();
 }
 
@@ -282,6 +285,10 @@ Plan planFromJson(std::string_view text) {
     plan.memoryRetries = field<int64_t>(sharding, "memory_retries");
     plan.costCutSequences = field<int64_t>(sharding, "cost_cut_sequences");
     plan.smallestBlockSize = field<int64_t>(sharding, "smallest_block_size");
+    // Absent unless memory-aware packing cut it (see planToJson).
+    plan.packedBlockSize = sharding.contains("packed_block_size")
+                               ? field<int64_t>(sharding, "packed_block_size")
+                               : plan.shardBlockSize;
   }
   return plan;
 }

@@ -143,20 +143,27 @@ int64_t Block::numTokens() const {
 }
 
 std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask,
-                              const std::vector<int64_t>& sequenceBlockSizes) {
+                              const std::vector<int64_t>& sequenceBlockSizes, int64_t packSize) {
   checkShardInput(batch, blockSize);
   checkSequenceSizes(batch, blockSize, sequenceBlockSizes);
+  if (packSize < 0 || packSize > blockSize) {
+    throwInvalidArgument("invalid pack size ", packSize, ": expected 0 (the block size) to ",
+                         blockSize);
+  }
+  const int64_t pack = packSize == 0 ? blockSize : packSize;
   std::vector<Block> blocks;
   std::vector<Chunk> shortSequences;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
     const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];
     if (len >= blockSize) {
       appendLongSequence(s, len, sizeOf(sequenceBlockSizes, s, blockSize), mask, blocks);
+    } else if (len > pack) {
+      blocks.push_back(Block{{{s, 0, len}}});
     } else {
       shortSequences.push_back({s, 0, len});
     }
   }
-  appendPacked(std::move(shortSequences), blockSize, blocks);
+  appendPacked(std::move(shortSequences), pack, blocks);
   checkBlockCount(blocks);
   return blocks;
 }

@@ -209,6 +209,56 @@ TEST(ShardingTest, SequencesWithTheirOwnBlockSize) {
   EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {-1, 4}), Error);  // < 0
 }
 
+TEST(ShardingTest, APackSizeBoundsThePackedBlocksAndLeavesLongSequencesAlone) {
+  // Packed blocks hold at most packSize tokens of whole short sequences; a short sequence
+  // longer than packSize has a block of its own; sequences of at least the block size are cut
+  // as without a pack size.
+  Rng rng(9);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t blockSize = 16 + static_cast<int64_t>(rng.next() % 100);
+    const int64_t pack = 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(blockSize));
+    const Batch batch = randomBatch(rng, blockSize, 30);
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+      const auto blocks = shardBatch(batch, blockSize, mask, {}, pack);
+      expectExactTokenAccounting(batch, blocks);
+      std::vector<Block> cut, plainCut;
+      int64_t packedTokens = 0, packedBlocks = 0;
+      for (const Block& b : blocks) {
+        const int64_t length = batch.sequenceLengths[static_cast<size_t>(b.chunks.front().sequence)];
+        if (length >= blockSize) {
+          cut.push_back(b);
+          continue;
+        }
+        for (const Chunk& c : b.chunks) {
+          EXPECT_EQ(c.begin, 0);
+          EXPECT_EQ(c.end, batch.sequenceLengths[static_cast<size_t>(c.sequence)]);
+        }
+        if (length > pack) {
+          EXPECT_EQ(b.chunks.size(), 1u) << "trial " << trial;
+        } else {
+          EXPECT_LE(b.numTokens(), pack) << "trial " << trial;
+          packedTokens += b.numTokens();
+          ++packedBlocks;
+        }
+      }
+      // First-fit decreasing: at most 11/9 OPT + 6/9 bins of pack tokens.
+      const int64_t fewest = (packedTokens + pack - 1) / pack;
+      EXPECT_LE(packedBlocks, fewest * 11 / 9 + 1) << "trial " << trial;
+      for (const Block& b : shardBatch(batch, blockSize, mask)) {
+        if (batch.sequenceLengths[static_cast<size_t>(b.chunks.front().sequence)] >= blockSize)
+          plainCut.push_back(b);
+      }
+      EXPECT_EQ(cut, plainCut) << "trial " << trial;
+      // packSize 0 and packSize = blockSize are the plain sharding.
+      EXPECT_EQ(shardBatch(batch, blockSize, mask, {}, 0), shardBatch(batch, blockSize, mask));
+      EXPECT_EQ(shardBatch(batch, blockSize, mask, {}, blockSize),
+                shardBatch(batch, blockSize, mask));
+    }
+  }
+  EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {}, -1), Error);
+  EXPECT_THROW(shardBatch(Batch{{10, 20}}, 8, MaskKind::kCausal, {}, 9), Error);
+}
+
 TEST(ShardingTest, RejectsBadBlockSize) {
   EXPECT_THROW(shardBatch(Batch{{10}}, 0, MaskKind::kCausal), Error);
   EXPECT_THROW(shardBatch(Batch{{10}}, -4, MaskKind::kCausal), Error);

@@ -147,6 +147,10 @@ struct Plan {
   int64_t costCutSequences = 0;
   /// The smallest block size any sequence was given (shardBlockSize when none was cut).
   int64_t smallestBlockSize = 0;
+  /// The most tokens a block of packed short sequences holds: shardBlockSize, or less when
+  /// memory-aware packing cut it (smaller blocks fill the room the memory cap leaves; see
+  /// shardBatch).
+  int64_t packedBlockSize = 0;
 
   std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
   int32_t numRounds = 0;                     ///< Δ of the transfer graph

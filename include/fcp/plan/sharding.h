@@ -55,10 +55,15 @@ struct BlockPair {
 /// blocks in sequence order, then the packed blocks. `sequenceBlockSizes`, when not empty,
 /// holds one entry per sequence: a sequence of at least `blockSize` tokens is cut into
 /// ceil(L / size) blocks with its own size instead (0 means blockSize; used to give long
-/// sequences smaller blocks). Throws Error(kInvalidArgument) for a non-positive block size,
-/// sizes of the wrong count or outside [0, blockSize], or a batch that fails checkBatch.
+/// sequences smaller blocks). `packSize` (0 means blockSize) bounds the packed blocks: the
+/// short sequences are packed into blocks of at most packSize tokens, and one longer than
+/// packSize (but under blockSize) gets a block of its own; smaller packed blocks fill the
+/// room the memory cap leaves on workers (no transfer ever carries them). Throws
+/// Error(kInvalidArgument) for a non-positive block size, sizes of the wrong count or outside
+/// [0, blockSize], a pack size outside [0, blockSize], or a batch that fails checkBatch.
 std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask,
-                              const std::vector<int64_t>& sequenceBlockSizes = {});
+                              const std::vector<int64_t>& sequenceBlockSizes = {},
+                              int64_t packSize = 0);
 
 /// Sharding for a given user layout (worker r holds tokens [userStarts[r], userStarts[r + 1])
 /// of the packed batch). Each worker's piece of each sequence is cut into
