@@ -223,8 +223,6 @@ class CommState {
 /// How many blocks nearest in cost are tried as swap partners.
 constexpr size_t kPartnerWindow = 48;
 constexpr size_t kWidePartnerWindow = 2048;
-/// Balancing stops once (max − mean) / max of communication is this low.
-constexpr double kTargetImbalance = 0.03;
 
 }  // namespace
 
@@ -246,7 +244,7 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
     blocksOf[static_cast<size_t>(plan.owner[b])].push_back(static_cast<int32_t>(b));
   }
   int64_t steps = 0;
-  for (; steps < maxSteps && state.imbalance() > kTargetImbalance; ++steps) {
+  for (; steps < maxSteps && state.imbalance() > kCommTargetImbalance; ++steps) {
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
     std::pair<int32_t, int32_t> best{-1, -1};

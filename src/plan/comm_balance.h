@@ -7,6 +7,9 @@
 
 namespace fcp::plan::detail {
 
+/// balanceCommunication stops once (max − mean) / max of the per-worker bytes is this low.
+inline constexpr double kCommTargetImbalance = 0.03;
+
 /// Lowers the largest per-worker communication (bytes sent plus received by KV transfers) by
 /// swapping blocks of near-equal cost between the busiest-communicating worker and others.
 ///

@@ -234,6 +234,24 @@ int64_t relabelForLocality(Plan& plan) {
     taken[nextFree] = true;
   }
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
+  // Transfers and reshuffle pieces built already name the same workers, renamed; each block's
+  // transfers go back into receiver order, as buildTransfers makes them (receivers are
+  // distinct within a block). Stages name transfers by position: none may be built yet.
+  FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
+            "relabelForLocality after the stages were built");
+  for (Transfer& t : plan.transfers) {
+    t.sender = rename[static_cast<size_t>(t.sender)];
+    t.receiver = rename[static_cast<size_t>(t.receiver)];
+  }
+  for (auto first = plan.transfers.begin(); first != plan.transfers.end();) {
+    const auto last = std::find_if(first, plan.transfers.end(),
+                                   [&](const Transfer& t) { return t.block != first->block; });
+    std::sort(first, last,
+              [](const Transfer& x, const Transfer& y) { return x.receiver < y.receiver; });
+    first = last;
+  }
+  for (ReshufflePiece& piece : plan.reshuffle)
+    piece.fcpWorker = rename[static_cast<size_t>(piece.fcpWorker)];
   return moved;
 }
 

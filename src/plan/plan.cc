@@ -82,7 +82,9 @@ struct Placed {
   Plan plan;
   std::vector<double> costs;
   double shardMs = 0, assignMs = 0, balanceMs = 0;
-  /// Whether plan.transfers and plan.reshuffle are built (for the final owners).
+  /// Whether plan.transfers, and plan.transfers and plan.reshuffle, are built for the current
+  /// owners (relabelForLocality renames them with the owners).
+  bool hasTransfers = false;
   bool hasTraffic = false;
 };
 
@@ -158,6 +160,17 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
   return p;
 }
 
+/// Bytes of KV transfers each worker sends plus receives (the load PlanStats::commImbalance
+/// measures).
+std::vector<int64_t> transferBytesByWorker(const Plan& plan) {
+  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
+  for (const Transfer& t : plan.transfers) {
+    moved[static_cast<size_t>(t.sender)] += t.bytes;
+    moved[static_cast<size_t>(t.receiver)] += t.bytes;
+  }
+  return moved;
+}
+
 /// Communication balancing (off when commBalanceSlack < 0): compute may rise to the slack
 /// above LB (but not past `limit`), or stay at the busiest worker's cost where that is higher.
 /// At most `stepsPerWorker` swaps per worker; the balancer also stops once it finds no swap
@@ -167,13 +180,23 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
                  double limit = std::numeric_limits<double>::infinity()) {
   Plan& plan = p.plan;
   if (config.commBalanceSlack < 0) return;
+  // Already even: the balancer would stop before its first swap (the same test on the same
+  // integers), and building its state costs more than the transfers, which are needed anyway.
+  if (!p.hasTransfers) {
+    plan.transfers = buildTransfers(plan);
+    p.hasTransfers = true;
+  }
+  if (imbalance(transferBytesByWorker(plan)) <= detail::kCommTargetImbalance) {
+    plan.commBalanceSteps = 0;
+    return;
+  }
   const double cap = std::max(
       maxCost(plan), std::min(limit, plan.lowerBound * (1.0 + config.commBalanceSlack)));
   plan.commBalanceSteps = detail::balanceCommunication(
       plan, p.costs, cap, memoryCapTokens(options), stepsPerWorker * config.numWorkers);
   plan.loads = computeLoads(plan);
   // Swaps change owners: transfers and reshuffle built for the placements' comparison are stale.
-  if (plan.commBalanceSteps > 0) p.hasTraffic = false;
+  if (plan.commBalanceSteps > 0) p.hasTransfers = p.hasTraffic = false;
 }
 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
@@ -450,17 +473,6 @@ Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
   return p;
 }
 
-/// Bytes of KV transfers each worker sends plus receives (the load PlanStats::commImbalance
-/// measures).
-std::vector<int64_t> transferBytesByWorker(const Plan& plan) {
-  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
-  for (const Transfer& t : plan.transfers) {
-    moved[static_cast<size_t>(t.sender)] += t.bytes;
-    moved[static_cast<size_t>(t.receiver)] += t.bytes;
-  }
-  return moved;
-}
-
 /// Bytes a step moves, in all (as PlanStats::stepBytes) and at the busiest worker (as
 /// PlanStats::maxWorkerStepBytes), from the owners alone: the transfers and the reshuffle they
 /// imply, which are left in `p` (the plan keeps them if it wins).
@@ -471,11 +483,9 @@ struct StepBytes {
 };
 
 StepBytes stepBytes(Placed& p) {
-  if (!p.hasTraffic) {
-    p.plan.transfers = buildTransfers(p.plan);
-    p.plan.reshuffle = buildReshuffle(p.plan);
-    p.hasTraffic = true;
-  }
+  if (!p.hasTransfers) p.plan.transfers = buildTransfers(p.plan);
+  if (!p.hasTraffic) p.plan.reshuffle = buildReshuffle(p.plan);
+  p.hasTransfers = p.hasTraffic = true;
   StepBytes bytes;
   for (const WorkerTraffic& w : computeTraffic(p.plan)) {
     bytes.total += w.forward.sent() + w.backward.sent();
@@ -950,7 +960,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   detail::runBoth(
       parallel,
       [&] {
-        if (!lpt.hasTraffic) plan.transfers = buildTransfers(plan);
+        if (!lpt.hasTransfers) plan.transfers = buildTransfers(plan);
         transfersMs = msSince(transfersStart);
         const auto colorStart = std::chrono::steady_clock::now();
         colorTransfers(plan);
