@@ -216,6 +216,9 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
 }  // namespace
 
 int64_t relabelForLocality(Plan& plan) {
+  // Stages name transfers by position: none may be built yet.
+  FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
+            "relabelForLocality after the stages were built");
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   int64_t moved = 0;
   const std::vector<std::tuple<int64_t, int32_t, int32_t>> edges = commonTokens(plan, moved);
@@ -236,9 +239,7 @@ int64_t relabelForLocality(Plan& plan) {
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
   // Transfers and reshuffle pieces built already name the same workers, renamed; each block's
   // transfers go back into receiver order, as buildTransfers makes them (receivers are
-  // distinct within a block). Stages name transfers by position: none may be built yet.
-  FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
-            "relabelForLocality after the stages were built");
+  // distinct within a block).
   for (Transfer& t : plan.transfers) {
     t.sender = rename[static_cast<size_t>(t.sender)];
     t.receiver = rename[static_cast<size_t>(t.receiver)];
@@ -269,41 +270,65 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
   return pieces;
 }
 
-std::vector<Transfer> buildTransfers(const Plan& plan) {
+namespace detail {
+
+BlockReceivers blockReceivers(const Plan& plan) {
   // Per KV block, the owners of the Q blocks that pair with it other than its own (CSR, filled
   // in one pass over the pairs in their order), each block's list then sorted and
   // deduplicated: transfers come out sorted by (block, receiver) without a global sort.
   const auto ownerOf = [&](int32_t b) { return plan.owner[static_cast<size_t>(b)]; };
-  std::vector<int64_t> offset(plan.blocks.size() + 1, 0);
+  BlockReceivers r;
+  r.first.assign(plan.blocks.size() + 1, 0);
   for (const BlockPair& p : plan.pairs) {
-    if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++offset[static_cast<size_t>(p.kvBlock) + 1];
+    if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++r.first[static_cast<size_t>(p.kvBlock) + 1];
   }
-  for (size_t k = 1; k < offset.size(); ++k) offset[k] += offset[k - 1];
-  std::vector<int32_t> receivers;
-  detail::resizeHuge(receivers, static_cast<size_t>(offset.back()));
-  std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+  for (size_t k = 1; k < r.first.size(); ++k) r.first[k] += r.first[k - 1];
+  detail::resizeHuge(r.receivers, static_cast<size_t>(r.first.back()));
+  r.last.assign(r.first.begin(), r.first.end() - 1);
   for (const BlockPair& p : plan.pairs) {
     const int32_t w = ownerOf(p.qBlock);
     if (w != ownerOf(p.kvBlock))
-      receivers[static_cast<size_t>(next[static_cast<size_t>(p.kvBlock)]++)] = w;
+      r.receivers[static_cast<size_t>(r.last[static_cast<size_t>(p.kvBlock)]++)] = w;
   }
+  for (size_t k = 0; k + 1 < r.first.size(); ++k) {
+    int32_t* first = r.receivers.data() + r.first[k];
+    std::sort(first, r.receivers.data() + r.last[k]);
+    r.last[k] = std::unique(first, r.receivers.data() + r.last[k]) - r.receivers.data();
+  }
+  return r;
+}
+
+std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r) {
   size_t count = 0;
-  for (size_t k = 0; k + 1 < offset.size(); ++k) {
-    int32_t* first = receivers.data() + offset[k];
-    std::sort(first, receivers.data() + offset[k + 1]);
-    next[k] = std::unique(first, receivers.data() + offset[k + 1]) - receivers.data();
-    count += static_cast<size_t>(next[k] - offset[k]);
-  }
+  for (size_t k = 0; k < r.last.size(); ++k) count += static_cast<size_t>(r.last[k] - r.first[k]);
   std::vector<Transfer> transfers;
   detail::reserveHuge(transfers, count);
   const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
-  for (size_t k = 0; k + 1 < offset.size(); ++k) {
+  for (size_t k = 0; k < r.last.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
-    for (int64_t i = offset[k]; i < next[k]; ++i)
+    for (int64_t i = r.first[k]; i < r.last[k]; ++i)
       transfers.push_back(
-          {static_cast<int32_t>(k), plan.owner[k], receivers[static_cast<size_t>(i)], bytes, 0});
+          {static_cast<int32_t>(k), plan.owner[k], r.receivers[static_cast<size_t>(i)], bytes, 0});
   }
   return transfers;
+}
+
+std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r) {
+  std::vector<int64_t> moved(static_cast<size_t>(plan.config.numWorkers), 0);
+  const int64_t bytesPerToken = plan.config.attention.kvBytesPerToken();
+  for (size_t k = 0; k < r.last.size(); ++k) {
+    const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
+    moved[static_cast<size_t>(plan.owner[k])] += (r.last[k] - r.first[k]) * bytes;
+    for (int64_t i = r.first[k]; i < r.last[k]; ++i)
+      moved[static_cast<size_t>(r.receivers[static_cast<size_t>(i)])] += bytes;
+  }
+  return moved;
+}
+
+}  // namespace detail
+
+std::vector<Transfer> buildTransfers(const Plan& plan) {
+  return detail::transfersOf(plan, detail::blockReceivers(plan));
 }
 
 void colorTransfers(Plan& plan) {

@@ -34,6 +34,21 @@ void forEachUserRun(const Block& block, const std::vector<int64_t>& sequenceStar
   }
 }
 
+/// Each KV block's receivers: the owners of the Q blocks that pair with it, other than its own,
+/// sorted and distinct; block k's are receivers[first[k]] .. receivers[last[k]].
+struct BlockReceivers {
+  std::vector<int64_t> first, last;
+  std::vector<int32_t> receivers;
+};
+BlockReceivers blockReceivers(const Plan& plan);
+
+/// The transfers `r` implies, in (block, receiver) order: buildTransfers(plan) is
+/// transfersOf(plan, blockReceivers(plan)).
+std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r);
+
+/// Bytes each worker sends plus receives through those transfers, without building them.
+std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);
+
 /// Appends the communication invariants' violations (see validate).
 void validateCommunication(const Plan& plan, Violations& v);
 

@@ -494,10 +494,11 @@ Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
 /// blocks hold many tokens per unit of work, and they fill the least-loaded workers). Block i
 /// of w goes to some worker u, and u's least dense blocks, as many as make room, or any one
 /// block of u that makes room, go on to the least-loaded worker v with room for them (none
-/// come back to w). The least new maximum of the three workers' costs wins (ties: the first
-/// in (worker, block) order); `block` is -1 when none lowers w. Lognormal 1024 workers seed
-/// 8: the busiest worker holds one giant block and three packed blocks of short sequences,
-/// which no trade could place (1.31 % above LB; 0.88 % with chains).
+/// come back to w; a chain whose least-loaded worker with room is u itself is not taken). The
+/// least new maximum of the three workers' costs wins (ties: the first in (worker, block)
+/// order); `block` is -1 when none lowers w. Lognormal 1024 workers seed 8: the busiest
+/// worker holds one giant block and three packed blocks of short sequences, which no trade
+/// could place (1.31 % above LB; 0.88 % with chains).
 struct Chain {
   double newMax = kInf;
   int32_t block = -1;
@@ -516,8 +517,9 @@ Chain bestChain(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
   const double leastCost = candidates.list[0].first;
   TreeSearches searches;
   Chain best;
-  // Block i to u, u's first `count` blocks in `list` (mOut tokens, cOut cost) on to the
-  // least-loaded worker v with room for them (none when that is u itself).
+  // Block i to u, and blocks of u holding mOut tokens at cost cOut on to the least-loaded
+  // worker v other than w with room for them (`set` names them); when that worker is u
+  // itself, this chain is not taken.
   const auto consider = [&](int32_t i, int32_t u, int64_t mOut, double cOut, auto&& set) {
     const double ci = costs[static_cast<size_t>(i)];
     const double cu = loads.cost[static_cast<size_t>(u)];

@@ -82,8 +82,8 @@ struct Placed {
   Plan plan;
   std::vector<double> costs;
   double shardMs = 0, assignMs = 0, balanceMs = 0;
-  /// Whether plan.transfers, and plan.transfers and plan.reshuffle, are built for the current
-  /// owners (relabelForLocality renames them with the owners).
+  /// Whether plan.transfers are built for the current owners (relabelForLocality renames
+  /// them with the owners), and whether plan.reshuffle is too (hasTraffic: both are).
   bool hasTransfers = false;
   bool hasTraffic = false;
 };
@@ -181,14 +181,20 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
   Plan& plan = p.plan;
   if (config.commBalanceSlack < 0) return;
   // Already even: the balancer would stop before its first swap (the same test on the same
-  // integers), and building its state costs more than the transfers, which are needed anyway.
-  if (!p.hasTransfers) {
-    plan.transfers = buildTransfers(plan);
-    p.hasTransfers = true;
-  }
-  if (imbalance(transferBytesByWorker(plan)) <= detail::kCommTargetImbalance) {
-    plan.commBalanceSteps = 0;
-    return;
+  // integers), and setting up its state costs more than the transfers, which are then kept.
+  if (p.hasTransfers) {
+    if (imbalance(transferBytesByWorker(plan)) <= detail::kCommTargetImbalance) {
+      plan.commBalanceSteps = 0;
+      return;
+    }
+  } else {
+    const detail::BlockReceivers receivers = detail::blockReceivers(plan);
+    if (imbalance(detail::bytesByWorker(plan, receivers)) <= detail::kCommTargetImbalance) {
+      plan.transfers = detail::transfersOf(plan, receivers);
+      p.hasTransfers = true;
+      plan.commBalanceSteps = 0;
+      return;
+    }
   }
   const double cap = std::max(
       maxCost(plan), std::min(limit, plan.lowerBound * (1.0 + config.commBalanceSlack)));
@@ -432,7 +438,7 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
     fine->plan.shardBlockSize = size;
     fine->plan.memoryRetries = retries;
     fine->plan.smallestBlockSize = sharding.blockSize;
-    fine->plan.packedBlockSize = sharding.packSize > 0 ? sharding.packSize : sharding.blockSize;
+    fine->plan.packedBlockSize = sharding.packSize > 0 ? sharding.packSize : size;
     for (size_t s = 0; s < batch.sequenceLengths.size(); ++s) {
       const int64_t own = sharding.sequenceSizes.empty() ? 0 : sharding.sequenceSizes[s];
       if (own > 0 || (sharding.blockSize < size && batch.sequenceLengths[s] > sharding.blockSize))
@@ -444,10 +450,11 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
   };
   for (Sharding& sharding : candidates) tryCandidate(std::move(sharding));
   // Memory-aware packing, when the busiest worker is still above the stop: the best cutting
-  // again with the short sequences packed into blocks of half and then a quarter of the size.
+  // again with the short sequences packed into blocks of half and then a quarter of its block
+  // size.
   // Where the cap binds, the busiest worker can keep blocks of short sequences that fit
   // nowhere else (every worker's room is under a block; lognormal 1024 workers seed 8: 0.88 %
-  // above LB, 0.12 % with half-size packed blocks). Those blocks are never transferred. The
+  // above LB, 0.11 % with half-size packed blocks). Those blocks are never transferred. The
   // local placement packs each worker's own short pieces, and is not tried.
   if (place == &placeLpt) {
     for (const int64_t div : {2, 4}) {
@@ -788,9 +795,10 @@ void checkConfigRanges(const Plan& plan, Violations& v) {
           plan.smallestBlockSize, ": expected 0 <= smallest <= sharding <= the configured ",
           c.blockSize);
   }
-  if (plan.packedBlockSize < 0 || plan.packedBlockSize > std::max<int64_t>(plan.shardBlockSize, 0)) {
-    v.add("plan has packed block size ", plan.packedBlockSize, ": expected 0 to the sharding's ",
-          plan.shardBlockSize);
+  const int64_t packed = plan.packedBlockSize;
+  if (plan.shardBlockSize > 0 ? packed < 1 || packed > plan.shardBlockSize : packed != 0) {
+    v.add("plan has packed block size ", plan.packedBlockSize, ": expected 1 to the sharding's ",
+          plan.shardBlockSize, " (0 when that is 0)");
   }
   if (!(plan.lowerBound >= 0 && std::isfinite(plan.lowerBound)) ||
       !(plan.greedyMaxCost >= 0 && std::isfinite(plan.greedyMaxCost))) {

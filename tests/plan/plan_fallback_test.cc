@@ -237,12 +237,6 @@ TEST(CostAwareBlocksTest, BalancedBatchesKeepTheirBlocks) {
   }
 }
 
-}  // namespace
-}  // namespace fcp::plan
-
-namespace fcp::plan {
-namespace {
-
 TEST(MemoryAwarePackingTest, ShortSequencesPackFinerWhenTheCapLeavesThemNowhereToGo) {
   // Lognormal, 1024 workers x 32K, seed 8: the holder of the costliest block also kept packed
   // blocks of short sequences, and every other worker's room under the cap was less than a
@@ -254,11 +248,14 @@ TEST(MemoryAwarePackingTest, ShortSequencesPackFinerWhenTheCapLeavesThemNowhereT
   const Batch batch = sampleBatch(findWorkload("lognormal"), 1024 * 32768, 8);
   const Plan p = buildPlan(batch, c, CostModel{c.attention});
   ASSERT_TRUE(validate(p).empty());
+  // Packed at half the block size, with no sequence cut finer (not the "halved" cutting).
   EXPECT_EQ(p.shardBlockSize, 4096);
-  EXPECT_LT(p.packedBlockSize, p.shardBlockSize);
+  EXPECT_EQ(p.smallestBlockSize, 4096);
+  EXPECT_EQ(p.packedBlockSize, 2048);
   EXPECT_LT(computeStats(p).lowerBoundGap, 0.01);
   for (const Block& b : p.blocks) {
-    const int64_t length = batch.sequenceLengths[static_cast<size_t>(b.chunks.front().sequence)];
+    const auto first = static_cast<size_t>(b.chunks.front().sequence);
+    const int64_t length = batch.sequenceLengths[first];
     if (length < p.shardBlockSize && length <= p.packedBlockSize) {
       EXPECT_LE(b.numTokens(), p.packedBlockSize);
     }

@@ -147,9 +147,9 @@ struct Plan {
   int64_t costCutSequences = 0;
   /// The smallest block size any sequence was given (shardBlockSize when none was cut).
   int64_t smallestBlockSize = 0;
-  /// The most tokens a block of packed short sequences holds: shardBlockSize, or less when
-  /// memory-aware packing cut it (smaller blocks fill the room the memory cap leaves; see
-  /// shardBatch).
+  /// The pack size memory-aware packing chose (smaller packed blocks of short sequences fill
+  /// the room the memory cap leaves; see shardBatch), shardBlockSize when it did not run: no
+  /// block of packed short sequences holds more tokens.
   int64_t packedBlockSize = 0;
 
   std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
