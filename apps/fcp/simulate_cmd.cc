@@ -43,6 +43,7 @@ struct SimulateArgs {
   int64_t buffers = 3;
   double memorySlack = 0.1;
   double commRatio = 0;  // FCP's planner; below 0 ("hardware"): the profile's planCommRatio
+  std::string placement = "local";  // FCP's planner, as fcp plan's --placement
   int64_t headsQ = 64;
   int64_t headsKv = 8;
   int64_t headDim = 128;
@@ -97,6 +98,7 @@ double msSince(std::chrono::steady_clock::time_point start) {
 }
 
 void checkArgs(const SimulateArgs& a) {
+  (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   if (a.strategies.empty()) throwInvalidArgument("empty --strategy: expected at least one strategy");
   for (const std::string& s : a.strategies) {
     static const std::vector<std::string> kAblation = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce"};
@@ -178,6 +180,7 @@ void runSimulate(const SimulateArgs& a) {
   base.coalesce = a.coalesce;
   base.bufferDepth = a.buffers;
   base.memorySlack = a.memorySlack;
+  base.placement = plan::parsePlacement(a.placement);
   base.attention = {a.headsQ, a.headsKv, a.headDim, elementBytes(a.dtype), parseMask(a.mask)};
   checkAttentionConfig(base.attention);
   const CostModel costModel = hw.costModel(base.attention);
@@ -334,6 +337,10 @@ void addSimulateCommand(CLI::App& app) {
   addText(cmd, "--dtype", args->dtype, "Element type: bf16, fp16 or fp32");
   cmd->add_flag("--forward-only", args->forwardOnly, "Simulate the forward pass only");
   cmd->add_flag("--no-reshuffle", args->noReshuffle, "Do not charge the reshuffle");
+  addText(cmd, "--placement", args->placement,
+          "FCP's placement, as for fcp plan: local (blocks stay where the user layout holds "
+          "them unless balance needs them elsewhere) or lpt (the paper's Zig-Zag blocks and LPT "
+          "greedy; with --no-reshuffle the local placement has nothing to save)");
   cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");
   cmd->add_flag("--csv", args->csv, "CSV, one row per (strategy, workers)");
   cmd->callback([args] { runSimulate(*args); });

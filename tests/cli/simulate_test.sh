@@ -39,6 +39,33 @@ expect missing_trace "$tmp/missing.txt" --trace "$tmp/missing.txt"
 expect bad_comm_ratio "--comm-ratio 'fast': expected a number from 0 to 100000, or hardware" \
   --comm-ratio fast
 expect negative_comm_ratio "--comm-ratio '-1'" --comm-ratio -1
+expect unknown_placement "unknown placement 'far'" --placement far
+
+# --placement reaches FCP's planner: each placement simulates the plan `fcp plan` makes with
+# it (the same KV bytes), and on one 128K-token causal sequence over 16 workers they differ.
+printf '131072\n' > "$tmp/one_sequence.txt"
+placement_bytes=()
+for placement in local lpt; do
+  sim=$("$fcp" simulate --csv --trace "$tmp/one_sequence.txt" --workers 16 \
+    --tokens-per-worker 8K --strategy fcp --placement $placement 2> /dev/null |
+    /usr/bin/python3 -c 'import csv, sys; print(list(csv.DictReader(sys.stdin))[0]["transfer_bytes"])')
+  planned=$("$fcp" plan --json --trace "$tmp/one_sequence.txt" --workers 16 \
+    --tokens-per-worker 8K --placement $placement 2> /dev/null |
+    /usr/bin/python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["placement"], d["comm_bytes"])')
+  if [ "$planned" = "$placement $sim" ]; then
+    passed=$((passed + 1))
+  else
+    echo "FAIL placement_$placement: simulate moved '$sim' bytes, plan says '$planned'"
+    failures=$((failures + 1))
+  fi
+  placement_bytes+=("$sim")
+done
+if [ "${placement_bytes[0]}" != "${placement_bytes[1]}" ]; then
+  passed=$((passed + 1))
+else
+  echo "FAIL placements_differ: both moved ${placement_bytes[0]} bytes"
+  failures=$((failures + 1))
+fi
 
 # A refusal in a later cell (bytescale past its worker limit, after the 8-worker cells ran):
 # nonzero exit, the error as stderr's last line (after progress lines), nothing on stdout.
