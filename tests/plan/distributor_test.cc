@@ -186,6 +186,23 @@ double bruteForceOptimum(const Blocks& b, int32_t n, int64_t cap) {
   return best;
 }
 
+/// Each case (blocks, cap with no slack) assigned on `workers` workers: under the cap without
+/// repair, and its busiest worker at the optimum.
+void expectTheOptimum(const std::vector<std::pair<Blocks, int64_t>>& cases, int32_t workers) {
+  for (const auto& [b, cap] : cases) {
+    DistributorOptions o;
+    o.numWorkers = workers;
+    o.memoryLimitTokens = cap;
+    o.memorySlack = 0;
+    const Assignment a = assignBlocks(b.tokens, b.costs, o);
+    const Loads l = loadsOf(b, a.owner, o.numWorkers);
+    for (int64_t m : l.mem) EXPECT_LE(m, o.memoryLimitTokens);
+    EXPECT_FALSE(a.memoryRepaired);
+    EXPECT_EQ(*std::max_element(l.cost.begin(), l.cost.end()),
+              bruteForceOptimum(b, workers, o.memoryLimitTokens));
+  }
+}
+
 TEST(DistributorTest, TradesWhenNoSingleMoveOrSwapLowersTheBusiest) {
   // Memory (nearly) full: no costly block can move alone, and the swaps of
   // one block for one block leave the busiest worker above the optimum. A trade (a costly block
@@ -196,18 +213,7 @@ TEST(DistributorTest, TradesWhenNoSingleMoveOrSwapLowersTheBusiest) {
       {{{3, 6, 2, 5, 6, 3}, {11, 10, 3, 1, 19, 10}}, 13},
       {{{2, 1, 4, 2, 1, 6, 1, 1}, {5, 10, 7, 12, 17, 19, 12, 14}}, 9},
   };
-  for (const auto& [b, cap] : cases) {
-    DistributorOptions o;
-    o.numWorkers = 2;
-    o.memoryLimitTokens = cap;
-    o.memorySlack = 0;
-    const Assignment a = assignBlocks(b.tokens, b.costs, o);
-    const Loads l = loadsOf(b, a.owner, o.numWorkers);
-    for (int64_t m : l.mem) EXPECT_LE(m, o.memoryLimitTokens);
-    EXPECT_FALSE(a.memoryRepaired);
-    EXPECT_EQ(*std::max_element(l.cost.begin(), l.cost.end()),
-              bruteForceOptimum(b, 2, o.memoryLimitTokens));
-  }
+  expectTheOptimum(cases, 2);
 }
 
 TEST(DistributorTest, ChainsWhenNoTradeLowersTheBusiest) {
@@ -220,17 +226,7 @@ TEST(DistributorTest, ChainsWhenNoTradeLowersTheBusiest) {
       {{{3, 1, 4, 4, 3, 6}, {3, 4, 3, 18, 12, 12}}, 9},
       {{{4, 5, 1, 6, 6, 1, 2}, {2, 18, 4, 13, 2, 2, 9}}, 10},
   };
-  for (const auto& [b, cap] : cases) {
-    DistributorOptions o;
-    o.numWorkers = 3;
-    o.memoryLimitTokens = cap;
-    o.memorySlack = 0;
-    const Assignment a = assignBlocks(b.tokens, b.costs, o);
-    const Loads l = loadsOf(b, a.owner, o.numWorkers);
-    for (int64_t m : l.mem) EXPECT_LE(m, o.memoryLimitTokens);
-    EXPECT_EQ(*std::max_element(l.cost.begin(), l.cost.end()),
-              bruteForceOptimum(b, 3, o.memoryLimitTokens));
-  }
+  expectTheOptimum(cases, 3);
 }
 
 TEST(DistributorTest, TheMemoryAwareBoundCountsWhatTheCapForcesOntoGiantHolders) {
