@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -381,10 +382,21 @@ class SparseFirst {
     return lists_[w];
   }
 
-  /// Tokens and cost of the worker's first k blocks in the list, for k = 0 .. size, as of the
-  /// last of().
-  const std::vector<std::pair<int64_t, double>>& prefix(int32_t worker) const {
-    return prefix_[static_cast<size_t>(worker)];
+  /// The shortest prefix of the worker's list holding at least `need` tokens (its least dense
+  /// blocks, as many as make that room: the least cost for it), as of the last of(); `count`
+  /// is -1 when the whole list holds fewer.
+  struct Prefix {
+    std::ptrdiff_t count = -1;
+    int64_t tokens = 0;
+    double cost = 0;
+  };
+  Prefix covering(int32_t worker, int64_t need) const {
+    const auto& sums = prefix_[static_cast<size_t>(worker)];
+    const auto enough = std::lower_bound(
+        sums.begin(), sums.end(), need,
+        [](const std::pair<int64_t, double>& p, int64_t m) { return p.first < m; });
+    if (enough == sums.end()) return {};
+    return {enough - sums.begin(), enough->first, enough->second};
   }
 
   /// The least and the largest cost of the worker's blocks, as of the last of().
@@ -449,16 +461,10 @@ Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
       if (!(cw - ci < best.newMax)) continue;  // w keeps at least cw - ci
       const int64_t need = loads.mem[us] + tokens[static_cast<size_t>(i)] - cap;
       if (need <= 0) continue;  // a plain move, which bestChange has weighed
-      // u's least dense blocks, as many as make room: the least cost back for the room (the
-      // shortest prefix of the list holding `need` tokens).
-      const auto& sums = sparseFirst.prefix(u);
-      const auto enough = std::lower_bound(
-          sums.begin(), sums.end(), need,
-          [](const std::pair<int64_t, double>& p, int64_t m) { return p.first < m; });
-      if (enough != sums.end()) {
-        const auto count = enough - sums.begin();
-        consider(i, u, enough->first, enough->second, [&](std::vector<int32_t>& v) {
-          v.assign(theirs.begin(), theirs.begin() + count);
+      // u's least dense blocks, as many as make room: the least cost back for the room.
+      if (const auto room = sparseFirst.covering(u, need); room.count >= 0) {
+        consider(i, u, room.tokens, room.cost, [&](std::vector<int32_t>& v) {
+          v.assign(theirs.begin(), theirs.begin() + room.count);
         });
       }
       // One block back beats the best so far only if its cost c is in (cu + ci - best,
@@ -549,19 +555,14 @@ Chain bestChain(const Loads& loads, int32_t busiest, const std::vector<int64_t>&
     const auto us = static_cast<size_t>(u);
     if (u == busiest || !(loads.cost[us] < cw)) continue;
     const std::vector<int32_t>& theirs = sparseFirst.of(loads, u);
-    const auto& sums = sparseFirst.prefix(u);
     for (int32_t i : loads.blocks[w]) {
       if (!(cw - costs[static_cast<size_t>(i)] < best.newMax)) continue;  // w keeps cw - ci
       const int64_t need = loads.mem[us] + tokens[static_cast<size_t>(i)] - cap;
       if (need <= 0) continue;  // a plain move, which bestChange has weighed
       // u's least dense blocks, as many as make room.
-      const auto enough = std::lower_bound(
-          sums.begin(), sums.end(), need,
-          [](const std::pair<int64_t, double>& p, int64_t m) { return p.first < m; });
-      if (enough != sums.end()) {
-        const auto count = enough - sums.begin();
-        consider(i, u, enough->first, enough->second, [&](std::vector<int32_t>& out) {
-          out.assign(theirs.begin(), theirs.begin() + count);
+      if (const auto room = sparseFirst.covering(u, need); room.count >= 0) {
+        consider(i, u, room.tokens, room.cost, [&](std::vector<int32_t>& out) {
+          out.assign(theirs.begin(), theirs.begin() + room.count);
         });
       }
       // Or any one block of u that makes room: a small one fits where room is scattered.

@@ -173,36 +173,36 @@ std::string planToJson(const Plan& plan) {
   for (const ReshufflePiece& p : plan.reshuffle) {
     reshuffle.push_back({p.userWorker, p.fcpWorker, p.begin, p.end});
   }
-  json doc = {{"format", "fcp-plan"},
-              {"version", kFormatVersion},
-              {"strategy", plan.strategy},
-              {"congestion_free", plan.congestionFree},
-              {"config", configToJson(plan.config)},
-              {"batch", plan.batch.sequenceLengths},
-              {"blocks", std::move(blocks)},
-              {"owner", plan.owner},
-              {"pairs", std::move(pairs)},
-              {"loads", std::move(loads)},
-              {"lower_bound", plan.lowerBound},
-              {"greedy_max_cost", plan.greedyMaxCost},
-              {"improve_steps", plan.improveSteps},
-              {"comm_balance_steps", plan.commBalanceSteps},
-              {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
-              {"placement", std::string(placementName(plan.placement))},
-              {"locality_moves", plan.localityMoves},
-              {"sharding",
-               {{"block_size", plan.shardBlockSize},
-                {"memory_retries", plan.memoryRetries},
-                {"cost_cut_sequences", plan.costCutSequences},
-                {"smallest_block_size", plan.smallestBlockSize}}},
-              {"transfers", std::move(transfers)},
-              {"num_rounds", plan.numRounds},
-              {"forward", stagesToJson(plan.forward)},
-              {"backward", stagesToJson(plan.backward)},
-              {"reshuffle", std::move(reshuffle)}};
+  json sharding = {{"block_size", plan.shardBlockSize},
+                   {"memory_retries", plan.memoryRetries},
+                   {"cost_cut_sequences", plan.costCutSequences},
+                   {"smallest_block_size", plan.smallestBlockSize}};
   // Only when memory-aware packing cut it, so that other plans keep their JSON (and digests).
   if (plan.packedBlockSize != plan.shardBlockSize)
-    doc["sharding"]["packed_block_size"] = plan.packedBlockSize;
+    sharding["packed_block_size"] = plan.packedBlockSize;
+  const json doc = {{"format", "fcp-plan"},
+                    {"version", kFormatVersion},
+                    {"strategy", plan.strategy},
+                    {"congestion_free", plan.congestionFree},
+                    {"config", configToJson(plan.config)},
+                    {"batch", plan.batch.sequenceLengths},
+                    {"blocks", std::move(blocks)},
+                    {"owner", plan.owner},
+                    {"pairs", std::move(pairs)},
+                    {"loads", std::move(loads)},
+                    {"lower_bound", plan.lowerBound},
+                    {"greedy_max_cost", plan.greedyMaxCost},
+                    {"improve_steps", plan.improveSteps},
+                    {"comm_balance_steps", plan.commBalanceSteps},
+                    {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
+                    {"placement", std::string(placementName(plan.placement))},
+                    {"locality_moves", plan.localityMoves},
+                    {"sharding", std::move(sharding)},
+                    {"transfers", std::move(transfers)},
+                    {"num_rounds", plan.numRounds},
+                    {"forward", stagesToJson(plan.forward)},
+                    {"backward", stagesToJson(plan.backward)},
+                    {"reshuffle", std::move(reshuffle)}};
   return doc.dump();
 }
 
