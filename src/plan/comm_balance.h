@@ -21,7 +21,13 @@ inline constexpr double kCommTargetImbalance = 0.03;
 /// read). Typically a sequence block goes out and a packed block of short sequences, which
 /// needs no transfers, comes in. Partners are searched among the blocks nearest b in cost.
 /// Deterministic; at most `maxSteps` swaps. Plan::loads is not updated: recompute it.
+///
+/// `search`: kBounded (the planner's) does not try a swap when a floor on the busiest
+/// worker's bytes after it, read without moving anything, shows it cannot lower them;
+/// kEvery tries each one. Both keep the same swaps: kEvery is the reference for tests.
+enum class SwapSearch { kBounded, kEvery };
 int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
-                             int64_t memoryCap, int64_t maxSteps);
+                             int64_t memoryCap, int64_t maxSteps,
+                             SwapSearch search = SwapSearch::kBounded);
 
 }  // namespace fcp::plan::detail
