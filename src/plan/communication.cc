@@ -1,6 +1,7 @@
 #include "communication.h"
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "fcp/core/error.h"
@@ -455,6 +456,80 @@ void buildStages(Plan& plan) {
       [&] { fill(n / 2, n); });
   plan.forward = std::move(forward);
   plan.backward = std::move(backward);
+}
+
+double pipelineSpan(const Plan& plan) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  const auto& stages = plan.forward;
+  FCP_CHECK(stages.size() == n, "pipelineSpan before the stages were built");
+  // One node per (worker, stage): its end. Node first[w] + s.
+  std::vector<size_t> first(n + 1, 0);
+  for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
+  const size_t numNodes = first[n];
+  // Where each end holds each transfer: its node at the sender and at the receiver.
+  constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  std::vector<size_t> sentAt(plan.transfers.size(), kNone);
+  std::vector<size_t> receivedAt(plan.transfers.size(), kNone);
+  std::vector<double> compute(numNodes, 0.0);
+  for (size_t w = 0; w < n; ++w) {
+    for (size_t s = 0; s < stages[w].size(); ++s) {
+      for (int32_t t : stages[w][s].send) sentAt[static_cast<size_t>(t)] = first[w] + s;
+      for (int32_t t : stages[w][s].recv) receivedAt[static_cast<size_t>(t)] = first[w] + s;
+      for (int32_t p : stages[w][s].compute)
+        compute[first[w] + s] += plan.pairs[static_cast<size_t>(p)].cost;
+    }
+  }
+  // A node waits for the node before it at its worker (its entry) and, for each transfer it
+  // holds, for the node before the other end's (that end's entry): edges from those to it.
+  // Node x's entry node is x - 1 within its worker, none for a first stage.
+  std::vector<size_t> worker(numNodes);
+  for (size_t w = 0; w < n; ++w)
+    std::fill(worker.begin() + static_cast<std::ptrdiff_t>(first[w]),
+              worker.begin() + static_cast<std::ptrdiff_t>(first[w + 1]), w);
+  const auto entryNode = [&](size_t x) { return x == first[worker[x]] ? kNone : x - 1; };
+  std::vector<std::pair<size_t, size_t>> edges;  // (from, to)
+  for (size_t x = 0; x < numNodes; ++x) {
+    if (entryNode(x) != kNone) edges.push_back({entryNode(x), x});
+  }
+  for (size_t t = 0; t < plan.transfers.size(); ++t) {
+    FCP_CHECK(sentAt[t] != kNone && receivedAt[t] != kNone, "transfer ", t,
+              " is in no stage at one of its ends");
+    for (const auto& [at, other] :
+         {std::pair{sentAt[t], receivedAt[t]}, std::pair{receivedAt[t], sentAt[t]}}) {
+      if (entryNode(other) != kNone) edges.push_back({entryNode(other), at});
+    }
+  }
+  // Kahn's order: a node is done once everything it waits for is. Taking nodes in another
+  // order changes no value (each end is a max of sums fixed by its predecessors).
+  std::vector<size_t> start(numNodes + 1, 0), waitsOn(numNodes, 0);
+  for (const auto& [from, to] : edges) {
+    ++start[from + 1];
+    ++waitsOn[to];
+  }
+  for (size_t x = 1; x <= numNodes; ++x) start[x] += start[x - 1];
+  std::vector<size_t> next(start.begin(), start.end() - 1), dependents(edges.size());
+  for (const auto& [from, to] : edges) dependents[next[from]++] = to;
+  std::vector<double> end(numNodes, 0.0), ready(numNodes, 0.0);  // ready: latest wait so far
+  std::vector<size_t> queue;
+  for (size_t x = 0; x < numNodes; ++x)
+    if (waitsOn[x] == 0) queue.push_back(x);
+  double span = 0;
+  for (size_t i = 0; i < queue.size(); ++i) {
+    const size_t x = queue[i];
+    const size_t in = entryNode(x);
+    end[x] = std::max((in == kNone ? 0.0 : end[in]) + compute[x], ready[x]);
+    span = std::max(span, end[x]);
+    for (size_t j = start[x]; j < start[x + 1]; ++j) {
+      const size_t y = dependents[j];
+      ready[y] = std::max(ready[y], end[x]);
+      if (--waitsOn[y] == 0) queue.push_back(y);
+    }
+  }
+  if (queue.size() != numNodes) {
+    throw Error(ErrorCode::kInvalidPlan,
+                "the forward stages' transfers wait on each other in a cycle");
+  }
+  return span;
 }
 
 namespace detail {

@@ -109,12 +109,12 @@ PY
 }
 check_json
 
-# --comm-ratio hardware tells FCP's planner the profile's link: H100, 64 workers (past one node,
+# --comm-ratio hardware tells FCP's planner the profile's link: H100, 16 workers (past one node,
 # so the NIC's 50 GB/s), 989 TFLOP/s / 3.5 / 50 GB/s = 5651.43 cost units per byte, the same
 # plan as that number given by hand; on this batch it differs from compute first (0).
 check_ratio() {
-  local cell="--strategy fcp --workers 64 --workload lognormal --tokens-per-worker 8K"
-  cell="$cell --block-size 2K --hardware h100 --seed 1 --json"
+  local cell="--strategy fcp --workers 16 --workload lognormal --tokens-per-worker 8K"
+  cell="$cell --block-size 4K --hardware h100 --seed 0 --json"
   local hardware first byhand
   hardware=$("$fcp" simulate $cell --comm-ratio hardware 2>/dev/null)
   byhand=$("$fcp" simulate $cell --comm-ratio 5651.428571428571 2>/dev/null)

@@ -1,0 +1,108 @@
+// plan::pipelineSpan, the planner's estimate of a forward pass with free communication, against
+// the simulator's event-driven run of the same stages on links too fast to matter.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "fcp/baselines/ring.h"
+#include "fcp/core/error.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/communication.h"
+#include "fcp/plan/plan.h"
+#include "fcp/sim/hardware.h"
+#include "fcp/sim/simulator.h"
+
+namespace fcp::sim {
+namespace {
+
+/// H100's kernel curves, links that move any plan's bytes in under 1e-15 s, no latency.
+HardwareProfile freeLinks() {
+  HardwareProfile h;
+  h.intraNodeBytesPerSecond = h.interNodeBytesPerSecond = 1e30;
+  h.intraNodeLatencySeconds = h.interNodeLatencySeconds = 0;
+  return h;
+}
+
+double simulatedForwardCost(const plan::Plan& p, const HardwareProfile& hw) {
+  SimOptions o;
+  o.backward = false;
+  o.reshuffle = false;
+  return simulate(p, hw, o).forward.timeMs / 1e3 * hw.peakFlops;  // in cost units
+}
+
+double busiestCost(const plan::Plan& p) {
+  double most = 0;
+  for (const plan::WorkerLoad& l : plan::computeLoads(p)) most = std::max(most, l.cost);
+  return most;
+}
+
+TEST(PipelineSpanTest, IsTheSimulatedForwardPassWhenLinksAreFree) {
+  const HardwareProfile hw = freeLinks();
+  struct Case {
+    const char* workload;
+    int64_t workers, tokensPerWorker;
+    plan::Placement placement;
+    uint64_t seed;
+  };
+  int waits = 0;  // plans whose span is above their busiest worker's cost
+  for (const Case& k : {Case{"bimodal", 64, 8192, plan::Placement::kLocal, 2},
+                        Case{"bimodal", 64, 8192, plan::Placement::kLpt, 2},
+                        Case{"lognormal", 16, 8192, plan::Placement::kLocal, 2},
+                        Case{"lognormal", 16, 8192, plan::Placement::kLocal, 0},
+                        Case{"bimodal", 16, 8192, plan::Placement::kLocal, 0},
+                        Case{"lognormal-narrow", 8, 32768, plan::Placement::kLpt, 1},
+                        Case{"lognormal", 3, 32768, plan::Placement::kLocal, 0}}) {
+    plan::PlanConfig c;
+    c.numWorkers = k.workers;
+    c.tokensPerWorker = k.tokensPerWorker;
+    c.placement = k.placement;
+    const Batch batch =
+        sampleBatch(findWorkload(k.workload), k.workers * k.tokensPerWorker, k.seed);
+    const plan::Plan fcp = plan::buildPlan(batch, c, hw.costModel(c.attention));
+    // Ring attention's stages, another shape: every worker passes the KV it got on to the next
+    // (relays), one step per stage.
+    const plan::Plan ring = baselines::ringPlan(batch, c, hw.costModel(c.attention));
+    for (const plan::Plan* p : {&fcp, &ring}) {
+      const std::string what = std::string(k.workload) + " on " + std::to_string(k.workers) +
+                               " workers, " + p->strategy;
+      const double span = plan::pipelineSpan(*p);
+      EXPECT_NEAR(span, simulatedForwardCost(*p, hw), 1e-9 * span) << what;
+      EXPECT_GE(span, busiestCost(*p) * (1 - 1e-12)) << what;
+      waits += span > busiestCost(*p) * 1.01;
+    }
+  }
+  EXPECT_GE(waits, 3);  // the comparison covers plans that wait, not only ones that never do
+}
+
+/// Two workers, two stages: worker 1's second stage receives a block worker 0 sends as it
+/// enters its own second stage, after a first stage of 5 units of compute.
+TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheTransfer) {
+  plan::Plan p;
+  p.config.numWorkers = 2;
+  p.pairs = {{0, 0, 1, 5.0}, {1, 1, 1, 1.0}, {2, 2, 1, 2.0}};
+  p.transfers = {{0, 0, 1, 64, 0}};
+  p.forward.assign(2, std::vector<plan::Stage>(2));
+  p.forward[0][0].compute = {0};  // 5
+  p.forward[0][1].send = {0};
+  p.forward[1][0].compute = {1};  // 1
+  p.forward[1][1].recv = {0};
+  p.forward[1][1].compute = {2};  // 2: done at 1 + 2 = 3 without the wait, at 5 with it
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 5.0);
+  p.forward[0][0].compute.clear();  // worker 0 enters stage 1 at once: worker 1 never waits
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 3.0);
+  // Each first stage waiting for the other worker's second: worker 1 receives in its stage 0
+  // what worker 0 sends in its stage 1, and worker 0 in its stage 0 what worker 1 sends in its
+  // stage 1. No order of the stages lets either start: a cycle.
+  p.transfers = {{0, 0, 1, 64, 0}, {1, 1, 0, 64, 0}};
+  p.forward.assign(2, std::vector<plan::Stage>(2));
+  p.forward[0][1].send = {0};
+  p.forward[1][0].recv = {0};
+  p.forward[1][1].send = {1};
+  p.forward[0][0].recv = {1};
+  EXPECT_THROW(plan::pipelineSpan(p), Error);
+}
+
+}  // namespace
+}  // namespace fcp::sim
