@@ -578,21 +578,22 @@ bool boundByBytes(const Placed& p, const StepBytes& bytes, double ratio) {
 
 /// With a known link (config.commRatio > 0): of the paper's placement (`lpt`), the local one
 /// and the local one with every block at home (stayHome), the one with the least estimated
-/// step time (ties: the fewest bytes); moved into `lpt`. A step takes at least the busiest
-/// worker's compute and at least the busiest worker's bytes over its link (both passes, each in
-/// its busier direction), a byte weighing commRatio cost units, and some of the lesser shows
-/// (estimatedStepTime). A local candidate's communication balancing may spend compute up to the
+/// step time (ties: the fewest bytes); moved into `lpt`. A step takes at least its forward
+/// pass with free communication (pipelineSpan, at least the busiest worker's compute: the
+/// local placements' contiguous blocks make stages wait) and at least the busiest worker's
+/// bytes over its link (both passes, each in its busier direction), a byte weighing commRatio
+/// cost units, and some of the lesser shows (estimatedStepTime). A local candidate's communication balancing may spend compute up to the
 /// best estimate so far. Where the paper's placement balances compute within `slack`, the
 /// evenness rule of the compute-only choice holds too: uneven traffic simulated slower than its
 /// bytes say (docs/locality.md). The others are considered only where the paper's placement is
 /// bound by its bytes (its busiest worker's bytes x commRatio at least its busiest cost).
 void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Batch& batch,
                  const PlanConfig& config, const DistributorOptions& options, double slack) {
-  const auto stepTime = [&config](const Placed& p, const StepBytes& b) {
-    return estimatedStepTime(maxCost(p.plan), b.busiestWorker, config.commRatio);
+  const auto stepTime = [&config](double compute, const StepBytes& b) {
+    return estimatedStepTime(compute, b.busiestWorker, config.commRatio);
   };
   const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
-  double best = stepTime(lpt, lptBytes);
+  double best = stepTime(spanOf(lpt), lptBytes);
   int64_t bestBytes = lptBytes.total;
   // Faster, or as fast with fewer bytes (one block can set the busiest worker's cost alike).
   const auto beats = [&](double time, int64_t total) {
@@ -602,12 +603,16 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
   Placed* fastest = &lpt;
   for (Placed* c : {&local, home ? &*home : nullptr}) {
     if (!c) continue;
+    // The busiest worker's cost is a floor under the span: a candidate that cannot win with
+    // it is neither balanced nor staged.
     const StepBytes before = stepBytes(*c);
-    if (!beats(stepTime(*c, before), before.total)) continue;
+    if (!beats(stepTime(maxCost(c->plan), before), before.total)) continue;
     balanceComm(*c, config, options, kLocalStepsPerWorker, best);
     const StepBytes bytes = stepBytes(*c);
-    if (beats(stepTime(*c, bytes), bytes.total) && evenEnough(bytes, lptBytes, lptBalanced)) {
-      best = stepTime(*c, bytes);
+    if (!beats(stepTime(maxCost(c->plan), bytes), bytes.total)) continue;
+    const double time = stepTime(spanOf(*c), bytes);
+    if (beats(time, bytes.total) && evenEnough(bytes, lptBytes, lptBalanced)) {
+      best = time;
       bestBytes = bytes.total;
       fastest = c;
     }
