@@ -111,6 +111,8 @@ class CommState {
   /// Imbalance of the per-worker bytes.
   double imbalance() const { return fcp::imbalance(comm_); }
   int64_t kvBytes(int32_t b) const { return kvBytes_[static_cast<size_t>(b)]; }
+  /// Sets worker w's compute load back to `value`, read before a trial swap and its undoing.
+  void restoreLoad(int32_t w, double value) { load_[static_cast<size_t>(w)] = value; }
   /// The KV blocks Q block b reads (one entry per pair).
   std::span<const int32_t> readsOf(int32_t b) const {
     const auto bs = static_cast<size_t>(b);
@@ -261,10 +263,10 @@ class CommState {
 ///                   block k not w's that b alone among w's blocks reads: the most w stops
 ///                   sending or receiving because b leaves;
 ///   arrival(b2)   = kv(b2) x the workers other than w and u that read b2 (w sends it to
-///                   them now), plus kv(k) for every KV block k that b2 reads, not w's, not b
-///                   or b2, with r[k] = 0 (w receives it now); minus kv(b2) when r[b2] > 0 (w
-///                   no longer receives it), and minus kv(k) for each of w's blocks k that b2
-///                   alone among u's blocks reads (w may no longer send it to u).
+///                   them now), plus kv(k) for every KV block k that b2 reads, not w's, not
+///                   b2, with r[k] = 0 (w receives it now); minus kv(b2) when r[b2] > 0 (w
+///                   no longer receives it), and minus kv(k) for each of w's blocks k other
+///                   than b that b2 alone among u's blocks reads (w may no longer send it to u).
 /// w after >= w before − shed(b) + arrival(b2): every other change to w only adds (w's
 /// blocks b reads are now sent to u; w's blocks that read b now receive it; u's other reads).
 /// Needs one pair per (Q block, KV block), which CommState checks.
@@ -304,8 +306,9 @@ class SwapBound {
     }
     for (int32_t k : state_.readsOf(b2)) {
       if (owner(k) == w_) {
-        if (state_.needCount(k, u) == 1) bytes -= state_.kvBytes(k);  // b2 alone read it on u
-      } else if (k != b && k != b2 && reads_[static_cast<size_t>(k)] == 0) {
+        // b2 alone read it on u (b's own sends are in shed already).
+        if (k != b && state_.needCount(k, u) == 1) bytes -= state_.kvBytes(k);
+      } else if (k != b2 && reads_[static_cast<size_t>(k)] == 0) {
         bytes += state_.kvBytes(k);
       }
     }
@@ -344,12 +347,12 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
   for (size_t b = 0; b < plan.owner.size(); ++b) {
     blocksOf[static_cast<size_t>(plan.owner[b])].push_back(static_cast<int32_t>(b));
   }
-  SwapBound floor(state, plan);
+  SwapBound bound(state, plan);
   int64_t steps = 0;
   for (; steps < maxSteps && state.imbalance() > kCommTargetImbalance; ++steps) {
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
-    if (search == SwapSearch::kBounded) floor.look(w, blocksOf[static_cast<size_t>(w)]);
+    bound.look(w, blocksOf[static_cast<size_t>(w)]);
     std::pair<int32_t, int32_t> best{-1, -1};
     // Nearest partners first; only when none helps, a much wider look (rare, and it is what
     // unsticks a busiest worker whose neighbours in cost all carry as much traffic).
@@ -358,7 +361,7 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
         const int64_t traffic = state.traffic(b);
         if (traffic == 0) continue;
         const double cb = blockCost[static_cast<size_t>(b)];
-        const int64_t shed = search == SwapSearch::kBounded ? floor.shed(b) : 0;
+        const int64_t shed = bound.shed(b);
         // Partners nearest b in cost, alternating below and above.
         const size_t r = rank[static_cast<size_t>(b)];
         for (size_t step = 1, tried = 0; tried < window && step <= byCost.size(); ++step) {
@@ -376,12 +379,13 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
               state.traffic(b2) >= traffic) {  // only a quieter block can help w
             continue;
           }
-          if (search == SwapSearch::kBounded &&
-              state.comm(w) - shed + floor.arrival(b, b2, u) >= before) {
-            continue;
-          }
+          const int64_t floor = state.comm(w) - shed + bound.arrival(b, b2, u);
+          if (search == SwapSearch::kBounded && floor >= before) continue;
+          const double loadW = state.load(w), loadU = state.load(u);
           state.move(b, u);
           state.move(b2, w);
+          FCP_CHECK(state.comm(w) >= floor, "the swap floor ", floor, " is above worker ", w,
+                    "'s ", state.comm(w), " bytes after the swap");
           // Kept if w drops and nobody rises to w's old level: with several workers tied at
           // the top (equal-size blocks make ties common), the maximum itself falls only after
           // each of them has been relieved in turn.
@@ -389,6 +393,10 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
                               state.comm(u) < before;
           state.move(b2, u);
           state.move(b, w);
+          // As they were, not a rounding step away: so the caps test the same numbers however
+          // many swaps were tried.
+          state.restoreLoad(w, loadW);
+          state.restoreLoad(u, loadU);
           if (better) {  // first improvement: keeps each step cheap
             best = {b, b2};
             break;

@@ -10,6 +10,12 @@ namespace fcp::plan::detail {
 /// balanceCommunication stops once (max − mean) / max of the per-worker bytes is this low.
 inline constexpr double kCommTargetImbalance = 0.03;
 
+/// How balanceCommunication looks for a swap. kBounded (the planner's) does not try a swap
+/// when a floor on the busiest worker's bytes after it, read without moving anything, shows
+/// it cannot lower them; kEvery tries each one, and checks after each that the floor was not
+/// above the bytes it got. Both keep the same swaps: kEvery is the reference for tests.
+enum class SwapSearch { kBounded, kEvery };
+
 /// Lowers the largest per-worker communication (bytes sent plus received by KV transfers) by
 /// swapping blocks of near-equal cost between the busiest-communicating worker and others.
 ///
@@ -21,11 +27,7 @@ inline constexpr double kCommTargetImbalance = 0.03;
 /// read). Typically a sequence block goes out and a packed block of short sequences, which
 /// needs no transfers, comes in. Partners are searched among the blocks nearest b in cost.
 /// Deterministic; at most `maxSteps` swaps. Plan::loads is not updated: recompute it.
-///
-/// `search`: kBounded (the planner's) does not try a swap when a floor on the busiest
-/// worker's bytes after it, read without moving anything, shows it cannot lower them;
-/// kEvery tries each one. Both keep the same swaps: kEvery is the reference for tests.
-enum class SwapSearch { kBounded, kEvery };
+/// `search`: see SwapSearch.
 int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
                              int64_t memoryCap, int64_t maxSteps,
                              SwapSearch search = SwapSearch::kBounded);

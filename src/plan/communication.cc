@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <tuple>
+#include <utility>
 
 #include "fcp/core/error.h"
 #include "fcp/plan/coloring.h"
@@ -461,7 +463,20 @@ void buildStages(Plan& plan) {
 double pipelineSpan(const Plan& plan) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   const auto& stages = plan.forward;
-  FCP_CHECK(stages.size() == n, "pipelineSpan before the stages were built");
+  if (stages.size() != n) {
+    throw Error(ErrorCode::kInvalidPlan, "forward stages of " + std::to_string(stages.size()) +
+                                             " workers in a plan of " + std::to_string(n) +
+                                             ": build the stages first");
+  }
+  // Ids in range, as validate checks: a plan read from a file may name anything.
+  const auto inRange = [](int32_t id, size_t count, const char* what) {
+    if (id < 0 || static_cast<size_t>(id) >= count) {
+      throw Error(ErrorCode::kInvalidPlan, std::string("a stage names ") + what + " " +
+                                               std::to_string(id) + " of " +
+                                               std::to_string(count));
+    }
+    return static_cast<size_t>(id);
+  };
   // One node per (worker, stage): its end. Node first[w] + s.
   std::vector<size_t> first(n + 1, 0);
   for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
@@ -473,27 +488,33 @@ double pipelineSpan(const Plan& plan) {
   std::vector<double> compute(numNodes, 0.0);
   for (size_t w = 0; w < n; ++w) {
     for (size_t s = 0; s < stages[w].size(); ++s) {
-      for (int32_t t : stages[w][s].send) sentAt[static_cast<size_t>(t)] = first[w] + s;
-      for (int32_t t : stages[w][s].recv) receivedAt[static_cast<size_t>(t)] = first[w] + s;
+      for (int32_t t : stages[w][s].send)
+        sentAt[inRange(t, plan.transfers.size(), "transfer")] = first[w] + s;
+      for (int32_t t : stages[w][s].recv)
+        receivedAt[inRange(t, plan.transfers.size(), "transfer")] = first[w] + s;
       for (int32_t p : stages[w][s].compute)
-        compute[first[w] + s] += plan.pairs[static_cast<size_t>(p)].cost;
+        compute[first[w] + s] += plan.pairs[inRange(p, plan.pairs.size(), "pair")].cost;
     }
   }
   // A node waits for the node before it at its worker (its entry) and, for each transfer it
   // holds, for the node before the other end's (that end's entry): edges from those to it.
   // Node x's entry node is x - 1 within its worker, none for a first stage.
   std::vector<size_t> worker(numNodes);
-  for (size_t w = 0; w < n; ++w)
+  for (size_t w = 0; w < n; ++w) {
     std::fill(worker.begin() + static_cast<std::ptrdiff_t>(first[w]),
               worker.begin() + static_cast<std::ptrdiff_t>(first[w + 1]), w);
+  }
   const auto entryNode = [&](size_t x) { return x == first[worker[x]] ? kNone : x - 1; };
   std::vector<std::pair<size_t, size_t>> edges;  // (from, to)
+  edges.reserve(numNodes + 2 * plan.transfers.size());
   for (size_t x = 0; x < numNodes; ++x) {
     if (entryNode(x) != kNone) edges.push_back({entryNode(x), x});
   }
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    FCP_CHECK(sentAt[t] != kNone && receivedAt[t] != kNone, "transfer ", t,
-              " is in no stage at one of its ends");
+    if (sentAt[t] == kNone || receivedAt[t] == kNone) {
+      throw Error(ErrorCode::kInvalidPlan,
+                  "transfer " + std::to_string(t) + " is in no forward stage at one of its ends");
+    }
     for (const auto& [at, other] :
          {std::pair{sentAt[t], receivedAt[t]}, std::pair{receivedAt[t], sentAt[t]}}) {
       if (entryNode(other) != kNone) edges.push_back({entryNode(other), at});
@@ -511,8 +532,9 @@ double pipelineSpan(const Plan& plan) {
   for (const auto& [from, to] : edges) dependents[next[from]++] = to;
   std::vector<double> end(numNodes, 0.0), ready(numNodes, 0.0);  // ready: latest wait so far
   std::vector<size_t> queue;
-  for (size_t x = 0; x < numNodes; ++x)
+  for (size_t x = 0; x < numNodes; ++x) {
     if (waitsOn[x] == 0) queue.push_back(x);
+  }
   double span = 0;
   for (size_t i = 0; i < queue.size(); ++i) {
     const size_t x = queue[i];

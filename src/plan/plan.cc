@@ -532,11 +532,12 @@ bool evenEnough(const StepBytes& local, const StepBytes& paper, bool paperBalanc
 /// 1.2x slower.
 constexpr double kUnhiddenShare = 0.2;
 
-/// A step's estimated time in cost units: the busiest worker's compute and bytes at `ratio`
-/// cost units each, the larger plus kUnhiddenShare of the smaller.
-double estimatedStepTime(double busiestCost, int64_t busiestBytes, double ratio) {
+/// A step's estimated time in cost units: its compute (the forward pass's span, spanOf) and
+/// the busiest worker's bytes at `ratio` cost units each, the larger plus kUnhiddenShare of
+/// the smaller.
+double estimatedStepTime(double compute, int64_t busiestBytes, double ratio) {
   const double comm = ratio * static_cast<double>(busiestBytes);
-  return std::max(busiestCost, comm) + kUnhiddenShare * std::min(busiestCost, comm);
+  return std::max(compute, comm) + kUnhiddenShare * std::min(compute, comm);
 }
 
 /// With a known link (config.commRatio > 0), the local placement `local` with every block
@@ -566,14 +567,14 @@ std::optional<Placed> stayHome(const Placed& local, const Batch& batch, const Pl
 }
 
 /// Whether a placement's step is bound by its `bytes` at `ratio` (> 0) cost units per byte: its
-/// busiest worker's bytes weigh at least its busiest cost. Only then does the
+/// busiest worker's bytes weigh at least its compute (its span, spanOf). Only then does the
 /// link-aware choice (takeFastest) run; where compute binds the paper's placement, fewer bytes
 /// cannot shorten the step, and the local placements' contiguous blocks lengthen its dependency
 /// chains: on GPU-X such choices simulated up to 34 % slower (16 workers x 32K tokens,
 /// lognormal-narrow; docs/locality.md, "The simulator told the link"), so the compute-only
 /// choice decides there.
-bool boundByBytes(const Placed& p, const StepBytes& bytes, double ratio) {
-  return ratio * static_cast<double>(bytes.busiestWorker) >= maxCost(p.plan);
+bool boundByBytes(Placed& p, const StepBytes& bytes, double ratio) {
+  return ratio * static_cast<double>(bytes.busiestWorker) >= spanOf(p);
 }
 
 /// With a known link (config.commRatio > 0): of the paper's placement (`lpt`), the local one
@@ -582,11 +583,11 @@ bool boundByBytes(const Placed& p, const StepBytes& bytes, double ratio) {
 /// pass with free communication (pipelineSpan, at least the busiest worker's compute: the
 /// local placements' contiguous blocks make stages wait) and at least the busiest worker's
 /// bytes over its link (both passes, each in its busier direction), a byte weighing commRatio
-/// cost units, and some of the lesser shows (estimatedStepTime). A local candidate's communication balancing may spend compute up to the
-/// best estimate so far. Where the paper's placement balances compute within `slack`, the
+/// cost units, and some of the lesser shows (estimatedStepTime). A local candidate's
+/// communication balancing may spend compute up to the best estimate so far. Where the paper's placement balances compute within `slack`, the
 /// evenness rule of the compute-only choice holds too: uneven traffic simulated slower than its
 /// bytes say (docs/locality.md). The others are considered only where the paper's placement is
-/// bound by its bytes (its busiest worker's bytes x commRatio at least its busiest cost).
+/// bound by its bytes (its busiest worker's bytes x commRatio at least its span).
 void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Batch& batch,
                  const PlanConfig& config, const DistributorOptions& options, double slack) {
   const auto stepTime = [&config](double compute, const StepBytes& b) {
@@ -603,13 +604,15 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
   Placed* fastest = &lpt;
   for (Placed* c : {&local, home ? &*home : nullptr}) {
     if (!c) continue;
-    // The busiest worker's cost is a floor under the span: a candidate that cannot win with
-    // it is neither balanced nor staged.
+    // The busiest worker's cost is a floor under the span (up to rounding: the two sum the
+    // same costs in other orders): a candidate that cannot win with it is neither balanced nor
+    // staged.
+    const auto floor = [](const Placed& p) { return maxCost(p.plan) * (1 - 1e-12); };
     const StepBytes before = stepBytes(*c);
-    if (!beats(stepTime(maxCost(c->plan), before), before.total)) continue;
+    if (!beats(stepTime(floor(*c), before), before.total)) continue;
     balanceComm(*c, config, options, kLocalStepsPerWorker, best);
     const StepBytes bytes = stepBytes(*c);
-    if (!beats(stepTime(maxCost(c->plan), bytes), bytes.total)) continue;
+    if (!beats(stepTime(floor(*c), bytes), bytes.total)) continue;
     const double time = stepTime(spanOf(*c), bytes);
     if (beats(time, bytes.total) && evenEnough(bytes, lptBytes, lptBalanced)) {
       best = time;

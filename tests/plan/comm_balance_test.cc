@@ -24,9 +24,10 @@ struct Case {
 };
 
 // The floor skips a swap only when the busiest worker's bytes cannot fall below where they
-// were; a floor set too high would skip a swap that lowers them, and the two searches would
-// then part (each step keeps the first swap that helps). Compute and memory caps looser than
-// the planner's let many more swaps help, so most steps keep one.
+// were. Trying every candidate, the balancer checks each floor against the bytes the swap
+// gives (a floor above them throws); and a floor set too high would skip a swap that lowers
+// them, so the two searches would part (each step keeps the first swap that helps). Compute
+// and memory caps looser than the planner's let many more swaps help, so most steps keep one.
 TEST(CommBalanceTest, TheBoundedSearchKeepsTheSwapsEveryCandidateKeeps) {
   int64_t steps = 0;
   for (const Case& k : {Case{"bimodal", 32, 16384, 1024, Placement::kLocal, MaskKind::kCausal, 3},

@@ -306,7 +306,7 @@ TEST(CommunicationTest, ALocalPlacementWhosePipelineWaitsLoses) {
 
 // Told how slow the link is (commRatio, cost units per byte), the choice weighs bytes against
 // compute: a local placement (balanced, or every block at home) wins where its estimated step
-// time (busiest worker's cost against its bytes at the ratio) is below the paper's, even above
+// time (its forward span against its bytes at the ratio) is below the paper's, even above
 // the compute bound; otherwise the paper's plan is kept as it is. That choice runs only where
 // the paper's placement is bound by its bytes; where its compute binds, the plan is the one made
 // without a ratio. The cases were picked where compute alone keeps the paper's placement.

@@ -133,6 +133,7 @@ TEST(ShardingTest, ShortSequencesArePackedIntoFewBlocks) {
   std::sort(loads.begin(), loads.end());
   EXPECT_GT(loads[0] + loads[1], blockSize);
   EXPECT_LE(loads.back(), blockSize);
+  EXPECT_LE(packed, 2 * fewest + 1);
 }
 
 TEST(ShardingTest, PairsCountEveryVisibleEntryOnce) {

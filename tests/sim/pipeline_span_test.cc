@@ -101,6 +101,13 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   p.forward[1][0].recv = {0};
   p.forward[1][1].send = {1};
   p.forward[0][0].recv = {1};
+  try {
+    plan::pipelineSpan(p);
+    ADD_FAILURE() << "a cycle gave a span";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
+  }
+  p.forward.pop_back();  // stages of one worker of two
   EXPECT_THROW(plan::pipelineSpan(p), Error);
 }
 

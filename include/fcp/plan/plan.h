@@ -169,7 +169,11 @@ struct Plan {
 struct PlanTimings {
   double shardMs = 0;
   double assignMs = 0;   ///< the Block Distributor (greedy and improvement)
-  double balanceMs = 0;  ///< communication balancing and the locality relabelling
+  /// Communication balancing, the locality relabelling and the choice between the two
+  /// placements; where that choice times their forward passes (pipelineSpan), the transfers,
+  /// colouring and stages it builds for both are in here too, and the phases below are then
+  /// about 0.
+  double balanceMs = 0;
   double transfersMs = 0;
   double colorMs = 0;
   double scheduleMs = 0;
