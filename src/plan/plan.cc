@@ -258,18 +258,13 @@ constexpr double kLocalCommImbalance = 0.05;
 /// - "even count": the sequences with blocks over kEvenCountShare of a share get more blocks,
 ///   scaled alike, until their count is a multiple of the workers, so each worker can hold
 ///   the same number (89 blocks of a dominant sequence on 64 workers leave 25 workers with
-///   two; 128 leave none); and again for the sequences with blocks over kEvenCountBigShare
-///   alone, as the count over kEvenCountShare can be a multiple already while the costliest
-///   blocks are not (code corpus, 64 workers, seed 6: 93 blocks of a 377K-token sequence at
-///   0.55 of a share among 192 over 0.05; the busiest worker held two of them, 11.5 % above
-///   LB);
+///   two; 128 leave none);
 /// - "halved": every block at half the size, for batches whose blocks are too large for the
 ///   memory cap to leave room for balance (two 4K blocks per worker of 8K).
 /// Both run only when the busiest worker ends more than kCostCutMinGap above where the
 /// distributor stops (its improvement target, plus the locality slack for kLocal).
 constexpr double kCostCutMinGap = 0.005;
 constexpr double kEvenCountShare = 0.05;
-constexpr double kEvenCountBigShare = 0.25;
 /// Cost-aware blocks are at least 1/kCostCutMaxFactor of the sharding's block size: smaller
 /// kernels run too far down the efficiency curve to pay.
 constexpr int64_t kCostCutMaxFactor = 4;
@@ -377,11 +372,10 @@ std::vector<int64_t> sizesByShare(const Placed& p) {
   });
 }
 
-/// Per-sequence sizes "even count" for the sequences with blocks over `share` of a worker's
-/// share (see kEvenCountShare); empty when there is nothing to do.
-std::vector<int64_t> sizesForEvenCount(const Placed& p, double share) {
+/// Per-sequence sizes "even count" (see kEvenCountShare); empty when there is nothing to do.
+std::vector<int64_t> sizesForEvenCount(const Placed& p) {
   const Plan& plan = p.plan;
-  const double limit = share * shareOf(p);
+  const double limit = kEvenCountShare * shareOf(p);
   const int64_t n = plan.config.numWorkers;
   const SequenceBlocks sb = sequenceBlocks(p);
   int64_t count = 0;
@@ -423,12 +417,8 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
   double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;
   Placed best = std::move(base);
   std::vector<Sharding> candidates;
-  for (const std::vector<int64_t>& sizes :
-       {sizesByShare(best), sizesForEvenCount(best, kEvenCountShare),
-        sizesForEvenCount(best, kEvenCountBigShare)}) {
-    const bool seen = std::any_of(candidates.begin(), candidates.end(),
-                                  [&](const Sharding& c) { return c.sequenceSizes == sizes; });
-    if (!sizes.empty() && !seen && pairsWithSizes(batch, size, sizes) <= kMaxPairs)
+  for (const std::vector<int64_t>& sizes : {sizesByShare(best), sizesForEvenCount(best)}) {
+    if (!sizes.empty() && pairsWithSizes(batch, size, sizes) <= kMaxPairs)
       candidates.push_back({size, sizes});
   }
   if (size / 2 >= std::max<int64_t>(1, size / kCostCutMaxFactor) &&

@@ -221,31 +221,6 @@ TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
   }
 }
 
-TEST(CostAwareBlocksTest, TheCostliestBlocksGetAnEvenCountOfTheirOwn) {
-  // 93 4K blocks of a 372K-token sequence, each about half a worker's share, and 99 blocks of
-  // nine 44K-token sequences over 5 % of a share: 192 blocks over it, a multiple of the 64
-  // workers, so the "even count" over 5 % has nothing to do, while 29 workers must hold two of
-  // the costliest (22 % above LB; code corpus seed 6 on 64 workers was such a batch). Counted
-  // among themselves, the costliest become 128: two a worker.
-  Batch batch{{93 * 4096}};
-  for (int i = 0; i < 9; ++i) batch.sequenceLengths.push_back(11 * 4096);
-  while (batch.numTokens() < 64 * 32768) batch.sequenceLengths.push_back(4096);
-  PlanConfig c;
-  c.numWorkers = 64;
-  c.placement = Placement::kLpt;
-  c.costAwareBlocks = false;
-  const Plan before = buildPlan(batch, c, CostModel{c.attention});
-  c.costAwareBlocks = true;
-  const Plan after = buildPlan(batch, c, CostModel{c.attention});
-  ASSERT_TRUE(validate(after).empty());
-  EXPECT_EQ(after.costCutSequences, 1);  // the long sequence alone
-  int64_t cut = 0;  // its blocks: twice the workers
-  for (const Block& b : after.blocks) cut += b.chunks.front().sequence == 0;
-  EXPECT_EQ(cut, 128);
-  EXPECT_LT(busiest(after), 0.95 * busiest(before));  // 0.91x
-  EXPECT_LT(busiest(after), after.lowerBound * 1.05);
-}
-
 TEST(CostAwareBlocksTest, BalancedBatchesKeepTheirBlocks) {
   // Built-in workloads at 64 workers x 32K balance within the target with 4K blocks: nothing
   // is cut, and the plan is the same with and without cost-aware blocks.
