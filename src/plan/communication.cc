@@ -477,81 +477,104 @@ double pipelineSpan(const Plan& plan) {
     }
     return static_cast<size_t>(id);
   };
-  // One node per (worker, stage): its end. Node first[w] + s.
+  // One node per (worker, stage), first[w] + s: when that stage ends. A node's entry is the
+  // end of the node before it at its worker, or 0 for a first stage: node numNodes, a
+  // sentinel whose end stays 0.
   std::vector<size_t> first(n + 1, 0);
   for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
-  const size_t numNodes = first[n];
-  // Where each end holds each transfer: its node at the sender and at the receiver.
+  const size_t numNodes = first[n], zero = numNodes;
+  // Where each end holds each transfer: the entry node and the stage there.
   constexpr size_t kNone = std::numeric_limits<size_t>::max();
-  std::vector<size_t> sentAt(plan.transfers.size(), kNone);
-  std::vector<size_t> receivedAt(plan.transfers.size(), kNone);
+  struct End {
+    size_t entry = kNone;
+    size_t stage = 0;
+  };
+  std::vector<End> sender(plan.transfers.size()), receiver(plan.transfers.size());
   std::vector<double> compute(numNodes, 0.0);
   for (size_t w = 0; w < n; ++w) {
     for (size_t s = 0; s < stages[w].size(); ++s) {
-      for (int32_t t : stages[w][s].send)
-        sentAt[inRange(t, plan.transfers.size(), "transfer")] = first[w] + s;
-      for (int32_t t : stages[w][s].recv)
-        receivedAt[inRange(t, plan.transfers.size(), "transfer")] = first[w] + s;
+      const End at{s == 0 ? zero : first[w] + s - 1, s};
+      for (int32_t t : stages[w][s].send) sender[inRange(t, sender.size(), "transfer")] = at;
+      for (int32_t t : stages[w][s].recv) receiver[inRange(t, receiver.size(), "transfer")] = at;
       for (int32_t p : stages[w][s].compute)
         compute[first[w] + s] += plan.pairs[inRange(p, plan.pairs.size(), "pair")].cost;
     }
   }
-  // A node waits for the node before it at its worker (its entry) and, for each transfer it
-  // holds, for the node before the other end's (that end's entry): edges from those to it.
-  // Node x's entry node is x - 1 within its worker, none for a first stage.
-  std::vector<size_t> worker(numNodes);
-  for (size_t w = 0; w < n; ++w) {
-    std::fill(worker.begin() + static_cast<std::ptrdiff_t>(first[w]),
-              worker.begin() + static_cast<std::ptrdiff_t>(first[w + 1]), w);
-  }
-  const auto entryNode = [&](size_t x) { return x == first[worker[x]] ? kNone : x - 1; };
-  std::vector<std::pair<size_t, size_t>> edges;  // (from, to)
-  edges.reserve(numNodes + 2 * plan.transfers.size());
-  for (size_t x = 0; x < numNodes; ++x) {
-    if (entryNode(x) != kNone) edges.push_back({entryNode(x), x});
-  }
+  bool aligned = true;  // every transfer in the same stage at both ends
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    if (sentAt[t] == kNone || receivedAt[t] == kNone) {
+    if (sender[t].entry == kNone || receiver[t].entry == kNone) {
       throw Error(ErrorCode::kInvalidPlan,
                   "transfer " + std::to_string(t) + " is in no forward stage at one of its ends");
     }
-    for (const auto& [at, other] :
-         {std::pair{sentAt[t], receivedAt[t]}, std::pair{receivedAt[t], sentAt[t]}}) {
-      if (entryNode(other) != kNone) edges.push_back({entryNode(other), at});
+    aligned = aligned && sender[t].stage == receiver[t].stage;
+  }
+  // A stage ends once its entry plus its compute has passed and each transfer it holds has
+  // been entered at the other end.
+  std::vector<double> end(numNodes + 1, 0.0);
+  const auto finish = [&](size_t w, size_t s) {
+    const size_t x = first[w] + s;
+    double e = end[s == 0 ? zero : x - 1] + compute[x];
+    for (int32_t t : stages[w][s].send)
+      e = std::max(e, end[receiver[static_cast<size_t>(t)].entry]);
+    for (int32_t t : stages[w][s].recv) e = std::max(e, end[sender[static_cast<size_t>(t)].entry]);
+    end[x] = e;
+  };
+  if (aligned) {
+    // As buildStages places them: every wait is on a stage before, so one pass in stage order
+    // (all workers' stages s after all stages s - 1) is exact, and no cycle can form.
+    size_t most = 0;
+    for (size_t w = 0; w < n; ++w) most = std::max(most, stages[w].size());
+    for (size_t s = 0; s < most; ++s) {
+      for (size_t w = 0; w < n; ++w) {
+        if (s < stages[w].size()) finish(w, s);
+      }
+    }
+  } else {
+    // Kahn's order over the waits: a node is finished once every node it waits for is. The
+    // same sums and maxima in any order, so the same span as the pass above.
+    std::vector<size_t> waitsOn(numNodes, 0), waitersFrom(numNodes + 1, 0);
+    const auto forEachWait = [&](auto&& visit) {  // (node waited for, waiting node)
+      for (size_t w = 0; w < n; ++w) {
+        for (size_t s = 0; s < stages[w].size(); ++s) {
+          const size_t x = first[w] + s;
+          if (s > 0) visit(x - 1, x);
+          for (int32_t t : stages[w][s].send) visit(receiver[static_cast<size_t>(t)].entry, x);
+          for (int32_t t : stages[w][s].recv) visit(sender[static_cast<size_t>(t)].entry, x);
+        }
+      }
+    };
+    forEachWait([&](size_t from, size_t to) {
+      if (from == zero) return;
+      ++waitersFrom[from + 1];
+      ++waitsOn[to];
+    });
+    for (size_t x = 1; x <= numNodes; ++x) waitersFrom[x] += waitersFrom[x - 1];
+    std::vector<size_t> next(waitersFrom.begin(), waitersFrom.end() - 1);
+    std::vector<size_t> dependents(waitersFrom.back());
+    forEachWait([&](size_t from, size_t to) {
+      if (from != zero) dependents[next[from]++] = to;
+    });
+    std::vector<std::pair<size_t, size_t>> nodeAt(numNodes);  // (worker, stage)
+    for (size_t w = 0; w < n; ++w) {
+      for (size_t s = 0; s < stages[w].size(); ++s) nodeAt[first[w] + s] = {w, s};
+    }
+    std::vector<size_t> queue;
+    for (size_t x = 0; x < numNodes; ++x) {
+      if (waitsOn[x] == 0) queue.push_back(x);
+    }
+    for (size_t i = 0; i < queue.size(); ++i) {
+      const size_t x = queue[i];
+      finish(nodeAt[x].first, nodeAt[x].second);
+      for (size_t j = waitersFrom[x]; j < waitersFrom[x + 1]; ++j) {
+        if (--waitsOn[dependents[j]] == 0) queue.push_back(dependents[j]);
+      }
+    }
+    if (queue.size() != numNodes) {
+      throw Error(ErrorCode::kInvalidPlan,
+                  "the forward stages' transfers wait on each other in a cycle");
     }
   }
-  // Kahn's order: a node is done once everything it waits for is. Taking nodes in another
-  // order changes no value (each end is a max of sums fixed by its predecessors).
-  std::vector<size_t> start(numNodes + 1, 0), waitsOn(numNodes, 0);
-  for (const auto& [from, to] : edges) {
-    ++start[from + 1];
-    ++waitsOn[to];
-  }
-  for (size_t x = 1; x <= numNodes; ++x) start[x] += start[x - 1];
-  std::vector<size_t> next(start.begin(), start.end() - 1), dependents(edges.size());
-  for (const auto& [from, to] : edges) dependents[next[from]++] = to;
-  std::vector<double> end(numNodes, 0.0), ready(numNodes, 0.0);  // ready: latest wait so far
-  std::vector<size_t> queue;
-  for (size_t x = 0; x < numNodes; ++x) {
-    if (waitsOn[x] == 0) queue.push_back(x);
-  }
-  double span = 0;
-  for (size_t i = 0; i < queue.size(); ++i) {
-    const size_t x = queue[i];
-    const size_t in = entryNode(x);
-    end[x] = std::max((in == kNone ? 0.0 : end[in]) + compute[x], ready[x]);
-    span = std::max(span, end[x]);
-    for (size_t j = start[x]; j < start[x + 1]; ++j) {
-      const size_t y = dependents[j];
-      ready[y] = std::max(ready[y], end[x]);
-      if (--waitsOn[y] == 0) queue.push_back(y);
-    }
-  }
-  if (queue.size() != numNodes) {
-    throw Error(ErrorCode::kInvalidPlan,
-                "the forward stages' transfers wait on each other in a cycle");
-  }
-  return span;
+  return *std::max_element(end.begin(), end.end());
 }
 
 namespace detail {

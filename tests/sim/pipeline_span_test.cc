@@ -92,6 +92,12 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 5.0);
   p.forward[0][0].compute.clear();  // worker 0 enters stage 1 at once: worker 1 never waits
   EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 3.0);
+  // Held in different stages at its two ends (not as buildStages places transfers): worker
+  // 1's first stage now waits for worker 0 to enter its second, after 5 units.
+  p.forward[0][0].compute = {0};
+  p.forward[1][1].recv.clear();
+  p.forward[1][0].recv = {0};
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 7.0);  // 5, then worker 1's 2
   // Each first stage waiting for the other worker's second: worker 1 receives in its stage 0
   // what worker 0 sends in its stage 1, and worker 0 in its stage 0 what worker 1 sends in its
   // stage 1. No order of the stages lets either start: a cycle.
