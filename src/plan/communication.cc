@@ -461,19 +461,21 @@ void buildStages(Plan& plan) {
 }
 
 double pipelineSpan(const Plan& plan) {
-  const auto n = static_cast<size_t>(plan.config.numWorkers);
   const auto& stages = plan.forward;
-  if (stages.size() != n) {
-    throw Error(ErrorCode::kInvalidPlan, "forward stages of " + std::to_string(stages.size()) +
-                                             " workers in a plan of " + std::to_string(n) +
-                                             ": build the stages first");
+  if (plan.config.numWorkers < 0 ||
+      stages.size() != static_cast<size_t>(plan.config.numWorkers)) {
+    throw Error(ErrorCode::kInvalidPlan, "forward stages cover " + std::to_string(stages.size()) +
+                                             " workers, not the plan's " +
+                                             std::to_string(plan.config.numWorkers));
   }
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
   // Ids in range, as validate checks: a plan read from a file may name anything.
-  const auto inRange = [](int32_t id, size_t count, const char* what) {
+  const auto inRange = [](int32_t id, size_t count, const char* what, size_t w, size_t s) {
     if (id < 0 || static_cast<size_t>(id) >= count) {
-      throw Error(ErrorCode::kInvalidPlan, std::string("a stage names ") + what + " " +
-                                               std::to_string(id) + " of " +
-                                               std::to_string(count));
+      throw Error(ErrorCode::kInvalidPlan,
+                  "forward worker " + std::to_string(w) + " stage " + std::to_string(s) +
+                      " names " + what + " " + std::to_string(id) + ": expected 0 to " +
+                      std::to_string(count) + " - 1");
     }
     return static_cast<size_t>(id);
   };
@@ -494,17 +496,31 @@ double pipelineSpan(const Plan& plan) {
   for (size_t w = 0; w < n; ++w) {
     for (size_t s = 0; s < stages[w].size(); ++s) {
       const End at{s == 0 ? zero : first[w] + s - 1, s};
-      for (int32_t t : stages[w][s].send) sender[inRange(t, sender.size(), "transfer")] = at;
-      for (int32_t t : stages[w][s].recv) receiver[inRange(t, receiver.size(), "transfer")] = at;
+      for (const bool sends : {true, false}) {
+        std::vector<End>& ends = sends ? sender : receiver;
+        for (int32_t t : sends ? stages[w][s].send : stages[w][s].recv) {
+          End& end = ends[inRange(t, ends.size(), "transfer", w, s)];
+          if (end.entry != kNone) {
+            throw Error(ErrorCode::kInvalidPlan,
+                        "transfer " + std::to_string(t) + " is " + (sends ? "sent" : "received") +
+                            " twice in the forward stages (again by worker " +
+                            std::to_string(w) + " in stage " + std::to_string(s) + ")");
+          }
+          end = at;
+        }
+      }
       for (int32_t p : stages[w][s].compute)
-        compute[first[w] + s] += plan.pairs[inRange(p, plan.pairs.size(), "pair")].cost;
+        compute[first[w] + s] += plan.pairs[inRange(p, plan.pairs.size(), "pair", w, s)].cost;
     }
   }
   bool aligned = true;  // every transfer in the same stage at both ends
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    if (sender[t].entry == kNone || receiver[t].entry == kNone) {
-      throw Error(ErrorCode::kInvalidPlan,
-                  "transfer " + std::to_string(t) + " is in no forward stage at one of its ends");
+    for (const bool sends : {true, false}) {
+      if ((sends ? sender : receiver)[t].entry == kNone) {
+        throw Error(ErrorCode::kInvalidPlan, "transfer " + std::to_string(t) + " is never " +
+                                                 (sends ? "sent" : "received") +
+                                                 " in the forward stages");
+      }
     }
     aligned = aligned && sender[t].stage == receiver[t].stage;
   }

@@ -113,6 +113,13 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
   }
+  p.forward[1][1].send = {};
+  p.forward[1][0].send = {1, 1};  // sent twice by one end
+  EXPECT_THROW(plan::pipelineSpan(p), Error);
+  p.forward[1][0].send = {};  // never sent
+  EXPECT_THROW(plan::pipelineSpan(p), Error);
+  p.forward[1][0].send = {2};  // no such transfer
+  EXPECT_THROW(plan::pipelineSpan(p), Error);
   p.forward.pop_back();  // stages of one worker of two
   EXPECT_THROW(plan::pipelineSpan(p), Error);
 }

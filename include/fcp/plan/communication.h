@@ -60,11 +60,12 @@ void buildStages(Plan& plan);
 /// worker w starts when its stage s − 1 has ended, and ends once its pairs are computed (their
 /// costs in turn) and each transfer it sends or receives has started, which is when the
 /// other end has entered the stage holding it (each end posts a transfer as it enters that
-/// stage: the runtime's order, and the simulator's). Never below the busiest worker's cost (up
-/// to rounding); above it when some worker waits for a partner to reach a stage, as with
-/// contiguous causal blocks, where the holders of a sequence's late blocks wait for its early
-/// ones. Throws Error(kInvalidPlan) when the forward stages are not built, name a transfer or
-/// pair the plan does not have, leave a transfer out at one end, or wait on each other in a
+/// stage: the runtime's order, and the simulator's). For stages that compute every pair once
+/// (as validate checks), never below the busiest worker's cost (up to rounding); above it when
+/// some worker waits for a partner to reach a stage, as with contiguous causal blocks, where
+/// the holders of a sequence's late blocks wait for its early ones. Throws Error(kInvalidPlan)
+/// when the forward stages do not cover the plan's workers, name a transfer or pair the plan
+/// does not have, send or receive a transfer twice or never, or wait on each other in a
 /// cycle.
 double pipelineSpan(const Plan& plan);
 
