@@ -584,10 +584,11 @@ bool boundByBytes(Placed& p, const StepBytes& bytes, double ratio) {
 /// local placements' contiguous blocks make stages wait) and at least the busiest worker's
 /// bytes over its link (both passes, each in its busier direction), a byte weighing commRatio
 /// cost units, and some of the lesser shows (estimatedStepTime). A local candidate's
-/// communication balancing may spend compute up to the best estimate so far. Where the paper's placement balances compute within `slack`, the
-/// evenness rule of the compute-only choice holds too: uneven traffic simulated slower than its
-/// bytes say (docs/locality.md). The others are considered only where the paper's placement is
-/// bound by its bytes (its busiest worker's bytes x commRatio at least its span).
+/// communication balancing may spend compute up to the best estimate so far. Where the paper's
+/// placement balances compute within `slack`, the evenness rule of the compute-only choice
+/// holds too: uneven traffic simulated slower than its bytes say (docs/locality.md). The
+/// others are considered only where the paper's placement is bound by its bytes (its busiest
+/// worker's bytes x commRatio at least its span).
 void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Batch& batch,
                  const PlanConfig& config, const DistributorOptions& options, double slack) {
   const auto stepTime = [&config](double compute, const StepBytes& b) {
