@@ -86,8 +86,10 @@ struct Placed {
   /// them with the owners), and whether plan.reshuffle is too (hasTraffic: both are).
   bool hasTransfers = false;
   bool hasTraffic = false;
-  /// Whether the transfers' rounds and the stages are built too (spanOf).
+  /// Whether the transfers' rounds and the stages are built too, and then the forward span
+  /// they give (spanOf).
   bool hasStages = false;
+  double span = 0;
 };
 
 /// How a placement cuts the batch: one block size, and optionally a smaller one per sequence
@@ -513,9 +515,10 @@ double spanOf(Placed& p) {
     p.hasTransfers = true;
     colorTransfers(p.plan);
     buildStages(p.plan);
+    p.span = pipelineSpan(p.plan);
     p.hasStages = true;
   }
-  return pipelineSpan(p.plan);
+  return p.span;
 }
 
 /// The evenness rule of the placement choice: where the paper's placement balances compute
@@ -603,12 +606,11 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
   };
   std::optional<Placed> home = stayHome(local, batch, config, options);
   Placed* fastest = &lpt;
+  // The busiest worker's cost is a floor under the span (up to rounding: the two sum the same
+  // costs in other orders): a candidate that cannot win with it is neither balanced nor staged.
+  const auto floor = [](const Placed& p) { return maxCost(p.plan) * (1 - 1e-12); };
   for (Placed* c : {&local, home ? &*home : nullptr}) {
     if (!c) continue;
-    // The busiest worker's cost is a floor under the span (up to rounding: the two sum the
-    // same costs in other orders): a candidate that cannot win with it is neither balanced nor
-    // staged.
-    const auto floor = [](const Placed& p) { return maxCost(p.plan) * (1 - 1e-12); };
     const StepBytes before = stepBytes(*c);
     if (!beats(stepTime(floor(*c), before), before.total)) continue;
     balanceComm(*c, config, options, kLocalStepsPerWorker, best);
