@@ -100,12 +100,20 @@ class CommState {
   int64_t traffic(int32_t b) const {
     const auto bs = static_cast<size_t>(b);
     const int32_t owner = plan_.owner[bs];
-    int64_t bytes = 0;
-    for (const auto& [w, count] : need_[bs]) bytes += (count > 0 && w != owner) ? kvBytes_[bs] : 0;
+    int64_t bytes = sentBytes(b);
     for (int64_t i = qOffset_[bs]; i < qOffset_[bs + 1]; ++i) {
       const auto k = static_cast<size_t>(kvOf_[static_cast<size_t>(i)]);
       bytes += plan_.owner[k] != owner ? kvBytes_[k] : 0;
     }
+    return bytes;
+  }
+  /// Bytes KV block b is sent where it is: once to each worker other than its owner that
+  /// reads it.
+  int64_t sentBytes(int32_t b) const {
+    const auto bs = static_cast<size_t>(b);
+    int64_t bytes = 0;
+    for (const auto& [w, count] : need_[bs])
+      bytes += (count > 0 && w != plan_.owner[bs]) ? kvBytes_[bs] : 0;
     return bytes;
   }
   /// Imbalance of the per-worker bytes.
@@ -288,10 +296,7 @@ class SwapBound {
   }
 
   int64_t shed(int32_t b) const {
-    int64_t bytes = 0;
-    for (const auto& [v, count] : state_.needOf(b)) {
-      if (count > 0 && v != w_) bytes += state_.kvBytes(b);
-    }
+    int64_t bytes = state_.sentBytes(b);  // b is w's
     for (int32_t k : state_.readsOf(b)) {
       if (owner(k) != w_ && reads_[static_cast<size_t>(k)] == 1) bytes += state_.kvBytes(k);
     }
