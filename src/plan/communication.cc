@@ -25,44 +25,35 @@ int32_t findTransfer(const std::vector<Transfer>& transfers, int32_t block, int3
 
 namespace {
 
-/// Pairs grouped, in CSR form (ids[offset[k]] .. ids[offset[k + 1]]), by what they need:
-/// key k < N is worker k's local pairs (KV its own), key N + t those using transfer t.
-struct PairsByNeed {
-  std::vector<int64_t> offset;
-  std::vector<int32_t> ids;
+using detail::PairsByNeed;
+using detail::TransfersByWorker;
 
-  const int32_t* begin(size_t key) const { return ids.data() + offset[key]; }
-  const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
-};
-
-/// Transfer ids by one end (CSR): those worker w sends (or receives) are
-/// ids[offset[w]] .. ids[offset[w + 1]], ascending, each with its group (round / coalesce)
-/// beside it, so that a worker's transfers read as one sequence.
-struct TransfersByWorker {
-  std::vector<int64_t> offset;
-  std::vector<int32_t> ids;
-  std::vector<int32_t> group;
-
-  size_t begin(size_t w) const { return static_cast<size_t>(offset[w]); }
-  size_t end(size_t w) const { return static_cast<size_t>(offset[w + 1]); }
-};
-
+/// Transfer ids by one end, their groups left empty (setGroups fills them once the transfers
+/// have their rounds).
 TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
-  const int64_t c = plan.config.coalesce;
   TransfersByWorker g;
   g.offset.assign(static_cast<size_t>(plan.config.numWorkers) + 1, 0);
   for (const Transfer& t : plan.transfers) ++g.offset[static_cast<size_t>(t.*end) + 1];
   for (size_t w = 1; w < g.offset.size(); ++w) g.offset[w] += g.offset[w - 1];
   detail::resizeHuge(g.ids, plan.transfers.size());
-  detail::resizeHuge(g.group, plan.transfers.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
-    const Transfer& tr = plan.transfers[t];
-    const auto at = static_cast<size_t>(next[static_cast<size_t>(tr.*end)]++);
+    const auto at = static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].*end)]++);
     g.ids[at] = static_cast<int32_t>(t);
-    g.group[at] = static_cast<int32_t>(tr.round / c);
   }
   return g;
+}
+
+/// Each transfer's group (round / coalesce) beside its id: the same pass in transfer order as
+/// transfersBy, so the same positions.
+void setGroups(const Plan& plan, int32_t Transfer::*end, TransfersByWorker& g) {
+  const int64_t c = plan.config.coalesce;
+  detail::resizeHuge(g.group, plan.transfers.size());
+  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
+  for (const Transfer& t : plan.transfers) {
+    const auto at = static_cast<size_t>(next[static_cast<size_t>(t.*end)]++);
+    g.group[at] = static_cast<int32_t>(t.round / c);
+  }
 }
 
 /// Pairs by what they need (see PairsByNeed), where the key of a transfer is N plus its
@@ -429,22 +420,32 @@ std::vector<Stage> backwardStages(const StageInputs& in, size_t w,
 
 }  // namespace
 
-void buildStages(Plan& plan) {
+namespace detail {
+
+StagePrep prepareStages(const Plan& plan) {
+  StagePrep prep;
+  prep.received = transfersBy(plan, &Transfer::receiver);
+  prep.need = groupPairs(plan, prep.received);
+  prep.sent = transfersBy(plan, &Transfer::sender);
+  return prep;
+}
+
+void buildStages(Plan& plan, StagePrep prep) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   const int64_t c = plan.config.coalesce;
   const int64_t groups = (plan.numRounds + c - 1) / c;
   const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
+  setGroups(plan, &Transfer::receiver, prep.received);
+  setGroups(plan, &Transfer::sender, prep.sent);
   // Worker by worker, so that each worker's stages stay in cache while they fill (filled in
   // transfer order, every transfer touched three workers' stages scattered over memory).
-  TransfersByWorker received = transfersBy(plan, &Transfer::receiver);
-  PairsByNeed need = groupPairs(plan, received);
   const StageInputs in{plan,
                        lag,
                        groups,
                        groups > 0 ? static_cast<size_t>(groups) + lag : 1,
-                       transfersBy(plan, &Transfer::sender),
-                       std::move(received),
-                       std::move(need)};
+                       std::move(prep.sent),
+                       std::move(prep.received),
+                       std::move(prep.need)};
   std::vector<std::vector<Stage>> forward(n), backward(n);
   const auto fill = [&](size_t first, size_t last) {
     for (size_t w = first; w < last; ++w) {
@@ -459,6 +460,10 @@ void buildStages(Plan& plan) {
   plan.forward = std::move(forward);
   plan.backward = std::move(backward);
 }
+
+}  // namespace detail
+
+void buildStages(Plan& plan) { detail::buildStages(plan, detail::prepareStages(plan)); }
 
 double pipelineSpan(const Plan& plan) {
   const auto& stages = plan.forward;

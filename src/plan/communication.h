@@ -49,6 +49,43 @@ std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r);
 /// Bytes each worker sends plus receives through those transfers, without building them.
 std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);
 
+/// Pairs grouped, in CSR form (ids[offset[k]] .. ids[offset[k + 1]]), by what they need:
+/// key k < N is worker k's local pairs (KV its own), key N + i those using the transfer at
+/// position i of the received list (TransfersByWorker by receiver).
+struct PairsByNeed {
+  std::vector<int64_t> offset;
+  std::vector<int32_t> ids;
+
+  const int32_t* begin(size_t key) const { return ids.data() + offset[key]; }
+  const int32_t* end(size_t key) const { return ids.data() + offset[key + 1]; }
+};
+
+/// Transfer ids by one end (CSR): those worker w sends (or receives) are
+/// ids[offset[w]] .. ids[offset[w + 1]], ascending, each with its group (round / coalesce)
+/// beside it, so that a worker's transfers read as one sequence.
+struct TransfersByWorker {
+  std::vector<int64_t> offset;
+  std::vector<int32_t> ids;
+  std::vector<int32_t> group;
+
+  size_t begin(size_t w) const { return static_cast<size_t>(offset[w]); }
+  size_t end(size_t w) const { return static_cast<size_t>(offset[w + 1]); }
+};
+
+/// What buildStages reads that the transfers' rounds do not change: both ends' transfer
+/// lists (their groups not yet set) and the pairs by what they need. Built while the transfers
+/// are coloured (buildPlan), from the plan's owners, pairs and transfers in (block, receiver)
+/// order.
+struct StagePrep {
+  TransfersByWorker sent, received;
+  PairsByNeed need;
+};
+StagePrep prepareStages(const Plan& plan);
+
+/// buildStages(plan) from `prep`, which prepareStages made for the same plan's transfers (now
+/// coloured).
+void buildStages(Plan& plan, StagePrep prep);
+
 /// Appends the communication invariants' violations (see validate).
 void validateCommunication(const Plan& plan, Violations& v);
 

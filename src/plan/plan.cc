@@ -513,8 +513,11 @@ double spanOf(Placed& p) {
   if (!p.hasStages) {
     if (!p.hasTransfers) p.plan.transfers = buildTransfers(p.plan);
     p.hasTransfers = true;
-    colorTransfers(p.plan);
-    buildStages(p.plan);
+    std::optional<detail::StagePrep> prep;
+    detail::runBoth(
+        detail::worthParallel(static_cast<int64_t>(p.plan.pairs.size())),
+        [&] { colorTransfers(p.plan); }, [&] { prep = detail::prepareStages(p.plan); });
+    detail::buildStages(p.plan, std::move(*prep));
     p.span = pipelineSpan(p.plan);
     p.hasStages = true;
   }
@@ -993,27 +996,30 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   Plan plan = std::move(lpt.plan);
 
   // Built already when the two placements were compared by their bytes (the stages too when
-  // by their spans). The reshuffle needs only the owners: it is built beside the transfers and
-  // their colouring.
+  // by their spans). The reshuffle needs only the owners, and the stages' lists of transfers
+  // and pairs only the transfers, not their rounds: both are built while the transfers are
+  // coloured.
   const auto transfersStart = std::chrono::steady_clock::now();
-  double transfersMs = 0, colorMs = 0;
+  if (!lpt.hasTransfers) plan.transfers = buildTransfers(plan);
+  const double transfersMs = msSince(transfersStart);
+  double colorMs = 0;
   std::vector<ReshufflePiece> reshuffle;
+  std::optional<detail::StagePrep> prep;
   detail::runBoth(
       parallel,
       [&] {
         if (lpt.hasStages) return;
-        if (!lpt.hasTransfers) plan.transfers = buildTransfers(plan);
-        transfersMs = msSince(transfersStart);
         const auto colorStart = std::chrono::steady_clock::now();
         colorTransfers(plan);
         colorMs = msSince(colorStart);
       },
       [&] {
         if (!lpt.hasTraffic) reshuffle = buildReshuffle(plan);
+        if (!lpt.hasStages) prep = detail::prepareStages(plan);
       });
   if (!lpt.hasTraffic) plan.reshuffle = std::move(reshuffle);
   const auto scheduleStart = std::chrono::steady_clock::now();
-  if (!lpt.hasStages) buildStages(plan);
+  if (!lpt.hasStages) detail::buildStages(plan, std::move(*prep));
   if (plan.placement == Placement::kLocal || !config.locality)
     plan.movedTokensWithoutLocality = movedTokens(plan.reshuffle);
   if (timings) {
