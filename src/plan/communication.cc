@@ -209,7 +209,11 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
 
 }  // namespace
 
-int64_t relabelForLocality(Plan& plan) {
+int64_t relabelForLocality(Plan& plan) { return detail::relabelForLocality(plan, nullptr); }
+
+namespace detail {
+
+int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers) {
   // Stages name transfers by position: none may be built yet.
   FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
             "relabelForLocality after the stages were built");
@@ -247,8 +251,17 @@ int64_t relabelForLocality(Plan& plan) {
   }
   for (ReshufflePiece& piece : plan.reshuffle)
     piece.fcpWorker = rename[static_cast<size_t>(piece.fcpWorker)];
+  if (receivers) {
+    for (int32_t& r : receivers->receivers) r = rename[static_cast<size_t>(r)];
+    for (size_t k = 0; k + 1 < receivers->first.size(); ++k) {
+      std::sort(receivers->receivers.begin() + receivers->first[k],
+                receivers->receivers.begin() + receivers->last[k]);
+    }
+  }
   return moved;
 }
+
+}  // namespace detail
 
 std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
   const auto seq = sequenceStarts(plan.batch);

@@ -46,6 +46,10 @@ BlockReceivers blockReceivers(const Plan& plan);
 /// transfersOf(plan, blockReceivers(plan)).
 std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r);
 
+/// relabelForLocality(plan), also renaming `receivers` (when not null: blockReceivers of the
+/// plan's owners), each block's list sorted again.
+int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers);
+
 /// Bytes each worker sends plus receives through those transfers, without building them.
 std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);
 

@@ -90,7 +90,20 @@ struct Placed {
   /// they give (spanOf).
   bool hasStages = false;
   double span = 0;
+  /// Each block's receivers for the current owners, kept where the transfers are not built yet
+  /// (communication balancing found them even): the locality relabelling renames these rather
+  /// than the transfers, and ensureTransfers builds the transfers from them.
+  std::optional<detail::BlockReceivers> receivers;
 };
+
+/// Builds p.plan.transfers for the current owners if they are not built yet.
+void ensureTransfers(Placed& p) {
+  if (p.hasTransfers) return;
+  p.plan.transfers = p.receivers ? detail::transfersOf(p.plan, *p.receivers)
+                                 : buildTransfers(p.plan);
+  p.receivers.reset();
+  p.hasTransfers = true;
+}
 
 /// How a placement cuts the batch: one block size, and optionally a smaller one per sequence
 /// (see shardBatch).
@@ -192,10 +205,9 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
       return;
     }
   } else {
-    const detail::BlockReceivers receivers = detail::blockReceivers(plan);
+    detail::BlockReceivers receivers = detail::blockReceivers(plan);
     if (imbalance(detail::bytesByWorker(plan, receivers)) <= detail::kCommTargetImbalance) {
-      plan.transfers = detail::transfersOf(plan, receivers);
-      p.hasTransfers = true;
+      p.receivers = std::move(receivers);
       plan.commBalanceSteps = 0;
       return;
     }
@@ -206,7 +218,10 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
       plan, p.costs, cap, memoryCapTokens(options), stepsPerWorker * config.numWorkers);
   plan.loads = computeLoads(plan);
   // Swaps change owners: transfers and reshuffle built for the placements' comparison are stale.
-  if (plan.commBalanceSteps > 0) p.hasTransfers = p.hasTraffic = p.hasStages = false;
+  if (plan.commBalanceSteps > 0) {
+    p.hasTransfers = p.hasTraffic = p.hasStages = false;
+    p.receivers.reset();
+  }
 }
 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
@@ -214,7 +229,10 @@ void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& op
   const auto start = std::chrono::steady_clock::now();
   balanceComm(p, config, options, 2);
   Plan& plan = p.plan;
-  if (config.locality) plan.movedTokensWithoutLocality = relabelForLocality(plan);
+  if (config.locality) {
+    plan.movedTokensWithoutLocality =
+        detail::relabelForLocality(plan, p.receivers ? &*p.receivers : nullptr);
+  }
   plan.loads = computeLoads(plan);
   p.balanceMs += msSince(start);
 }
@@ -494,7 +512,7 @@ struct StepBytes {
 };
 
 StepBytes stepBytes(Placed& p) {
-  if (!p.hasTransfers) p.plan.transfers = buildTransfers(p.plan);
+  ensureTransfers(p);
   if (!p.hasTraffic) p.plan.reshuffle = buildReshuffle(p.plan);
   p.hasTransfers = p.hasTraffic = true;
   StepBytes bytes;
@@ -511,8 +529,7 @@ StepBytes stepBytes(Placed& p) {
 /// their rounds and the stages it needs built and left in `p` (the plan keeps them if it wins).
 double spanOf(Placed& p) {
   if (!p.hasStages) {
-    if (!p.hasTransfers) p.plan.transfers = buildTransfers(p.plan);
-    p.hasTransfers = true;
+    ensureTransfers(p);
     std::optional<detail::StagePrep> prep;
     detail::runBoth(
         detail::worthParallel(static_cast<int64_t>(p.plan.pairs.size())),
@@ -993,15 +1010,14 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     local = Placed{};  // its memory is free for the transfers and stages
     balanceMs += msSince(chooseStart);
   }
-  Plan plan = std::move(lpt.plan);
-
   // Built already when the two placements were compared by their bytes (the stages too when
   // by their spans). The reshuffle needs only the owners, and the stages' lists of transfers
   // and pairs only the transfers, not their rounds: both are built while the transfers are
   // coloured.
   const auto transfersStart = std::chrono::steady_clock::now();
-  if (!lpt.hasTransfers) plan.transfers = buildTransfers(plan);
+  ensureTransfers(lpt);
   const double transfersMs = msSince(transfersStart);
+  Plan plan = std::move(lpt.plan);
   double colorMs = 0;
   std::vector<ReshufflePiece> reshuffle;
   std::optional<detail::StagePrep> prep;
