@@ -176,6 +176,8 @@ struct PlanTimings {
   double balanceMs = 0;
   double transfersMs = 0;
   double colorMs = 0;
+  /// The stages once the rounds are set. Their transfer and pair lists are built beside the
+  /// colouring (on the reshuffle's thread for large plans) and counted in no phase.
   double scheduleMs = 0;
   double totalMs = 0;
 };
