@@ -47,6 +47,8 @@ TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
 /// Each transfer's group (round / coalesce) beside its id: the same pass in transfer order as
 /// transfersBy, so the same positions.
 void setGroups(const Plan& plan, int32_t Transfer::*end, TransfersByWorker& g) {
+  FCP_CHECK(g.ids.size() == plan.transfers.size(), "stage lists prepared for ", g.ids.size(),
+            " transfers, not the plan's ", plan.transfers.size());
   const int64_t c = plan.config.coalesce;
   detail::resizeHuge(g.group, plan.transfers.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);

@@ -66,7 +66,8 @@ struct PairsByNeed {
 
 /// Transfer ids by one end (CSR): those worker w sends (or receives) are
 /// ids[offset[w]] .. ids[offset[w + 1]], ascending, each with its group (round / coalesce)
-/// beside it, so that a worker's transfers read as one sequence.
+/// beside it once the rounds are set (empty before), so that a worker's transfers read as one
+/// sequence.
 struct TransfersByWorker {
   std::vector<int64_t> offset;
   std::vector<int32_t> ids;
@@ -78,8 +79,8 @@ struct TransfersByWorker {
 
 /// What buildStages reads that the transfers' rounds do not change: both ends' transfer
 /// lists (their groups not yet set) and the pairs by what they need. Built while the transfers
-/// are coloured (buildPlan), from the plan's owners, pairs and transfers in (block, receiver)
-/// order.
+/// are coloured (buildPlan, spanOf), from the plan's owners, pairs and transfers in (block,
+/// receiver) order; it reads no transfer's round, which colorTransfers may be writing.
 struct StagePrep {
   TransfersByWorker sent, received;
   PairsByNeed need;

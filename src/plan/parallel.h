@@ -3,7 +3,9 @@
 //
 // Every rank must reach the same plan, so concurrency here never decides anything: the two
 // callables read shared inputs only and write disjoint outputs, and the plan is the same
-// whether they ran one after the other or side by side, in either order.
+// whether they ran one after the other or side by side, in either order. (One exception, by
+// field: colorTransfers writes each transfer's `round`, and plan.numRounds, while the other
+// side reads the transfers' other fields and never those two.)
 
 #include <atomic>
 #include <cstdint>

@@ -83,7 +83,8 @@ struct Placed {
   std::vector<double> costs;
   double shardMs = 0, assignMs = 0, balanceMs = 0;
   /// Whether plan.transfers are built for the current owners (relabelForLocality renames
-  /// them with the owners), and whether plan.reshuffle is too (hasTraffic: both are).
+  /// them, or `receivers`, with the owners), and whether plan.reshuffle is too (hasTraffic:
+  /// both are).
   bool hasTransfers = false;
   bool hasTraffic = false;
   /// Whether the transfers' rounds and the stages are built too, and then the forward span
@@ -198,7 +199,8 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
   Plan& plan = p.plan;
   if (config.commBalanceSlack < 0) return;
   // Already even: the balancer would stop before its first swap (the same test on the same
-  // integers), and setting up its state costs more than the transfers, which are then kept.
+  // integers), and setting up its state costs more than the transfers. The receivers it
+  // looked at are kept, for the transfers (ensureTransfers, after the locality relabelling).
   if (p.hasTransfers) {
     if (imbalance(transferBytesByWorker(plan)) <= detail::kCommTargetImbalance) {
       plan.commBalanceSteps = 0;

@@ -1,7 +1,9 @@
 #pragma once
 /// The Communication Planner's steps (§4.2, §4.3), public so that other planners (the
-/// baselines) can build the parts of a Plan they share with FCP. buildPlan runs them in order:
-/// relabelForLocality (optional), buildTransfers, colorTransfers, buildStages, buildReshuffle.
+/// baselines) can build the parts of a Plan they share with FCP. buildPlan runs them in this
+/// order: relabelForLocality (optional), buildTransfers, then colorTransfers beside
+/// buildReshuffle and the part of buildStages that needs no rounds, then the rest of
+/// buildStages.
 
 #include <cstdint>
 #include <vector>

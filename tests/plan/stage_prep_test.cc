@@ -1,0 +1,74 @@
+// The plan module's private steps that buildPlan runs out of their public order
+// (src/plan/communication.h): the stages' lists prepared before the transfers are coloured,
+// and the relabelling of receivers kept instead of transfers.
+#include "communication.h"
+
+#include <gtest/gtest.h>
+
+#include <tuple>
+#include <vector>
+
+#include "fcp/core/workload.h"
+#include "fcp/plan/communication.h"
+#include "fcp/plan/plan.h"
+
+namespace fcp::plan {
+namespace {
+
+Plan plannedBatch(const char* workload, int64_t workers, uint64_t seed, bool locality) {
+  PlanConfig c;
+  c.numWorkers = workers;
+  c.tokensPerWorker = 16384;
+  c.blockSize = 2048;
+  c.placement = Placement::kLpt;
+  c.locality = locality;
+  return buildPlan(sampleBatch(findWorkload(workload), workers * c.tokensPerWorker, seed), c,
+                   CostModel{c.attention});
+}
+
+// buildPlan prepares the stages' lists while the transfers are coloured: what it prepares must
+// not depend on the rounds. Here the lists are prepared while every round is wrong, and the
+// stages must come out as the plan's own (small plans are built on one thread, colouring
+// first, so those lists were prepared after the rounds were set).
+TEST(StagePrepTest, ListsPreparedBeforeTheColouringGiveThePlansStages) {
+  for (const auto& [workload, workers, seed] :
+       {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4}, std::tuple{"lognormal", 3, 2}}) {
+    const Plan built = plannedBatch(workload, workers, seed, true);
+    ASSERT_FALSE(built.transfers.empty());
+    Plan p = built;
+    p.forward.clear();
+    p.backward.clear();
+    for (Transfer& t : p.transfers) t.round = -7;
+    p.numRounds = 0;
+    detail::StagePrep prep = detail::prepareStages(p);
+    colorTransfers(p);
+    detail::buildStages(p, std::move(prep));
+    EXPECT_EQ(p.transfers, built.transfers) << workload << " " << workers;
+    EXPECT_EQ(p.forward, built.forward) << workload << " " << workers;
+    EXPECT_EQ(p.backward, built.backward) << workload << " " << workers;
+  }
+}
+
+// Relabelling the receivers kept from communication balancing, then building the transfers
+// from them, gives the transfers built from scratch for the relabelled owners.
+TEST(StagePrepTest, RelabelledReceiversGiveTheRelabelledPlansTransfers) {
+  for (const auto& [workload, workers, seed] :
+       {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4}, std::tuple{"lognormal", 32, 0}}) {
+    Plan p = plannedBatch(workload, workers, seed, false);
+    const std::vector<int32_t> before = p.owner;
+    p.transfers.clear();
+    p.reshuffle.clear();
+    p.forward.clear();
+    p.backward.clear();
+    Plan q = p;
+    detail::BlockReceivers r = detail::blockReceivers(p);
+    const int64_t moved = detail::relabelForLocality(p, &r);
+    EXPECT_EQ(moved, relabelForLocality(q));
+    ASSERT_EQ(p.owner, q.owner);
+    ASSERT_NE(p.owner, before) << workload << " " << workers << ": the relabelling renamed nobody";
+    EXPECT_EQ(detail::transfersOf(p, r), buildTransfers(q)) << workload << " " << workers;
+  }
+}
+
+}  // namespace
+}  // namespace fcp::plan
