@@ -516,7 +516,7 @@ struct StepBytes {
 StepBytes stepBytes(Placed& p) {
   ensureTransfers(p);
   if (!p.hasTraffic) p.plan.reshuffle = buildReshuffle(p.plan);
-  p.hasTransfers = p.hasTraffic = true;
+  p.hasTraffic = true;
   StepBytes bytes;
   for (const WorkerTraffic& w : computeTraffic(p.plan)) {
     bytes.total += w.forward.sent() + w.backward.sent();
