@@ -229,6 +229,13 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
 void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& options) {
   const auto start = std::chrono::steady_clock::now();
+  // Rounds and stages built to compare cuttings (refineCosts) are for the owners before
+  // balancing and relabelling: built again after.
+  if (p.hasStages) {
+    p.plan.forward.clear();
+    p.plan.backward.clear();
+    p.hasStages = false;
+  }
   balanceComm(p, config, options, 2);
   Plan& plan = p.plan;
   if (config.locality) {
@@ -273,20 +280,26 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
 constexpr double kLocalCommImbalance = 0.05;
 
 /// Cost-aware blocks. A block is giant when it costs more than kCostCutShare of a worker's
-/// share (total cost / workers). Two finer cuttings are tried, and the one whose busiest
-/// worker costs least wins (the base cutting included: smaller blocks run less efficiently):
+/// share (total cost / workers). Finer cuttings are tried, and the one whose busiest worker
+/// costs least wins (the base cutting included: smaller blocks run less efficiently), if its
+/// forward pass spans no longer (refineCosts):
 /// - "by share": each giant block's sequence is cut so that its blocks cost about
 ///   kCostCutShare of a share (a block's cost is about linear in its size);
 /// - "even count": the sequences with blocks over kEvenCountShare of a share get more blocks,
 ///   scaled alike, until their count is a multiple of the workers, so each worker can hold
 ///   the same number (89 blocks of a dominant sequence on 64 workers leave 25 workers with
-///   two; 128 leave none);
+///   two; 128 leave none); and again for the sequences with blocks over kEvenCountBigShare
+///   alone, as the count over kEvenCountShare can be a multiple already while the costliest
+///   blocks are not (code corpus, 64 workers, seed 6: 93 blocks of a 377K-token sequence at
+///   0.55 of a share among 192 over 0.05; the busiest worker held two of them, 11.5 % above
+///   LB);
 /// - "halved": every block at half the size, for batches whose blocks are too large for the
 ///   memory cap to leave room for balance (two 4K blocks per worker of 8K).
-/// Both run only when the busiest worker ends more than kCostCutMinGap above where the
+/// They run only when the busiest worker ends more than kCostCutMinGap above where the
 /// distributor stops (its improvement target, plus the locality slack for kLocal).
 constexpr double kCostCutMinGap = 0.005;
 constexpr double kEvenCountShare = 0.05;
+constexpr double kEvenCountBigShare = 0.25;
 /// Cost-aware blocks are at least 1/kCostCutMaxFactor of the sharding's block size: smaller
 /// kernels run too far down the efficiency curve to pay.
 constexpr int64_t kCostCutMaxFactor = 4;
@@ -394,10 +407,11 @@ std::vector<int64_t> sizesByShare(const Placed& p) {
   });
 }
 
-/// Per-sequence sizes "even count" (see kEvenCountShare); empty when there is nothing to do.
-std::vector<int64_t> sizesForEvenCount(const Placed& p) {
+/// Per-sequence sizes "even count" for the sequences with blocks over `share` of a worker's
+/// share (see kEvenCountShare); empty when there is nothing to do.
+std::vector<int64_t> sizesForEvenCount(const Placed& p, double share) {
   const Plan& plan = p.plan;
-  const double limit = kEvenCountShare * shareOf(p);
+  const double limit = share * shareOf(p);
   const int64_t n = plan.config.numWorkers;
   const SequenceBlocks sb = sequenceBlocks(p);
   int64_t count = 0;
@@ -425,8 +439,17 @@ int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<
   return pairs;
 }
 
+double spanOf(Placed& p);
+
 /// Cost-aware blocks (see kCostCutMinGap): when `base` ends well above its lower bound, the
-/// finer cuttings are placed too and the one whose busiest worker costs least is kept.
+/// finer cuttings are placed too and the one whose busiest worker costs least is kept. For the
+/// paper's placement a cheaper candidate must also span no longer in the forward pass with
+/// communication taking no time (spanOf, before either is finished: communication balancing
+/// moves blocks only within the compute slack, and relabelling renames workers; the stages
+/// are built again for the winner once finished): finer blocks put more rounds
+/// between the holders of a long sequence, and a worker can then wait on another's stage.
+/// Code corpus, 1024 workers, seed 1: the "even count" of the costliest blocks made the
+/// busiest worker 0.6 % cheaper, but spanned 1.11x and simulated 298.7 -> 344.0 ms on H100.
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
@@ -439,8 +462,12 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
   double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;
   Placed best = std::move(base);
   std::vector<Sharding> candidates;
-  for (const std::vector<int64_t>& sizes : {sizesByShare(best), sizesForEvenCount(best)}) {
-    if (!sizes.empty() && pairsWithSizes(batch, size, sizes) <= kMaxPairs)
+  for (const std::vector<int64_t>& sizes :
+       {sizesByShare(best), sizesForEvenCount(best, kEvenCountShare),
+        sizesForEvenCount(best, kEvenCountBigShare)}) {
+    const bool seen = std::any_of(candidates.begin(), candidates.end(),
+                                  [&](const Sharding& c) { return c.sequenceSizes == sizes; });
+    if (!sizes.empty() && !seen && pairsWithSizes(batch, size, sizes) <= kMaxPairs)
       candidates.push_back({size, sizes});
   }
   if (size / 2 >= std::max<int64_t>(1, size / kCostCutMaxFactor) &&
@@ -448,7 +475,8 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
     candidates.push_back({size / 2, {}});
   }
   Sharding bestSharding{size, {}};
-  // Places `sharding`; keeps it if its busiest worker costs less than the best's.
+  // Places `sharding`; keeps it if its busiest worker costs less than the best's and, for the
+  // paper's placement, its forward pass spans no longer (see refineCosts).
   const auto tryCandidate = [&](Sharding sharding) {
     // Only a busiest worker below the best so far is kept: blocks that cannot get there are
     // not assigned.
@@ -459,6 +487,12 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
     assignMs += fine->assignMs;
     balanceMs += fine->balanceMs;
     if (!(maxCost(fine->plan) < maxCost(best.plan))) return;
+    if (place == &placeLpt) {
+      const auto start = std::chrono::steady_clock::now();
+      const bool longer = spanOf(*fine) > spanOf(best);
+      balanceMs += msSince(start);
+      if (longer) return;
+    }
     fine->plan.shardBlockSize = size;
     fine->plan.memoryRetries = retries;
     fine->plan.smallestBlockSize = sharding.blockSize;
