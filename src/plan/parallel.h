@@ -43,7 +43,14 @@ inline bool worthParallel(int64_t pairs) {
   return planThreads() > 1 && pairs >= kParallelPairs;
 }
 
-/// Runs `first()` and `second()`, on two threads when `parallel`, else in that order. Both
+/// Whether this thread is running one side of a runBoth that runs on two threads: a runBoth
+/// nested in it runs in order, so the planner never uses more than two threads (refineCosts
+/// times cost-aware candidates, colouring and staging them, while the two placements run side
+/// by side).
+inline thread_local bool tOneOfTwo = false;
+
+/// Runs `first()` and `second()`, on two threads when `parallel` (and not nested in a runBoth
+/// already on two threads), else in that order. Both
 /// always finish before it returns; if either throws, it rethrows `first`'s exception, else
 /// `second`'s: what running them in order would have thrown (there, `second` never runs after
 /// `first` throws), so the error is the same whatever the timing.
@@ -53,15 +60,23 @@ inline bool worthParallel(int64_t pairs) {
 /// start for a while; this thread then runs both rather than wait for it.
 template <typename First, typename Second>
 void runBoth(bool parallel, First&& first, Second&& second) {
-  if (!parallel) {
+  if (!parallel || tOneOfTwo) {
     first();
     second();
     return;
   }
+  // Marks this thread as running one of two until it leaves (also when unwinding).
+  struct OneOfTwo {
+    OneOfTwo() { tOneOfTwo = true; }
+    ~OneOfTwo() { tOneOfTwo = false; }
+    OneOfTwo(const OneOfTwo&) = delete;
+    OneOfTwo& operator=(const OneOfTwo&) = delete;
+  };
   std::atomic<bool> claimed{false};
   std::exception_ptr secondError;
   const auto runSecond = [&] {
     if (claimed.exchange(true)) return;
+    const OneOfTwo mark;
     try {
       second();
     } catch (...) {
@@ -77,6 +92,7 @@ void runBoth(bool parallel, First&& first, Second&& second) {
     return;
   }
   try {
+    const OneOfTwo mark;
     first();
   } catch (...) {
     claimed.exchange(true);  // not started yet: it need not run

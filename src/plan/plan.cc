@@ -113,9 +113,10 @@ struct Sharding {
   std::vector<int64_t> sequenceSizes;
   /// The most tokens a block of packed short sequences holds (0: blockSize; see shardBatch).
   int64_t packSize = 0;
-  /// A cost-aware candidate is kept only if its busiest worker costs less than this; blocks
-  /// whose memory-aware bound is not below it are not assigned at all (the placement returns
-  /// nullopt, as for blocks the cap refuses).
+  /// A cost-aware candidate is kept only if its busiest worker costs less than this (and, for
+  /// the paper's placement, it spans no longer: refineCosts); blocks whose memory-aware bound
+  /// is not below it are not assigned at all (the placement returns nullopt, as for blocks the
+  /// cap refuses).
   double mustBeat = std::numeric_limits<double>::infinity();
 };
 
@@ -280,9 +281,10 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
 constexpr double kLocalCommImbalance = 0.05;
 
 /// Cost-aware blocks. A block is giant when it costs more than kCostCutShare of a worker's
-/// share (total cost / workers). Finer cuttings are tried, and the one whose busiest worker
-/// costs least wins (the base cutting included: smaller blocks run less efficiently), if its
-/// forward pass spans no longer (refineCosts):
+/// share (total cost / workers). Finer cuttings are tried in turn against the best so far
+/// (at first the base cutting: smaller blocks run less efficiently); one replaces it when its
+/// busiest worker costs less and, for the paper's placement, its forward pass spans no longer
+/// (refineCosts), so the order below matters:
 /// - "by share": each giant block's sequence is cut so that its blocks cost about
 ///   kCostCutShare of a share (a block's cost is about linear in its size);
 /// - "even count": the sequences with blocks over kEvenCountShare of a share get more blocks,
@@ -444,9 +446,10 @@ double spanOf(Placed& p);
 /// Cost-aware blocks (see kCostCutMinGap): when `base` ends well above its lower bound, the
 /// finer cuttings are placed too and the one whose busiest worker costs least is kept. For the
 /// paper's placement a cheaper candidate must also span no longer in the forward pass with
-/// communication taking no time (spanOf, before either is finished: communication balancing
-/// moves blocks only within the compute slack, and relabelling renames workers; the stages
-/// are built again for the winner once finished): finer blocks put more rounds
+/// communication taking no time (spanOf, before either is finished, so an estimate of the
+/// finished plan's: communication balancing may still move blocks within the compute slack,
+/// and the colouring depends on the relabelled workers' ids; finishLpt drops these stages and
+/// the winner's are built again): finer blocks put more rounds
 /// between the holders of a long sequence, and a worker can then wait on another's stage.
 /// Code corpus, 1024 workers, seed 1: the "even count" of the costliest blocks made the
 /// busiest worker 0.6 % cheaper, but spanned 1.11x and simulated 298.7 -> 344.0 ms on H100.
@@ -529,7 +532,8 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
 }
 
 /// One placement, always feasible and cost-aware; candidates are compared by their
-/// assignment, and only the winner is finished (finishLpt).
+/// assignment (and the paper's also by their spans), and only the winner is finished
+/// (finishLpt).
 Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
                  const CostModel& costModel, const DistributorOptions& options) {
   Placed p = refineCosts(place, placeFeasibly(place, batch, config, costModel, options), batch,
@@ -540,7 +544,7 @@ Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
 
 /// Bytes a step moves, in all (as PlanStats::stepBytes) and at the busiest worker (as
 /// PlanStats::maxWorkerStepBytes), from the owners alone: the transfers and the reshuffle they
-/// imply, which are left in `p` (the plan keeps them if it wins).
+/// imply, which are left in `p` (the plan keeps them if it wins and they are still current).
 struct StepBytes {
   int64_t total = 0;
   int64_t busiestWorker = 0;
@@ -562,7 +566,8 @@ StepBytes stepBytes(Placed& p) {
 }
 
 /// The forward pass's span if moving data took no time (pipelineSpan), with the transfers,
-/// their rounds and the stages it needs built and left in `p` (the plan keeps them if it wins).
+/// their rounds and the stages it needs built and left in `p` (the plan keeps them if it wins,
+/// unless finishLpt comes after: refineCosts's spans are of unfinished plans).
 double spanOf(Placed& p) {
   if (!p.hasStages) {
     ensureTransfers(p);

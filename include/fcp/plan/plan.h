@@ -172,7 +172,8 @@ struct PlanTimings {
   /// Communication balancing, the locality relabelling and the choice between the two
   /// placements; where that choice times their forward passes (pipelineSpan), the transfers,
   /// colouring and stages it builds for both are in here too, and the phases below are then
-  /// about 0.
+  /// about 0. So is timing the cost-aware cuttings of the paper's placement, which may overlap
+  /// the local placement's shard and assign.
   double balanceMs = 0;
   double transfersMs = 0;
   double colorMs = 0;
