@@ -444,15 +444,15 @@ int64_t pairsWithSizes(const Batch& batch, int64_t blockSize, const std::vector<
 double spanOf(Placed& p);
 
 /// Cost-aware blocks (see kCostCutMinGap): when `base` ends well above its lower bound, the
-/// finer cuttings are placed too and the one whose busiest worker costs least is kept. For the
-/// paper's placement a cheaper candidate must also span no longer in the forward pass with
-/// communication taking no time (spanOf, before either is finished, so an estimate of the
-/// finished plan's: communication balancing may still move blocks within the compute slack,
-/// and the colouring depends on the relabelled workers' ids; finishLpt drops these stages and
-/// the winner's are built again): finer blocks put more rounds
-/// between the holders of a long sequence, and a worker can then wait on another's stage.
-/// Code corpus, 1024 workers, seed 1: the "even count" of the costliest blocks made the
-/// busiest worker 0.6 % cheaper, but spanned 1.11x and simulated 298.7 -> 344.0 ms on H100.
+/// finer cuttings are placed too, in turn, and one replaces the best so far when its busiest
+/// worker costs less. For the paper's placement it must also span no longer in the forward
+/// pass with communication taking no time (spanOf): finer blocks put more rounds between the
+/// holders of a long sequence, and a worker can then wait on another's stage. Code corpus,
+/// 1024 workers, seed 1: the "even count" of the costliest blocks made the busiest worker
+/// 0.6 % cheaper, but spanned 1.11x and simulated 298.7 -> 344.0 ms on H100. The spans are of
+/// the plans before they are finished, so an estimate of the finished plan's: communication
+/// balancing may still move blocks within the compute slack, and the colouring depends on the
+/// relabelled workers' ids (finishLpt drops these stages; the winner's are built again).
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
