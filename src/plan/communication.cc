@@ -480,6 +480,100 @@ void buildStages(Plan& plan, StagePrep prep) {
 
 void buildStages(Plan& plan) { detail::buildStages(plan, detail::prepareStages(plan)); }
 
+namespace detail {
+
+double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& stages,
+                      double computeFactor, double costPerByte, double gradPerKvByte) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  FCP_CHECK_EQ(stages.size(), n);
+  std::vector<size_t> first(n + 1, 0);
+  for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
+  const size_t numNodes = first[n], zero = numNodes;
+  // Where each end holds each transfer (and, backward, its partial): the entry node and the
+  // stage there.
+  constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  struct End {
+    size_t entry = kNone;
+    size_t stage = 0;
+  };
+  const size_t numTransfers = plan.transfers.size();
+  std::vector<End> ends(4 * numTransfers);  // send, receive, partial send, partial receive
+  std::vector<double> duration(numNodes, 0.0);
+  const auto bytesOf = [&](int32_t t) {
+    return static_cast<double>(plan.transfers[static_cast<size_t>(t)].bytes);
+  };
+  for (size_t w = 0; w < n; ++w) {
+    for (size_t s = 0; s < stages[w].size(); ++s) {
+      const Stage& st = stages[w][s];
+      const End at{s == 0 ? zero : first[w] + s - 1, s};
+      double compute = 0, out = 0, in = 0;
+      for (int32_t p : st.compute) compute += plan.pairs[static_cast<size_t>(p)].cost;
+      const auto note = [&](const std::vector<int32_t>& ids, size_t kind, double scale,
+                            double& bytes) {
+        for (int32_t t : ids) {
+          ends[kind * numTransfers + static_cast<size_t>(t)] = at;
+          bytes += scale * bytesOf(t);
+        }
+      };
+      note(st.send, 0, 1.0, out);
+      note(st.recv, 1, 1.0, in);
+      note(st.sendGrad, 2, gradPerKvByte, out);
+      note(st.recvGrad, 3, gradPerKvByte, in);
+      duration[first[w] + s] =
+          std::max({computeFactor * compute, costPerByte * out, costPerByte * in});
+    }
+  }
+  // Each kind's other end: send <-> receive, partial send <-> partial receive.
+  for (size_t t = 0; t < numTransfers; ++t) {
+    for (const size_t kind : {size_t{0}, size_t{2}}) {
+      const End& a = ends[kind * numTransfers + t];
+      const End& b = ends[(kind + 1) * numTransfers + t];
+      FCP_CHECK((a.entry == kNone) == (b.entry == kNone) && a.stage == b.stage,
+                "transfer ", t, " is not in the same stage at both ends");
+    }
+  }
+  std::vector<double> end(numNodes + 1, 0.0);
+  size_t most = 0;
+  for (size_t w = 0; w < n; ++w) most = std::max(most, stages[w].size());
+  // Stage by stage over all workers: every wait is on a stage before (aligned ends).
+  for (size_t s = 0; s < most; ++s) {
+    for (size_t w = 0; w < n; ++w) {
+      if (s >= stages[w].size()) continue;
+      const Stage& st = stages[w][s];
+      const size_t x = first[w] + s;
+      double e = end[s == 0 ? zero : x - 1] + duration[x];
+      const auto wait = [&](const std::vector<int32_t>& ids, size_t otherKind) {
+        for (int32_t t : ids)
+          e = std::max(e, end[ends[otherKind * numTransfers + static_cast<size_t>(t)].entry]);
+      };
+      wait(st.send, 1);
+      wait(st.recv, 0);
+      wait(st.sendGrad, 3);
+      wait(st.recvGrad, 2);
+      end[x] = e;
+    }
+  }
+  return *std::max_element(end.begin(), end.end());
+}
+
+double linkedStepTime(const Plan& plan, double costPerByte) {
+  const AttentionConfig& a = plan.config.attention;
+  const double gradPerKvByte = 2.0 * static_cast<double>(sizeof(float)) *
+                               static_cast<double>(a.numHeadsKv * a.headDim) /
+                               static_cast<double>(a.kvBytesPerToken());
+  double time = linkedPassSpan(plan, plan.forward, 1.0, costPerByte, 0.0) +
+                linkedPassSpan(plan, plan.backward, kBackwardComputeFactor, costPerByte,
+                               gradPerKvByte);
+  int64_t forward = 0, backward = 0;
+  for (const WorkerTraffic& w : computeTraffic(plan)) {
+    forward = std::max({forward, w.forward.reshuffleSent, w.forward.reshuffleReceived});
+    backward = std::max({backward, w.backward.reshuffleSent, w.backward.reshuffleReceived});
+  }
+  return time + costPerByte * static_cast<double>(forward + backward);
+}
+
+}  // namespace detail
+
 double pipelineSpan(const Plan& plan) {
   const auto& stages = plan.forward;
   if (plan.config.numWorkers < 0 ||

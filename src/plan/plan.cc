@@ -589,21 +589,6 @@ bool evenEnough(const StepBytes& local, const StepBytes& paper, bool paperBalanc
   return !paperBalanced || local.kvImbalance <= std::max(paper.kvImbalance, kLocalCommImbalance);
 }
 
-/// The share of the lesser of compute and communication that a step does not hide behind the
-/// other: the runtime's wall time came out 1.0-1.22x max(compute, bytes at the link) where
-/// both were of a size (docs/runtime.md, seeds tables). With max alone, a plan 0.1 % lighter in
-/// compute beat one moving a third of the bytes (lognormal 16K seed 3 on 2 ranks), which ran
-/// 1.2x slower.
-constexpr double kUnhiddenShare = 0.2;
-
-/// A step's estimated time in cost units: its compute (the forward pass's span, spanOf) and
-/// the busiest worker's bytes at `ratio` cost units each, the larger plus kUnhiddenShare of
-/// the smaller.
-double estimatedStepTime(double compute, int64_t busiestBytes, double ratio) {
-  const double comm = ratio * static_cast<double>(busiestBytes);
-  return std::max(compute, comm) + kUnhiddenShare * std::min(compute, comm);
-}
-
 /// With a known link (config.commRatio > 0), the local placement `local` with every block
 /// left at its home worker, when the cap allows: nothing is reshuffled, at the price of
 /// balance. Where a link is slow against compute (a batch of short sequences on a few workers
@@ -643,23 +628,36 @@ bool boundByBytes(Placed& p, const StepBytes& bytes, double ratio) {
 
 /// With a known link (config.commRatio > 0): of the paper's placement (`lpt`), the local one
 /// and the local one with every block at home (stayHome), the one with the least estimated
-/// step time (ties: the fewest bytes); moved into `lpt`. A step takes at least its forward
-/// pass with free communication (pipelineSpan, at least the busiest worker's compute: the
-/// local placements' contiguous blocks make stages wait) and at least the busiest worker's
-/// bytes over its link (both passes, each in its busier direction), a byte weighing commRatio
-/// cost units, and some of the lesser shows (estimatedStepTime). A local candidate's
-/// communication balancing may spend compute up to the best estimate so far. Where the paper's
+/// step time (ties: the fewest bytes); moved into `lpt`. The estimate (linkedStepTime) runs
+/// both passes' stages with each stage as long as the longest of its compute, its sends and
+/// its receives over the link, so the local placements' contiguous blocks that make stages
+/// wait count, as do the bytes a stage cannot hide; the reshuffle comes on top. (It replaced
+/// the larger of the free-communication span and the busiest worker's bytes plus a fifth of
+/// the smaller, which simulated slower than compute first on 41 of the 68 batches where it
+/// chose differently: docs/planner.md, session 15.) A local candidate's communication
+/// balancing may spend compute up to the best estimate so far. Where the paper's
 /// placement balances compute within `slack`, the evenness rule of the compute-only choice
 /// holds too: uneven traffic simulated slower than its bytes say (docs/locality.md). The
 /// others are considered only where the paper's placement is bound by its bytes (its busiest
 /// worker's bytes x commRatio at least its span).
 void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Batch& batch,
                  const PlanConfig& config, const DistributorOptions& options, double slack) {
-  const auto stepTime = [&config](double compute, const StepBytes& b) {
-    return estimatedStepTime(compute, b.busiestWorker, config.commRatio);
+  // The link ratio is per byte of both passes against the forward's compute (peak FLOP/s /
+  // 3.5 / link bytes/s); a byte alone on the link costs 3.5 times that.
+  const double costPerByte = (1.0 + detail::kBackwardComputeFactor) * config.commRatio;
+  // The step with its stages and reshuffle built (spanOf, stepBytes).
+  const auto stepTime = [&](Placed& p) {
+    spanOf(p);
+    stepBytes(p);
+    return detail::linkedStepTime(p.plan, costPerByte);
+  };
+  // A floor under it from the owners alone: every worker computes both passes, one stage after
+  // another, and the reshuffle comes on top.
+  const auto floor = [&](const Placed& p) {
+    return (1.0 + detail::kBackwardComputeFactor) * maxCost(p.plan) * (1 - 1e-12);
   };
   const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
-  double best = stepTime(spanOf(lpt), lptBytes);
+  double best = stepTime(lpt);
   int64_t bestBytes = lptBytes.total;
   // Faster, or as fast with fewer bytes (one block can set the busiest worker's cost alike).
   const auto beats = [&](double time, int64_t total) {
@@ -667,17 +665,17 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
   };
   std::optional<Placed> home = stayHome(local, batch, config, options);
   Placed* fastest = &lpt;
-  // The busiest worker's cost is a floor under the span (up to rounding: the two sum the same
-  // costs in other orders): a candidate that cannot win with it is neither balanced nor staged.
-  const auto floor = [](const Placed& p) { return maxCost(p.plan) * (1 - 1e-12); };
+  // A candidate that cannot win by its floor is neither balanced nor staged.
   for (Placed* c : {&local, home ? &*home : nullptr}) {
     if (!c) continue;
     const StepBytes before = stepBytes(*c);
-    if (!beats(stepTime(floor(*c), before), before.total)) continue;
-    balanceComm(*c, config, options, kLocalStepsPerWorker, best);
+    if (!beats(floor(*c), before.total)) continue;
+    // Balancing may spend compute up to what the best's step would allow.
+    balanceComm(*c, config, options, kLocalStepsPerWorker,
+                best / (1.0 + detail::kBackwardComputeFactor));
     const StepBytes bytes = stepBytes(*c);
-    if (!beats(stepTime(floor(*c), bytes), bytes.total)) continue;
-    const double time = stepTime(spanOf(*c), bytes);
+    if (!beats(floor(*c), bytes.total)) continue;
+    const double time = stepTime(*c);
     if (beats(time, bytes.total) && evenEnough(bytes, lptBytes, lptBalanced)) {
       best = time;
       bestBytes = bytes.total;

@@ -1,5 +1,7 @@
 // The Communication Planner inside buildPlan: transfers, rounds, stages, reshuffle, and the
 // invariants validate() holds them to.
+#include "communication.h"
+
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -306,8 +308,9 @@ TEST(CommunicationTest, ALocalPlacementWhosePipelineWaitsLoses) {
 
 // Told how slow the link is (commRatio, cost units per byte), the choice weighs bytes against
 // compute: a local placement (balanced, or every block at home) wins where its estimated step
-// time (its forward span against its bytes at the ratio) is below the paper's, even above
-// the compute bound; otherwise the paper's plan is kept as it is. That choice runs only where
+// time (linkedStepTime: both passes' stages, each as long as the longest of its compute and
+// its bytes over the link, and the reshuffle) is below the paper's, even above the compute
+// bound; otherwise the paper's plan is kept as it is. That choice runs only where
 // the paper's placement is bound by its bytes; where its compute binds, the plan is the one made
 // without a ratio. The cases were picked where compute alone keeps the paper's placement.
 TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) {
@@ -331,14 +334,9 @@ TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) 
       for (const WorkerLoad& l : p.loads) busiest = std::max(busiest, l.cost);
       return busiest;
     };
-    // The larger of compute (the forward pass with free communication, pipelineSpan: at least
-    // the busiest worker's cost) and communication, and a fifth of the smaller (what a step
-    // does not hide).
-    const auto stepTime = [ratio](const Plan& p) {
-      const double compute = pipelineSpan(p);
-      const double comm = ratio * static_cast<double>(computeStats(p).maxWorkerStepBytes);
-      return std::max(compute, comm) + 0.2 * std::min(compute, comm);
-    };
+    // The ratio is per byte of both passes against the forward's compute: 3.5 times it a
+    // byte alone.
+    const auto stepTime = [ratio](const Plan& p) { return detail::linkedStepTime(p, 3.5 * ratio); };
     const std::string what = std::string(k.workload) + " " + std::to_string(k.workers) +
                              " workers seed " + std::to_string(k.seed);
     if (ratio * static_cast<double>(computeStats(paper).maxWorkerStepBytes) < busiestCost(paper)) {
@@ -375,10 +373,10 @@ TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) 
   EXPECT_EQ(computeBound, 5);
 }
 
-// The link-aware choice times compute by the forward pass's span, not the busiest worker's
-// cost. Llama-3-70B attention on 16 H100s past one node (5651.43 cost units per byte), 8K
-// tokens each, lognormal seed 0: timed by the busiest worker's cost the choice kept the paper's
-// placement, which simulates at 46.0 ms; timed by the span it takes the local plan, which
+// The link-aware choice times plans by their stages, not the busiest worker's cost.
+// Llama-3-70B attention on 16 H100s past one node (5651.43 cost units per byte), 8K tokens
+// each, lognormal seed 0: timed by the busiest worker's cost the choice kept the paper's
+// placement, which simulates at 46.0 ms; timed by its stages it takes the local plan, which
 // simulates at 39.8 (fcp simulate --comm-ratio hardware, docs/locality.md).
 TEST(CommunicationTest, WithALinkRatioPlansAreTimedByTheirSpan) {
   PlanConfig c;
@@ -390,12 +388,9 @@ TEST(CommunicationTest, WithALinkRatioPlansAreTimedByTheirSpan) {
   expectValid(told, "lognormal");
   c.placement = Placement::kLpt;
   const Plan paper = buildPlan(batch, c, CostModel{c.attention});
-  const auto stepTime = [&c](const Plan& p, double compute) {
-    const double comm = c.commRatio * static_cast<double>(computeStats(p).maxWorkerStepBytes);
-    return std::max(compute, comm) + 0.2 * std::min(compute, comm);
-  };
   EXPECT_EQ(told.placement, Placement::kLocal);
-  EXPECT_LT(stepTime(told, pipelineSpan(told)), stepTime(paper, pipelineSpan(paper)));
+  EXPECT_LT(detail::linkedStepTime(told, 3.5 * c.commRatio),
+            detail::linkedStepTime(paper, 3.5 * c.commRatio));
 }
 
 TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {

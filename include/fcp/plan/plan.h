@@ -75,10 +75,10 @@ struct PlanConfig {
   /// 1700); `fcp run --comm-ratio` measures it for its capped link. 0 (the default): unknown,
   /// and the local placement must balance compute as well as the paper's. Above 0, where the
   /// paper's placement is bound by its bytes (its busiest worker's bytes x this ratio at least
-  /// its busiest cost), the placement with the least estimated step time (the larger of the
-  /// busiest worker's cost and its bytes x this ratio, plus a fifth of the smaller) wins among
-  /// the paper's, the local one and the local one with every block at home: where bytes
-  /// dominate, fewer bytes are worth more compute.
+  /// its busiest cost), the placement with the least estimated step time (both passes' stages,
+  /// each as long as the longest of its compute and its bytes over the link at 3.5 times this
+  /// ratio, and the reshuffle) wins among the paper's, the local one and the local one with
+  /// every block at home: where bytes dominate, fewer bytes are worth more compute.
   double commRatio = 0;
   /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
   /// them balances the same), so they are relabelled to keep blocks where the user layout
