@@ -507,11 +507,19 @@ double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& s
       const Stage& st = stages[w][s];
       const End at{s == 0 ? zero : first[w] + s - 1, s};
       double compute = 0, out = 0, in = 0;
-      for (int32_t p : st.compute) compute += plan.pairs[static_cast<size_t>(p)].cost;
+      for (int32_t p : st.compute) {
+        FCP_CHECK(p >= 0 && static_cast<size_t>(p) < plan.pairs.size(), "worker ", w, " stage ",
+                  s, " names pair ", p, " of ", plan.pairs.size());
+        compute += plan.pairs[static_cast<size_t>(p)].cost;
+      }
       const auto note = [&](const std::vector<int32_t>& ids, size_t kind, double scale,
                             double& bytes) {
         for (int32_t t : ids) {
-          ends[kind * numTransfers + static_cast<size_t>(t)] = at;
+          FCP_CHECK(t >= 0 && static_cast<size_t>(t) < numTransfers, "worker ", w, " stage ", s,
+                    " names transfer ", t, " of ", numTransfers);
+          End& slot = ends[kind * numTransfers + static_cast<size_t>(t)];
+          FCP_CHECK(slot.entry == kNone, "transfer ", t, " is held twice at one end");
+          slot = at;
           bytes += scale * bytesOf(t);
         }
       };
@@ -528,8 +536,10 @@ double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& s
     for (const size_t kind : {size_t{0}, size_t{2}}) {
       const End& a = ends[kind * numTransfers + t];
       const End& b = ends[(kind + 1) * numTransfers + t];
-      FCP_CHECK((a.entry == kNone) == (b.entry == kNone) && a.stage == b.stage,
-                "transfer ", t, " is not in the same stage at both ends");
+      FCP_CHECK((a.entry == kNone) == (b.entry == kNone), "transfer ", t,
+                kind == 0 ? "" : "'s partial", " is held at one end only");
+      FCP_CHECK(a.stage == b.stage, "transfer ", t, kind == 0 ? "" : "'s partial",
+                " is not in the same stage at both ends");
     }
   }
   std::vector<double> end(numNodes + 1, 0.0);

@@ -378,7 +378,7 @@ TEST(CommunicationTest, WithALinkRatioTheLocalPlacementWinsOnEstimatedStepTime) 
 // each, lognormal seed 0: timed by the busiest worker's cost the choice kept the paper's
 // placement, which simulates at 46.0 ms; timed by its stages it takes the local plan, which
 // simulates at 39.8 (fcp simulate --comm-ratio hardware, docs/locality.md).
-TEST(CommunicationTest, WithALinkRatioPlansAreTimedByTheirSpan) {
+TEST(CommunicationTest, WithALinkRatioPlansAreTimedByTheirStages) {
   PlanConfig c;
   c.numWorkers = 16;
   c.tokensPerWorker = 8192;

@@ -52,6 +52,36 @@ TEST(LinkedStepTest, AHandPlanTakesTheLongestOfComputeSendsAndReceives) {
   EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.backward, 2.5, 2.0, 3.0), 80.0);
 }
 
+// Waits that decide. Worker 1 owns a KV block that worker 0 reads. Forward, worker 1 sends it
+// in its stage 1 and worker 0 receives it in its stage 1, which cannot end before worker 1's
+// stage 0 has (at 10): worker 0's stage 1 ends at max(0 + 5, 10) = 10 and its stage 2 at 18
+// (13 without the wait). Backward (compute x2.5), worker 0 sends the block's partial back in
+// its stage 1 and worker 1 receives it in its stage 1: worker 0's stage 1 ends at
+// max(0 + 12.5, 25) = 25 and its stage 2 at 45 (32.5 without the wait). Free link throughout.
+TEST(LinkedStepTest, AStageWaitsForTheOtherEndOfWhatItHolds) {
+  Plan p;
+  p.config.numWorkers = 2;
+  p.pairs = {{0, 1, 1, 5.0}, {1, 1, 1, 10.0}, {1, 1, 1, 3.0}, {0, 0, 1, 8.0}};
+  p.transfers = {{1, 1, 0, 10, 0}};
+  Stage idle, take, tail, first, give;
+  take.recv = {0};
+  take.compute = {0};
+  tail.compute = {3};
+  first.compute = {1};
+  give.send = {0};
+  give.compute = {2};
+  p.forward = {{idle, take, tail}, {first, give}};
+  EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.forward, 1.0, 0.0, 0.0), 18.0);
+  EXPECT_DOUBLE_EQ(pipelineSpan(p), 18.0);
+  Stage sendPartial, recvPartial;
+  sendPartial.sendGrad = {0};
+  sendPartial.compute = {0};
+  recvPartial.recvGrad = {0};
+  recvPartial.compute = {2};
+  p.backward = {{idle, sendPartial, tail}, {first, recvPartial}};
+  EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.backward, 2.5, 0.0, 0.0), 45.0);
+}
+
 TEST(LinkedStepTest, WithAFreeLinkTheForwardPassIsPipelineSpanAndTheStepHasItsFloors) {
   for (const char* workload : {"lognormal", "bimodal", "lognormal-narrow"}) {
     for (uint64_t seed = 0; seed < 3; ++seed) {
