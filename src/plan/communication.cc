@@ -480,22 +480,44 @@ void buildStages(Plan& plan, StagePrep prep) {
 
 void buildStages(Plan& plan) { detail::buildStages(plan, detail::prepareStages(plan)); }
 
+namespace {
+
+/// The stages of all workers as nodes, first[w] + s for worker w's stage s: when that stage
+/// ends. A node's entry is the end of the node before it at its worker, or 0 for a first
+/// stage: node `zero` (= count), a sentinel whose end stays 0.
+struct StageNodes {
+  explicit StageNodes(const std::vector<std::vector<Stage>>& stages)
+      : first(stages.size() + 1, 0) {
+    for (size_t w = 0; w < stages.size(); ++w) first[w + 1] = first[w] + stages[w].size();
+    count = zero = first.back();
+  }
+  std::vector<size_t> first;
+  size_t count = 0;
+  size_t zero = 0;
+};
+
+constexpr size_t kNoEntry = std::numeric_limits<size_t>::max();
+
+/// Where one end holds a transfer: the node its stage is entered from, and the stage.
+struct StageEnd {
+  size_t entry = kNoEntry;
+  size_t stage = 0;
+};
+
+}  // namespace
+
 namespace detail {
 
 double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& stages,
                       double computeFactor, double costPerByte, double gradPerKvByte) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   FCP_CHECK_EQ(stages.size(), n);
-  std::vector<size_t> first(n + 1, 0);
-  for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
-  const size_t numNodes = first[n], zero = numNodes;
-  // Where each end holds each transfer (and, backward, its partial): the entry node and the
-  // stage there.
-  constexpr size_t kNone = std::numeric_limits<size_t>::max();
-  struct End {
-    size_t entry = kNone;
-    size_t stage = 0;
-  };
+  const StageNodes nodes(stages);
+  const std::vector<size_t>& first = nodes.first;
+  const size_t numNodes = nodes.count, zero = nodes.zero;
+  // Where each end holds each transfer (and, backward, its partial).
+  using End = StageEnd;
+  constexpr size_t kNone = kNoEntry;
   const size_t numTransfers = plan.transfers.size();
   std::vector<End> ends(4 * numTransfers);  // send, receive, partial send, partial receive
   std::vector<double> duration(numNodes, 0.0);
@@ -603,18 +625,12 @@ double pipelineSpan(const Plan& plan) {
     }
     return static_cast<size_t>(id);
   };
-  // One node per (worker, stage), first[w] + s: when that stage ends. A node's entry is the
-  // end of the node before it at its worker, or 0 for a first stage: node numNodes, a
-  // sentinel whose end stays 0.
-  std::vector<size_t> first(n + 1, 0);
-  for (size_t w = 0; w < n; ++w) first[w + 1] = first[w] + stages[w].size();
-  const size_t numNodes = first[n], zero = numNodes;
-  // Where each end holds each transfer: the entry node and the stage there.
-  constexpr size_t kNone = std::numeric_limits<size_t>::max();
-  struct End {
-    size_t entry = kNone;
-    size_t stage = 0;
-  };
+  const StageNodes nodes(stages);
+  const std::vector<size_t>& first = nodes.first;
+  const size_t numNodes = nodes.count, zero = nodes.zero;
+  // Where each end holds each transfer.
+  using End = StageEnd;
+  constexpr size_t kNone = kNoEntry;
   std::vector<End> sender(plan.transfers.size()), receiver(plan.transfers.size());
   std::vector<double> compute(numNodes, 0.0);
   for (size_t w = 0; w < n; ++w) {

@@ -88,8 +88,8 @@ TEST(LinkedStepTest, WithAFreeLinkTheForwardPassIsPipelineSpanAndTheStepHasItsFl
       PlanConfig c;
       c.numWorkers = 16;
       c.tokensPerWorker = 8192;
-      const Plan p =
-          buildPlan(sampleBatch(findWorkload(workload), 16 * 8192, seed), c, CostModel{c.attention});
+      const Batch batch = sampleBatch(findWorkload(workload), 16 * 8192, seed);
+      const Plan p = buildPlan(batch, c, CostModel{c.attention});
       // Stage by stage against pipelineSpan's own pass (and its check that ends align).
       EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.forward, 1.0, 0.0, 0.0), pipelineSpan(p))
           << workload << " seed " << seed;
