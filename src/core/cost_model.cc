@@ -70,7 +70,7 @@ double forwardFlops(const AttentionConfig& config, int64_t visible) {
 }
 
 double backwardFlops(const AttentionConfig& config, int64_t visible) {
-  return 2.5 * forwardFlops(config, visible);
+  return kBackwardFlopsPerForward * forwardFlops(config, visible);
 }
 
 EfficiencyCurve::EfficiencyCurve(std::vector<std::pair<int64_t, double>> points)

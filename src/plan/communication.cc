@@ -594,7 +594,7 @@ double linkedStepTime(const Plan& plan, double costPerByte) {
                                static_cast<double>(a.numHeadsKv * a.headDim) /
                                static_cast<double>(a.kvBytesPerToken());
   double time = linkedPassSpan(plan, plan.forward, 1.0, costPerByte, 0.0) +
-                linkedPassSpan(plan, plan.backward, kBackwardComputeFactor, costPerByte,
+                linkedPassSpan(plan, plan.backward, kBackwardFlopsPerForward, costPerByte,
                                gradPerKvByte);
   int64_t forward = 0, backward = 0;
   for (const WorkerTraffic& w : computeTraffic(plan)) {

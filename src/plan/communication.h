@@ -93,15 +93,12 @@ void buildStages(Plan& plan, StagePrep prep);
 
 /// A step's estimated time in cost units (forward FLOPs at peak) where a byte on a worker's
 /// link costs `costPerByte`: the forward and backward passes' spans, as pipelineSpan but with
-/// each stage taking the longest of its compute (backward: kBackwardComputeFactor times the
+/// each stage taking the longest of its compute (backward: kBackwardFlopsPerForward times the
 /// forward cost), the bytes it sends and the bytes it receives (backward: the KV blocks again
 /// and the fp32 dK/dV partials going back), plus the reshuffle of each pass at its busiest
 /// worker (busier direction). Needs the plan's stages (buildStages: a transfer sits in the same
 /// stage at both ends) and reshuffle.
 double linkedStepTime(const Plan& plan, double costPerByte);
-
-/// The backward pass's compute against the forward's (FLOPs), as the link ratio assumes.
-inline constexpr double kBackwardComputeFactor = 2.5;
 
 /// One pass of linkedStepTime: `stages` (a transfer, and a dK/dV partial, in the same stage at
 /// both ends), each stage taking the longest of `computeFactor` times its pairs' cost and

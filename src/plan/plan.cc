@@ -644,17 +644,17 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
                  const PlanConfig& config, const DistributorOptions& options, double slack) {
   // The link ratio is per byte of both passes against the forward's compute (peak FLOP/s /
   // 3.5 / link bytes/s); a byte alone on the link costs 3.5 times that.
-  const double costPerByte = (1.0 + detail::kBackwardComputeFactor) * config.commRatio;
-  // The step with its stages and reshuffle built (spanOf, stepBytes).
+  const double costPerByte = (1.0 + kBackwardFlopsPerForward) * config.commRatio;
+  // The step with its stages built (spanOf); its reshuffle is, by stepBytes before each call.
   const auto stepTime = [&](Placed& p) {
+    FCP_CHECK(p.hasTraffic, "a placement timed before its bytes were counted");
     spanOf(p);
-    stepBytes(p);
     return detail::linkedStepTime(p.plan, costPerByte);
   };
   // A floor under it from the owners alone: every worker computes both passes, one stage after
   // another, and the reshuffle comes on top.
   const auto floor = [&](const Placed& p) {
-    return (1.0 + detail::kBackwardComputeFactor) * maxCost(p.plan) * (1 - 1e-12);
+    return (1.0 + kBackwardFlopsPerForward) * maxCost(p.plan) * (1 - 1e-12);
   };
   const bool lptBalanced = maxCost(lpt.plan) <= lpt.plan.lowerBound * slack;
   double best = stepTime(lpt);
@@ -672,7 +672,7 @@ void takeFastest(Placed& lpt, const StepBytes& lptBytes, Placed& local, const Ba
     if (!beats(floor(*c), before.total)) continue;
     // Balancing may spend compute up to what the best's step would allow.
     balanceComm(*c, config, options, kLocalStepsPerWorker,
-                best / (1.0 + detail::kBackwardComputeFactor));
+                best / (1.0 + kBackwardFlopsPerForward));
     const StepBytes bytes = stepBytes(*c);
     if (!beats(floor(*c), bytes.total)) continue;
     const double time = stepTime(*c);

@@ -104,7 +104,7 @@ CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
 
 double HardwareProfile::planCommRatio(int64_t workers) const {
   const double link = workers <= workersPerNode ? intraNodeBytesPerSecond : interNodeBytesPerSecond;
-  return std::min(plan::kMaxCommRatio, peakFlops / 3.5 / link);
+  return std::min(plan::kMaxCommRatio, peakFlops / (1.0 + kBackwardFlopsPerForward) / link);
 }
 
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source) {

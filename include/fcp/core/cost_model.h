@@ -19,7 +19,9 @@ int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBeg
 /// Useful forward FLOPs for `visible` entries: 4 · visible · numHeadsQ · headDim (QKᵀ and PV,
 /// a multiply-add counted as two).
 double forwardFlops(const AttentionConfig& config, int64_t visible);
-/// Useful backward FLOPs: 2.5 × forward (DESIGN.md's convention).
+/// Useful backward FLOPs per forward FLOP (DESIGN.md's convention).
+inline constexpr double kBackwardFlopsPerForward = 2.5;
+/// Useful backward FLOPs: kBackwardFlopsPerForward × forward.
 double backwardFlops(const AttentionConfig& config, int64_t visible);
 
 /// Kernel efficiency f(tokens): the fraction of peak a kernel reaches on blocks of `tokens`
