@@ -287,6 +287,11 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
     for (const Chunk& c : blocks[static_cast<size_t>(q)].chunks) qChunks.push_back(&c);
     std::stable_sort(qChunks.begin(), qChunks.end(),
                      [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    // A Q block of one sequence (a cut sequence's Zig-Zag block: most blocks) meets each KV
+    // block once, in ascending order: its pairs go out directly, each sum one addition to zero
+    // as in the accumulators, so the pairs are the same.
+    const bool oneSequence =
+        !qChunks.empty() && qChunks.front()->sequence == qChunks.back()->sequence;
     for (size_t qi = 0; qi < qChunks.size();) {
       size_t qj = qi;
       int64_t qTokens = 0;
@@ -312,12 +317,17 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
           }
         }
         if (visible == 0) continue;
+        if (oneSequence) {
+          pairs.push_back({q, k, visible, 0.0 + static_cast<double>(visible) * costPerVisible});
+          continue;
+        }
         if (accVisible[static_cast<size_t>(k)] == 0) touched.push_back(k);
         accVisible[static_cast<size_t>(k)] += visible;
         accCost[static_cast<size_t>(k)] += static_cast<double>(visible) * costPerVisible;
       }
       qi = qj;
     }
+    if (oneSequence) continue;
     std::sort(touched.begin(), touched.end());
     for (int32_t k : touched) {
       pairs.push_back({q, k, accVisible[static_cast<size_t>(k)], accCost[static_cast<size_t>(k)]});
