@@ -118,6 +118,8 @@ struct Sharding {
   /// is not below it are not assigned at all (the placement returns nullopt, as for blocks the
   /// cap refuses).
   double mustBeat = std::numeric_limits<double>::infinity();
+  /// The paper's blocks, pairs and costs for this sharding, made already (moved from), or null.
+  Placed* made = nullptr;
 };
 
 Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
@@ -156,20 +158,28 @@ bool cannotBeat(const std::vector<int64_t>& tokens, const std::vector<double>& c
   return bound >= mustBeat * (1 + 1e-12);
 }
 
-/// The paper's placement, up to its assignment: Zig-Zag blocks, the LPT greedy and its
-/// improvement (finishLpt adds the rest). Nullopt when the memory cap cannot place the blocks.
-std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
-                               const CostModel& costModel, const DistributorOptions& options,
-                               const Sharding& sharding) {
-  auto start = std::chrono::steady_clock::now();
+/// The paper's blocks (Zig-Zag) for `sharding`, with their pairs and costs.
+Placed shardLpt(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
+                const Sharding& sharding) {
+  const auto start = std::chrono::steady_clock::now();
   Placed p = placeWith(
       batch, config, costModel,
       shardBatch(batch, sharding.blockSize, config.attention.mask, sharding.sequenceSizes,
                  sharding.packSize));
   p.shardMs = msSince(start);
+  return p;
+}
+
+/// The paper's placement, up to its assignment: Zig-Zag blocks, the LPT greedy and its
+/// improvement (finishLpt adds the rest). Nullopt when the memory cap cannot place the blocks.
+std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
+                               const CostModel& costModel, const DistributorOptions& options,
+                               const Sharding& sharding) {
+  Placed p = sharding.made ? std::move(*sharding.made)
+                           : shardLpt(batch, config, costModel, sharding);
   const std::vector<int64_t> tokens = blockTokens(p.plan.blocks);
   if (cannotBeat(tokens, p.costs, options, sharding.mustBeat)) return std::nullopt;
-  start = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
   std::optional<Assignment> a = tryAssignBlocks(tokens, p.costs, options);
   if (!a) return std::nullopt;
   takeAssignment(p, std::move(*a));
@@ -258,6 +268,7 @@ constexpr int64_t kLocalStepsPerWorker = 32;
 std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
                                  const CostModel& costModel, const DistributorOptions& options,
                                  const Sharding& sharding) {
+  FCP_CHECK(sharding.made == nullptr, "the local placement was given the paper's blocks");
   const std::vector<int64_t> user = userLayout(config, batch.numTokens());
   auto start = std::chrono::steady_clock::now();
   Placed p =
@@ -309,6 +320,18 @@ constexpr int64_t kCostCutMaxFactor = 4;
 using PlaceFn = std::optional<Placed> (*)(const Batch&, const PlanConfig&, const CostModel&,
                                           const DistributorOptions&, const Sharding&);
 
+/// The first block size placeFeasibly tries: config.blockSize, cut by 3/4 (never below
+/// safeBlockTokens) while over the memory cap, as such blocks can never be placed; adds the
+/// cuts to `retries`.
+int64_t firstSize(const Batch& batch, const PlanConfig& config, const DistributorOptions& options,
+                  int64_t* retries) {
+  const int64_t safe = safeBlockTokens(batch.numTokens(), options);
+  const int64_t cap = memoryCapTokens(options);
+  int64_t size = config.blockSize;
+  for (; size > cap && size > safe; ++*retries) size = std::max(safe, size * 3 / 4);
+  return size;
+}
+
 /// Always a plan: shards at config.blockSize and places; when the memory cap cannot place the
 /// blocks, cuts every block finer (3/4 of the size, never below safeBlockTokens, where the
 /// greedy provably finds room) and tries again. Steps of 3/4 rather than 1/2 keep blocks
@@ -316,21 +339,21 @@ using PlaceFn = std::optional<Placed> (*)(const Batch&, const PlanConfig&, const
 /// busiest worker's cost by 3-15 % on 4 of 10 seeds against halving. Sizes over the cap are
 /// skipped (such blocks can never be placed). Deterministic: the sizes tried depend only on
 /// the inputs.
+///
+/// `made`, when given, holds the paper's blocks, pairs and costs at firstSize (buildPlan makes
+/// them before the two placements run side by side).
 Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config,
-                     const CostModel& costModel, const DistributorOptions& options) {
+                     const CostModel& costModel, const DistributorOptions& options,
+                     Placed* made = nullptr) {
   const int64_t safe = safeBlockTokens(batch.numTokens(), options);
-  const int64_t cap = memoryCapTokens(options);
-  int64_t size = config.blockSize;
   int64_t retries = 0;
+  int64_t size = firstSize(batch, config, options, &retries);
   double shardMs = 0, assignMs = 0;
   for (;;) {
-    if (size > cap && size > safe) {
-      size = std::max(safe, size * 3 / 4);
-      ++retries;
-      continue;
-    }
     checkPairCount(batch, size);
-    std::optional<Placed> p = place(batch, config, costModel, options, Sharding{size, {}});
+    Sharding sharding{size, {}};
+    sharding.made = std::exchange(made, nullptr);
+    std::optional<Placed> p = place(batch, config, costModel, options, sharding);
     if (p) {
       p->shardMs += shardMs;
       p->assignMs += assignMs;
@@ -340,8 +363,8 @@ Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config
       p->plan.memoryRetries = retries;
       return std::move(*p);
     }
-    FCP_CHECK(size > safe, "blocks of ", size, " tokens found no room under the cap of ", cap,
-              " tokens although ", safe, "-token blocks always fit");
+    FCP_CHECK(size > safe, "blocks of ", size, " tokens found no room under the cap of ",
+              memoryCapTokens(options), " tokens although ", safe, "-token blocks always fit");
     size = std::max(safe, size * 3 / 4);
     ++retries;
   }
@@ -535,9 +558,10 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
 /// assignment (and the paper's also by their spans), and only the winner is finished
 /// (finishLpt).
 Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
-                 const CostModel& costModel, const DistributorOptions& options) {
-  Placed p = refineCosts(place, placeFeasibly(place, batch, config, costModel, options), batch,
-                         config, costModel, options);
+                 const CostModel& costModel, const DistributorOptions& options,
+                 Placed* made = nullptr) {
+  Placed p = refineCosts(place, placeFeasibly(place, batch, config, costModel, options, made),
+                         batch, config, costModel, options);
   if (place == &placeLpt) finishLpt(p, config, options);
   return p;
 }
@@ -1000,15 +1024,30 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
                          "slack, or the number of workers");
   }
   // The two placements are independent: on two threads when the batch is large (their
-  // shard and assign times then overlap, and the phases can sum above the total).
+  // shard and assign times then overlap, and the phases can sum above the total). The paper's
+  // first blocks and pairs are made before, alone (blockPairs splits them over both threads):
+  // making both placements' pairs side by side, both bound by memory, slowed the paper's,
+  // which leads the longer chain, from 12 to 18-40 ms at 4096 workers x 32K tokens.
   const bool withLocal = config.placement == Placement::kLocal;
   const bool parallel = detail::worthParallel(estimatePairs(batch, config.blockSize));
+  std::optional<Placed> lptFirst;
+  if (parallel && withLocal) {
+    int64_t unusedRetries = 0;
+    const int64_t size = firstSize(batch, config, options, &unusedRetries);
+    checkPairCount(batch, size);
+    lptFirst = shardLpt(batch, config, costModel, Sharding{size, {}});
+  }
   Placed lpt, local;
   detail::runBoth(
-      parallel && withLocal, [&] { lpt = placeBest(&placeLpt, batch, config, costModel, options); },
+      parallel && withLocal,
+      [&] {
+        lpt = placeBest(&placeLpt, batch, config, costModel, options,
+                        lptFirst ? &*lptFirst : nullptr);
+      },
       [&] {
         if (withLocal) local = placeBest(&placeLocal, batch, config, costModel, options);
       });
+  lptFirst.reset();
   double shardMs = lpt.shardMs, assignMs = lpt.assignMs, balanceMs = lpt.balanceMs;
   if (withLocal) {
     shardMs += local.shardMs;

@@ -7,6 +7,7 @@
 #include "fcp/core/error.h"
 #include "fcp/plan/limits.h"
 #include "huge_pages.h"
+#include "parallel.h"
 
 namespace fcp::plan {
 namespace {
@@ -117,23 +118,90 @@ struct ChunksBySequence {
   std::vector<std::pair<int32_t, Chunk>> items;
 };
 
-/// An upper bound on blockPairs' count, for its reservation: each sequence pairs at most
-/// every two of the m blocks holding it, m^2 (capped at kMaxPairs; past it the vector grows
-/// as usual).
-size_t pairBound(const ChunksBySequence& bySequence) {
-  int64_t bound = 0;
-  for (size_t s = 0; s + 1 < bySequence.offset.size(); ++s) {
-    int64_t m = 0;
+/// The number of distinct blocks holding each sequence.
+std::vector<int64_t> blocksPerSequence(const ChunksBySequence& bySequence) {
+  std::vector<int64_t> m(bySequence.offset.size() - 1, 0);
+  for (size_t s = 0; s < m.size(); ++s) {
     for (int64_t i = bySequence.offset[s]; i < bySequence.offset[s + 1]; ++i) {
       const auto at = static_cast<size_t>(i);
-      m +=
-          i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
+      m[s] += i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
     }
-    bound = std::min(kMaxPairs, bound + m * m);
   }
-  return static_cast<size_t>(bound);
+  return m;
 }
 
+/// Pairs of Q blocks [qBegin, qEnd), appended to `pairs` (see blockPairs).
+void appendPairs(const std::vector<Block>& blocks, const ChunksBySequence& bySequence,
+                 const CostModel& costModel, int32_t qBegin, int32_t qEnd,
+                 std::vector<BlockPair>& pairs) {
+  // One Q block at a time: every sequence it holds contributes to its pairs with the blocks
+  // holding that sequence; contributions to one KV block add up in dense accumulators (a
+  // block may hold many sequences — packed blocks, or a ring rank's block), in sequence
+  // order, so the float sums have one order. Pairs come out sorted by (qBlock, kvBlock).
+  const MaskKind mask = costModel.attention.mask;
+  std::vector<int64_t> accVisible(blocks.size(), 0);
+  std::vector<double> accCost(blocks.size(), 0.0);
+  std::vector<int32_t> touched;
+  std::vector<const Chunk*> qChunks;
+  // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
+  // number of tokens, so the last value is kept rather than the curve evaluated again.
+  int64_t lastTokens = -1;
+  double lastCostPerVisible = 0;
+  for (int32_t q = qBegin; q < qEnd; ++q) {
+    qChunks.clear();
+    for (const Chunk& c : blocks[static_cast<size_t>(q)].chunks) qChunks.push_back(&c);
+    std::stable_sort(qChunks.begin(), qChunks.end(),
+                     [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    // A Q block of one sequence (a cut sequence's Zig-Zag block: most blocks) meets each KV
+    // block once, in ascending order: its pairs go out directly, each sum one addition to zero
+    // as in the accumulators, so the pairs are the same.
+    const bool oneSequence =
+        !qChunks.empty() && qChunks.front()->sequence == qChunks.back()->sequence;
+    for (size_t qi = 0; qi < qChunks.size();) {
+      size_t qj = qi;
+      int64_t qTokens = 0;
+      for (; qj < qChunks.size() && qChunks[qj]->sequence == qChunks[qi]->sequence; ++qj) {
+        qTokens += qChunks[qj]->numTokens();
+      }
+      if (qTokens != lastTokens) {
+        lastTokens = qTokens;
+        lastCostPerVisible = forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
+      }
+      const double costPerVisible = lastCostPerVisible;
+      const auto seq = static_cast<size_t>(qChunks[qi]->sequence);
+      const std::pair<int32_t, Chunk>* pieces = bySequence.items.data() + bySequence.offset[seq];
+      const auto numPieces =
+          static_cast<size_t>(bySequence.offset[seq + 1] - bySequence.offset[seq]);
+      for (size_t ki = 0; ki < numPieces;) {
+        const int32_t k = pieces[ki].first;
+        int64_t visible = 0;
+        for (; ki < numPieces && pieces[ki].first == k; ++ki) {
+          const Chunk& kc = pieces[ki].second;
+          for (size_t i = qi; i < qj; ++i) {
+            visible += visibleEntries(mask, qChunks[i]->begin, qChunks[i]->end, kc.begin, kc.end);
+          }
+        }
+        if (visible == 0) continue;
+        if (oneSequence) {
+          pairs.push_back({q, k, visible, 0.0 + static_cast<double>(visible) * costPerVisible});
+          continue;
+        }
+        if (accVisible[static_cast<size_t>(k)] == 0) touched.push_back(k);
+        accVisible[static_cast<size_t>(k)] += visible;
+        accCost[static_cast<size_t>(k)] += static_cast<double>(visible) * costPerVisible;
+      }
+      qi = qj;
+    }
+    if (oneSequence) continue;
+    std::sort(touched.begin(), touched.end());
+    for (int32_t k : touched) {
+      pairs.push_back({q, k, accVisible[static_cast<size_t>(k)], accCost[static_cast<size_t>(k)]});
+      accVisible[static_cast<size_t>(k)] = 0;
+      accCost[static_cast<size_t>(k)] = 0.0;
+    }
+    touched.clear();
+  }
+}
 }  // namespace
 
 int64_t Block::numTokens() const {
@@ -266,76 +334,44 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
       }
     }
   }
-  // One Q block at a time: every sequence it holds contributes to its pairs with the blocks
-  // holding that sequence; contributions to one KV block add up in dense accumulators (a
-  // block may hold many sequences — packed blocks, or a ring rank's block), in sequence
-  // order, so the float sums have one order. Pairs come out sorted by (qBlock, kvBlock).
-  const MaskKind mask = costModel.attention.mask;
-  std::vector<int64_t> accVisible(blocks.size(), 0);
-  std::vector<double> accCost(blocks.size(), 0.0);
-  std::vector<int32_t> touched;
-  std::vector<const Chunk*> qChunks;
-  std::vector<BlockPair> pairs;
-  // Reserved: grown by doubling, the copies were most of the page faults.
-  detail::reserveHuge(pairs, pairBound(bySequence));
-  // Kernels over qTokens tokens of one sequence run at f(qTokens): most Q blocks hold the same
-  // number of tokens, so the last value is kept rather than the curve evaluated again.
-  int64_t lastTokens = -1;
-  double lastCostPerVisible = 0;
-  for (int32_t q = 0; q < static_cast<int32_t>(blocks.size()); ++q) {
-    qChunks.clear();
-    for (const Chunk& c : blocks[static_cast<size_t>(q)].chunks) qChunks.push_back(&c);
-    std::stable_sort(qChunks.begin(), qChunks.end(),
-                     [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
-    // A Q block of one sequence (a cut sequence's Zig-Zag block: most blocks) meets each KV
-    // block once, in ascending order: its pairs go out directly, each sum one addition to zero
-    // as in the accumulators, so the pairs are the same.
-    const bool oneSequence =
-        !qChunks.empty() && qChunks.front()->sequence == qChunks.back()->sequence;
-    for (size_t qi = 0; qi < qChunks.size();) {
-      size_t qj = qi;
-      int64_t qTokens = 0;
-      for (; qj < qChunks.size() && qChunks[qj]->sequence == qChunks[qi]->sequence; ++qj) {
-        qTokens += qChunks[qj]->numTokens();
-      }
-      if (qTokens != lastTokens) {
-        lastTokens = qTokens;
-        lastCostPerVisible = forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
-      }
-      const double costPerVisible = lastCostPerVisible;
-      const auto seq = static_cast<size_t>(qChunks[qi]->sequence);
-      const std::pair<int32_t, Chunk>* pieces = bySequence.items.data() + bySequence.offset[seq];
-      const auto numPieces =
-          static_cast<size_t>(bySequence.offset[seq + 1] - bySequence.offset[seq]);
-      for (size_t ki = 0; ki < numPieces;) {
-        const int32_t k = pieces[ki].first;
-        int64_t visible = 0;
-        for (; ki < numPieces && pieces[ki].first == k; ++ki) {
-          const Chunk& kc = pieces[ki].second;
-          for (size_t i = qi; i < qj; ++i) {
-            visible += visibleEntries(mask, qChunks[i]->begin, qChunks[i]->end, kc.begin, kc.end);
-          }
-        }
-        if (visible == 0) continue;
-        if (oneSequence) {
-          pairs.push_back({q, k, visible, 0.0 + static_cast<double>(visible) * costPerVisible});
-          continue;
-        }
-        if (accVisible[static_cast<size_t>(k)] == 0) touched.push_back(k);
-        accVisible[static_cast<size_t>(k)] += visible;
-        accCost[static_cast<size_t>(k)] += static_cast<double>(visible) * costPerVisible;
-      }
-      qi = qj;
+  // The pairs are bounded by the sum over sequences of m^2, m the blocks holding it (a Q block
+  // of the sequence pairs with at most the m): reserved, since growing by doubling made most
+  // of the page faults. For large batches the Q blocks are cut in two at half that bound, the
+  // halves' pairs made side by side and appended in order: the same pairs.
+  const std::vector<int64_t> m = blocksPerSequence(bySequence);
+  const auto numBlocks = static_cast<int32_t>(blocks.size());
+  std::vector<int64_t> boundBefore(blocks.size() + 1, 0);  // Q blocks [0, q)
+  for (int32_t q = 0; q < numBlocks; ++q) {
+    int64_t bound = 0;
+    const auto& chunks = blocks[static_cast<size_t>(q)].chunks;
+    // A sequence counts once per run of its chunks (a Zig-Zag block's two are one run; a
+    // sequence in two runs of one block only loosens the bound).
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (i == 0 || chunks[i].sequence != chunks[i - 1].sequence)
+        bound += m[static_cast<size_t>(chunks[i].sequence)];
     }
-    if (oneSequence) continue;
-    std::sort(touched.begin(), touched.end());
-    for (int32_t k : touched) {
-      pairs.push_back({q, k, accVisible[static_cast<size_t>(k)], accCost[static_cast<size_t>(k)]});
-      accVisible[static_cast<size_t>(k)] = 0;
-      accCost[static_cast<size_t>(k)] = 0.0;
-    }
-    touched.clear();
+    // Saturating far above any plan (kMaxPairs), far below overflow.
+    boundBefore[static_cast<size_t>(q) + 1] =
+        std::min(boundBefore[static_cast<size_t>(q)] + bound, int64_t{1} << 60);
   }
+  const int64_t total = boundBefore.back();
+  const auto capped = [](int64_t bound) { return static_cast<size_t>(std::min(kMaxPairs, bound)); };
+  std::vector<BlockPair> pairs;
+  detail::reserveHuge(pairs, capped(total));
+  const bool parallel = detail::worthParallel(total);
+  const auto split = static_cast<int32_t>(
+      parallel ? std::lower_bound(boundBefore.begin(), boundBefore.end(), total / 2) -
+                     boundBefore.begin()
+               : numBlocks);
+  std::vector<BlockPair> later;
+  detail::runBoth(
+      parallel, [&] { appendPairs(blocks, bySequence, costModel, 0, split, pairs); },
+      [&] {
+        if (split == numBlocks) return;
+        detail::reserveHuge(later, capped(total - boundBefore[static_cast<size_t>(split)]));
+        appendPairs(blocks, bySequence, costModel, split, numBlocks, later);
+      });
+  pairs.insert(pairs.end(), later.begin(), later.end());
   return pairs;
 }
 
