@@ -104,8 +104,9 @@ class PlanThreads {
 };
 
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
-  // Large enough for the second thread (64K pairs and up): the two placements, the reshuffle
-  // beside the transfers and each half of the stages run side by side. The plan on one thread
+  // Large enough for the second thread (64K pairs and up): the paper's first pairs in two
+  // halves, the two placements, the reshuffle beside the transfers and each half of the stages
+  // run side by side. The plan on one thread
   // is the reference, to the byte.
   struct Case {
     const char* workload;
