@@ -191,6 +191,7 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
     int64_t tokens;
   };
   std::vector<Piece> pieces;
+  pieces.reserve(2 * plan.blocks.size());  // Zig-Zag blocks: two chunks, most in one slice
   std::vector<int64_t> offset(n + 1, 0);  // pieces by FCP worker (CSR)
   moved = 0;
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
@@ -217,8 +218,21 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
       edges.push_back({-tokens, static_cast<int32_t>(f), u});
     }
   }
-  std::sort(edges.begin(), edges.end());
-  return edges;
+  // Made in (fcp, user) order, so a stable counting sort by tokens, heaviest first, gives the
+  // order of a sort by (-tokens, fcp, user): linear where the tokens are few (a worker holds
+  // at most its memory cap; this sort took 4 of a 4096-worker relabelling's 9 ms).
+  int64_t most = 0;
+  for (const auto& e : edges) most = std::max(most, -std::get<0>(e));
+  if (most > static_cast<int64_t>(4 * edges.size()) + (int64_t{1} << 16)) {
+    std::sort(edges.begin(), edges.end());
+    return edges;
+  }
+  std::vector<size_t> slot(static_cast<size_t>(most) + 2, 0);  // by most - tokens, then + 1
+  for (const auto& e : edges) ++slot[static_cast<size_t>(most + std::get<0>(e)) + 1];
+  for (size_t k = 1; k < slot.size(); ++k) slot[k] += slot[k - 1];
+  std::vector<std::tuple<int64_t, int32_t, int32_t>> sorted(edges.size());
+  for (const auto& e : edges) sorted[slot[static_cast<size_t>(most + std::get<0>(e))]++] = e;
+  return sorted;
 }
 
 }  // namespace

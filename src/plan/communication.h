@@ -11,8 +11,28 @@
 
 namespace fcp::plan::detail {
 
-/// The user-layout worker holding global token `token` (`starts` as PlanConfig::userStarts).
+/// The user-layout worker holding global token `token` (`starts` as PlanConfig::userStarts):
+/// the last r with starts[r] <= token. Layouts are usually even (userLayoutStarts), so the
+/// search starts where an even layout would put the token and steps a few slices; a layout
+/// far from even ends in a binary search. (The binary search alone, ~12 probes at 4096
+/// workers, was most of cutting a 4096-worker plan's blocks at user slices.)
 inline int32_t userWorkerOf(const std::vector<int64_t>& starts, int64_t token) {
+  const size_t n = starts.size() - 1;
+  const int64_t total = starts.back();
+  if (n > 0 && starts.front() <= token && token < total) {
+    const double share = static_cast<double>(token - starts.front()) /
+                         static_cast<double>(total - starts.front());
+    size_t r = std::min(n - 1, static_cast<size_t>(share * static_cast<double>(n)));
+    for (int step = 0; step < 4; ++step) {
+      if (starts[r] > token) {
+        --r;  // r > 0: starts[0] <= token
+      } else if (starts[r + 1] <= token) {
+        ++r;  // r + 1 < n: starts[n] = total > token
+      } else {
+        return static_cast<int32_t>(r);
+      }
+    }
+  }
   return static_cast<int32_t>(std::upper_bound(starts.begin(), starts.end(), token) -
                               starts.begin() - 1);
 }
@@ -25,11 +45,16 @@ void forEachUserRun(const Block& block, const std::vector<int64_t>& sequenceStar
   for (const Chunk& c : block.chunks) {
     int64_t begin = sequenceStart[static_cast<size_t>(c.sequence)] + c.begin;
     const int64_t end = sequenceStart[static_cast<size_t>(c.sequence)] + c.end;
-    while (begin < end) {
-      const int32_t w = userWorkerOf(user, begin);
-      const int64_t stop = std::min(end, user[static_cast<size_t>(w) + 1]);
-      f(w, begin, stop);
+    if (begin >= end) continue;
+    auto w = static_cast<size_t>(userWorkerOf(user, begin));
+    for (;;) {
+      const int64_t stop = std::min(end, user[w + 1]);
+      f(static_cast<int32_t>(w), begin, stop);
+      if (stop == end) break;
       begin = stop;
+      // The next run is on the next worker whose slice is not empty.
+      for (++w; user[w + 1] <= begin; ++w) {
+      }
     }
   }
 }
