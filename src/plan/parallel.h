@@ -43,40 +43,52 @@ inline bool worthParallel(int64_t pairs) {
   return planThreads() > 1 && pairs >= kParallelPairs;
 }
 
-/// Whether this thread is running one side of a runBoth that runs on two threads: a runBoth
-/// nested in it runs in order, so the planner never uses more than two threads (refineCosts
-/// times cost-aware candidates, colouring and staging them, while the two placements run side
-/// by side).
-inline thread_local bool tOneOfTwo = false;
+/// The second thread of one piece of planning (a top-level runBoth, and every runBoth under
+/// it): `free` is 1 while no helper runs. A runBoth nested in one on two threads runs in order
+/// while the other side's thread is busy, so the planner never uses more than two threads; once
+/// that side is done, its thread is free for the runBoths still to come under the other (the
+/// paper's placement refines its cuttings for a second or more on long-tailed batches at 4096
+/// workers, long after the local placement beside it is done).
+struct ThreadBudget {
+  std::atomic<int> free{1};
+};
 
-/// Runs `first()` and `second()`, on two threads when `parallel` (and not nested in a runBoth
-/// already on two threads), else in that order. Both
-/// always finish before it returns; if either throws, it rethrows `first`'s exception, else
-/// `second`'s: what running them in order would have thrown (there, `second` never runs after
-/// `first` throws), so the error is the same whatever the timing.
+/// The budget this thread's runBoths draw on: the innermost runBoth on two threads around it,
+/// or null outside any.
+inline thread_local ThreadBudget* tBudget = nullptr;
+
+/// Runs `first()` and `second()`, on two threads when `parallel` and the budget has a thread
+/// free (see ThreadBudget), else in that order. Both always finish before it returns; if either
+/// throws, it rethrows `first`'s exception, else `second`'s: what running them in order would
+/// have thrown (there, `second` never runs after `first` throws), so the error is the same
+/// whatever the timing.
 ///
 /// `second` goes to whichever thread claims it first: the helper when it starts, or this
 /// thread once `first` is done. On a machine whose other cores are busy the helper may not
 /// start for a while; this thread then runs both rather than wait for it.
 template <typename First, typename Second>
 void runBoth(bool parallel, First&& first, Second&& second) {
-  if (!parallel || tOneOfTwo) {
+  ThreadBudget own;
+  ThreadBudget* const budget = tBudget != nullptr ? tBudget : &own;
+  int one = 1;
+  if (!parallel || !budget->free.compare_exchange_strong(one, 0)) {
     first();
     second();
     return;
   }
-  // Marks this thread as running one of two until it leaves (also when unwinding).
-  struct OneOfTwo {
-    OneOfTwo() { tOneOfTwo = true; }
-    ~OneOfTwo() { tOneOfTwo = false; }
-    OneOfTwo(const OneOfTwo&) = delete;
-    OneOfTwo& operator=(const OneOfTwo&) = delete;
+  // Both threads draw on `budget` until the call returns (also when unwinding).
+  struct Use {
+    ThreadBudget* saved = tBudget;
+    explicit Use(ThreadBudget* b) { tBudget = b; }
+    ~Use() { tBudget = saved; }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
   };
+  const Use use(budget);
   std::atomic<bool> claimed{false};
   std::exception_ptr secondError;
   const auto runSecond = [&] {
     if (claimed.exchange(true)) return;
-    const OneOfTwo mark;
     try {
       second();
     } catch (...) {
@@ -85,14 +97,18 @@ void runBoth(bool parallel, First&& first, Second&& second) {
   };
   std::thread helper;
   try {
-    helper = std::thread(runSecond);
+    helper = std::thread([&runSecond, budget] {
+      tBudget = budget;
+      runSecond();
+      budget->free.fetch_add(1);  // done: a runBoth still running under `first` may use it
+    });
   } catch (const std::system_error&) {  // no thread to be had (a process limit): in order
+    budget->free.fetch_add(1);
     first();
     second();
     return;
   }
   try {
-    const OneOfTwo mark;
     first();
   } catch (...) {
     claimed.exchange(true);  // not started yet: it need not run

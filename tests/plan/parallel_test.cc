@@ -1,10 +1,12 @@
-// runBoth (src/plan/parallel.h): the planner's two threads, and never more.
+// runBoth (src/plan/parallel.h): the planner's two threads, and never more; a thread freed
+// by one side serves the runBoths still to come under the other.
 #include "parallel.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -12,42 +14,77 @@
 namespace fcp::plan::detail {
 namespace {
 
-TEST(ParallelTest, ARunBothNestedInOneOnTwoThreadsRunsInOrderOnItsThread) {
-  // Each side of a two-thread runBoth runs a nested runBoth asking for two threads: both of its
-  // sides must run on that side's own thread, first then second. The nested first side waits
-  // (up to 200 ms) for the second to start, so that a second side given a thread of its own
-  // would be seen running on it, rather than claimed by this thread once the first is done.
-  std::thread::id outer[2], inner[2][2];
-  std::string order[2];
-  const auto side = [&](int s) {
-    outer[s] = std::this_thread::get_id();
-    std::atomic<bool> secondStarted{false};
-    runBoth(
-        true,
-        [&] {
-          const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-          while (!secondStarted && std::chrono::steady_clock::now() < until)
-            std::this_thread::yield();
-          inner[s][0] = std::this_thread::get_id();
-          order[s] += 'a';
-        },
-        [&] {
-          secondStarted = true;
-          inner[s][1] = std::this_thread::get_id();
-          order[s] += 'b';
-        });
+TEST(ParallelTest, NeverMoreThanTwoThreadsPlanAtOnce) {
+  // runBoths nested three deep, each asking for two threads; every leaf counts the leaves
+  // running beside it. Some leaves end early (their sibling's thread is then free for the
+  // runBoths still to come), others sleep.
+  std::atomic<int> running{0}, most{0}, leaves{0};
+  const auto leaf = [&](int ms) {
+    const int now = ++running;
+    for (int m = most; now > m && !most.compare_exchange_weak(m, now);) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    ++leaves;
+    --running;
   };
-  runBoth(true, [&] { side(0); }, [&] { side(1); });
-  for (int s = 0; s < 2; ++s) {
-    EXPECT_EQ(inner[s][0], outer[s]) << "side " << s;
-    EXPECT_EQ(inner[s][1], outer[s]) << "side " << s;
-    EXPECT_EQ(order[s], "ab") << "side " << s;
-  }
+  std::function<void(int)> tree = [&](int depth) {
+    if (depth == 0) return leaf(depth % 2 == 0 ? 3 : 0);
+    runBoth(true, [&] { tree(depth - 1); leaf(1); }, [&] { leaf(0); tree(depth - 1); });
+  };
+  tree(3);
+  EXPECT_LE(most.load(), 2);
+  EXPECT_EQ(leaves.load(), 8 + 14);  // 2^3 at the bottom, 2 per runBoth (7 of them)
+  EXPECT_EQ(tBudget, nullptr);
+}
+
+TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
+  // The second side ends at once; the first then asks, until it gets one (its sibling's thread
+  // is freed as that thread ends), for a nested second side on another thread.
+  std::atomic<bool> secondDone{false};
+  std::thread::id outer, inner;
+  runBoth(
+      true,
+      [&] {
+        outer = std::this_thread::get_id();
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (!secondDone && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        // The nested first side waits (up to 100 ms) for the second to start, so that a second
+        // side given a thread is seen running on it, not claimed by this thread.
+        do {
+          std::atomic<bool> started{false};
+          runBoth(
+              true,
+              [&] {
+                const auto wait = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+                while (!started && std::chrono::steady_clock::now() < wait)
+                  std::this_thread::yield();
+              },
+              [&] {
+                started = true;
+                inner = std::this_thread::get_id();
+              });
+        } while (inner == outer && std::chrono::steady_clock::now() < until);
+      },
+      [&] { secondDone = true; });
+  EXPECT_TRUE(secondDone);
+  EXPECT_NE(inner, outer);
+}
+
+TEST(ParallelTest, AfterARunBothThisThreadHasTwoAgain) {
   // Outside any runBoth this thread may use two again, also after a side threw.
-  EXPECT_FALSE(tOneOfTwo);
   EXPECT_THROW(runBoth(true, [] { throw std::runtime_error("first"); }, [] {}),
                std::runtime_error);
-  EXPECT_FALSE(tOneOfTwo);
+  EXPECT_EQ(tBudget, nullptr);
+  EXPECT_THROW(runBoth(true, [] {}, [] { throw std::runtime_error("second"); }),
+               std::runtime_error);
+  EXPECT_EQ(tBudget, nullptr);
+  std::thread::id here = std::this_thread::get_id(), second = here;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    runBoth(true, [&] { std::this_thread::sleep_for(std::chrono::milliseconds(20)); },
+            [&] { second = std::this_thread::get_id(); });
+  } while (second == here && std::chrono::steady_clock::now() < until);
+  EXPECT_NE(second, here);
 }
 
 }  // namespace
