@@ -502,6 +502,64 @@ void buildStages(Plan& plan, StagePrep prep) {
   plan.backward = std::move(backward);
 }
 
+double forwardSpan(const Plan& plan, StagePrep prep) {
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  const int64_t c = plan.config.coalesce;
+  const int64_t groups = (plan.numRounds + c - 1) / c;
+  const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
+  FCP_CHECK(lag >= 1, "a buffer depth of ", plan.config.bufferDepth, ": expected at least 2");
+  const size_t stages = groups > 0 ? static_cast<size_t>(groups) + lag : 1;
+  setGroups(plan, &Transfer::receiver, prep.received);
+  setGroups(plan, &Transfer::sender, prep.sent);
+  const auto costOf = [&](int32_t p) { return plan.pairs[static_cast<size_t>(p)].cost; };
+  // Each stage's compute, summed in the order forwardStages lists its pairs: stage 0 opens
+  // with the first half of the local pairs (nothing received lands there, lag >= 1), the pairs
+  // of each received transfer land `lag` stages after its group in received order, and the
+  // last stage closes with the second half of the local pairs.
+  std::vector<double> compute(n * stages, 0.0);
+  for (size_t w = 0; w < n; ++w) {
+    double* at = compute.data() + w * stages;
+    const int32_t* local = prep.need.begin(w);
+    const auto numLocal = static_cast<size_t>(prep.need.end(w) - local);
+    const size_t opening = (numLocal + 1) / 2;
+    for (size_t k = 0; k < opening; ++k) at[0] += costOf(local[k]);
+    for (size_t i = prep.received.begin(w); i < prep.received.end(w); ++i) {
+      double& stage = at[static_cast<size_t>(prep.received.group[i]) + lag];
+      for (const int32_t* p = prep.need.begin(n + i); p != prep.need.end(n + i); ++p)
+        stage += costOf(*p);
+    }
+    for (size_t k = opening; k < numLocal; ++k) at[stages - 1] += costOf(local[k]);
+  }
+  // Transfers by group, each sent and received in its group's stage at both ends.
+  std::vector<size_t> firstOfGroup(static_cast<size_t>(groups) + 1, 0);
+  for (const Transfer& t : plan.transfers) ++firstOfGroup[static_cast<size_t>(t.round / c) + 1];
+  for (size_t g = 1; g < firstOfGroup.size(); ++g) firstOfGroup[g] += firstOfGroup[g - 1];
+  std::vector<int32_t> byGroup(plan.transfers.size());
+  {
+    std::vector<size_t> next(firstOfGroup.begin(), firstOfGroup.end() - 1);
+    for (size_t t = 0; t < plan.transfers.size(); ++t)
+      byGroup[next[static_cast<size_t>(plan.transfers[t].round / c)]++] = static_cast<int32_t>(t);
+  }
+  // Stage by stage, as pipelineSpan's pass over aligned stages: a stage ends once its entry
+  // plus its compute has passed and each transfer it holds has been entered at the other end.
+  std::vector<double> before(n, 0.0), after(n, 0.0);
+  double span = 0.0;
+  for (size_t s = 0; s < stages; ++s) {
+    for (size_t w = 0; w < n; ++w) after[w] = before[w] + compute[w * stages + s];
+    if (s < static_cast<size_t>(groups)) {
+      for (size_t k = firstOfGroup[s]; k < firstOfGroup[s + 1]; ++k) {
+        const Transfer& t = plan.transfers[static_cast<size_t>(byGroup[k])];
+        const auto from = static_cast<size_t>(t.sender), to = static_cast<size_t>(t.receiver);
+        after[from] = std::max(after[from], before[to]);
+        after[to] = std::max(after[to], before[from]);
+      }
+    }
+    for (size_t w = 0; w < n; ++w) span = std::max(span, after[w]);
+    before.swap(after);
+  }
+  return span;
+}
+
 }  // namespace detail
 
 void buildStages(Plan& plan) { detail::buildStages(plan, detail::prepareStages(plan)); }

@@ -117,6 +117,12 @@ StagePrep prepareStages(const Plan& plan);
 /// coloured).
 void buildStages(Plan& plan, StagePrep prep);
 
+/// pipelineSpan of the forward stages buildStages(plan, prep) would build, without building
+/// them: the same sums in the same order and the same waits, so the same value. For spans that
+/// only compare plans (refineCosts), where the stages are dropped anyway; a plan's stages are
+/// about a hundred small vectors per worker.
+double forwardSpan(const Plan& plan, StagePrep prep);
+
 /// A step's estimated time in cost units (forward FLOPs at peak) where a byte on a worker's
 /// link costs `costPerByte`: the forward and backward passes' spans, as pipelineSpan but with
 /// each stage taking the longest of its compute (backward: kBackwardFlopsPerForward times the

@@ -70,5 +70,39 @@ TEST(StagePrepTest, RelabelledReceiversGiveTheRelabelledPlansTransfers) {
   }
 }
 
+// forwardSpan reads the forward span from the stage lists without building the stages: it
+// must be pipelineSpan of the stages buildStages builds, to the bit (refineCosts compares the
+// two plans' spans, and a last-bit difference could flip that choice). Buffer depths, coalescing
+// and block sizes vary the stage count and where the pairs land; one worker has no transfers.
+TEST(StagePrepTest, TheForwardSpanWithoutStagesIsThePipelineSpan) {
+  struct Case {
+    const char* workload;
+    int64_t workers;
+    uint64_t seed;
+    int64_t blockSize, coalesce, bufferDepth;
+  };
+  int withTransfers = 0;
+  for (const Case& c : {Case{"lognormal", 16, 1, 2048, 16, 3}, Case{"bimodal", 8, 4, 1024, 1, 2},
+                        Case{"lognormal-narrow", 64, 2, 2048, 4, 5},
+                        Case{"lognormal", 1, 0, 4096, 16, 3}, Case{"bimodal", 3, 5, 512, 2, 4}}) {
+    PlanConfig config;
+    config.numWorkers = c.workers;
+    config.tokensPerWorker = 16384;
+    config.blockSize = c.blockSize;
+    config.coalesce = c.coalesce;
+    config.bufferDepth = c.bufferDepth;
+    const Plan p = buildPlan(
+        sampleBatch(findWorkload(c.workload), c.workers * config.tokensPerWorker, c.seed), config,
+        CostModel{config.attention});
+    withTransfers += !p.transfers.empty();
+    const double expected = pipelineSpan(p);
+    EXPECT_GT(expected, 0.0) << c.workload << " " << c.workers;
+    EXPECT_EQ(detail::forwardSpan(p, detail::prepareStages(p)), expected)
+        << c.workload << " on " << c.workers << ", coalesce " << c.coalesce << ", depth "
+        << c.bufferDepth;
+  }
+  EXPECT_EQ(withTransfers, 4);
+}
+
 }  // namespace
 }  // namespace fcp::plan
