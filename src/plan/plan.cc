@@ -243,13 +243,10 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
 void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  // Rounds and stages built to compare cuttings (refineCosts) are for the owners before
-  // balancing and relabelling: built again after.
-  if (p.hasStages) {
-    p.plan.forward.clear();
-    p.plan.backward.clear();
-    p.hasStages = false;
-  }
+  // The rounds and span made to compare cuttings (refineCosts, which builds no stages) are
+  // for the owners before balancing and relabelling: the rounds are made again after (buildPlan
+  // colours whatever has no stages).
+  FCP_CHECK(!p.hasStages, "the paper's placement was staged before it was finished");
   p.hasSpan = false;
   balanceComm(p, config, options, 2);
   Plan& plan = p.plan;
@@ -480,7 +477,7 @@ double forwardSpanOf(Placed& p);
 /// 0.6 % cheaper, but spanned 1.11x and simulated 298.7 -> 344.0 ms on H100. The spans are of
 /// the plans before they are finished, so an estimate of the finished plan's: communication
 /// balancing may still move blocks within the compute slack, and the colouring depends on the
-/// relabelled workers' ids (finishLpt drops these stages; the winner's are built again).
+/// relabelled workers' ids (the winner's rounds are made again after finishLpt).
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
                    const CostModel& costModel, const DistributorOptions& options) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
@@ -594,17 +591,22 @@ StepBytes stepBytes(Placed& p) {
   return bytes;
 }
 
+/// The transfers of `p`, built if they are not, coloured, with the stage lists prepared
+/// beside the colouring (neither reads what the other writes).
+detail::StagePrep colourAndPrepare(Placed& p) {
+  ensureTransfers(p);
+  std::optional<detail::StagePrep> prep;
+  detail::runBoth(
+      detail::worthParallel(static_cast<int64_t>(p.plan.pairs.size())),
+      [&] { colorTransfers(p.plan); }, [&] { prep = detail::prepareStages(p.plan); });
+  return std::move(*prep);
+}
+
 /// The forward pass's span if moving data took no time (pipelineSpan), with the transfers,
-/// their rounds and the stages it needs built and left in `p` (the plan keeps them if it wins,
-/// unless finishLpt comes after: refineCosts's spans are of unfinished plans).
+/// their rounds and the stages it needs built and left in `p` (the plan keeps them if it wins).
 double spanOf(Placed& p) {
   if (!p.hasStages) {
-    ensureTransfers(p);
-    std::optional<detail::StagePrep> prep;
-    detail::runBoth(
-        detail::worthParallel(static_cast<int64_t>(p.plan.pairs.size())),
-        [&] { colorTransfers(p.plan); }, [&] { prep = detail::prepareStages(p.plan); });
-    detail::buildStages(p.plan, std::move(*prep));
+    detail::buildStages(p.plan, colourAndPrepare(p));
     p.span = pipelineSpan(p.plan);
     p.hasStages = p.hasSpan = true;
   }
@@ -612,18 +614,13 @@ double spanOf(Placed& p) {
 }
 
 /// spanOf's value without the stages, for comparing the paper's cuttings (refineCosts), whose
-/// stages finishLpt drops: the transfers are coloured beside the stage lists as in spanOf, and
-/// detail::forwardSpan reads the span from those lists (the same sums and waits, so the same
-/// value). Code corpus on 4096 workers, seed 0: building a candidate's stages and timing them
-/// took 115 + 177 of its 628 ms (half a million small vectors, 49K page faults).
+/// stages finishLpt would drop: detail::forwardSpan reads the span from the stage lists (the
+/// same sums and waits, so the same value). Code corpus on 4096 workers, seed 0: building a
+/// candidate's stages and timing them took 115 + 177 of its 628 ms (half a million small
+/// vectors, 49K page faults).
 double forwardSpanOf(Placed& p) {
   if (!p.hasSpan) {
-    ensureTransfers(p);
-    std::optional<detail::StagePrep> prep;
-    detail::runBoth(
-        detail::worthParallel(static_cast<int64_t>(p.plan.pairs.size())),
-        [&] { colorTransfers(p.plan); }, [&] { prep = detail::prepareStages(p.plan); });
-    p.span = detail::forwardSpan(p.plan, std::move(*prep));
+    p.span = detail::forwardSpan(p.plan, colourAndPrepare(p));
     p.hasSpan = true;
   }
   return p.span;
