@@ -8,7 +8,6 @@
 
 #include "fcp/core/error.h"
 #include "fcp/plan/coloring.h"
-#include "fcp/plan/limits.h"
 #include "huge_pages.h"
 #include "parallel.h"
 
@@ -61,57 +60,46 @@ void setGroups(const Plan& plan, int32_t Transfer::*end, TransfersByWorker& g) {
 
 /// Pairs by what they need (see PairsByNeed), where the key of a transfer is N plus its
 /// position in `received` (so a worker's received transfers have consecutive keys). One pass
-/// over the pairs in their order finds each key and counts it; transfers are sorted by (block,
-/// receiver), so the transfer of (k, w) is a binary search among block k's few receivers, in a
-/// compact copy that stays in cache. Then a counting sort, stable, in 32-bit indices (half the
-/// memory, and the page faults, of 64-bit ones: this ran for 16 ms of a 4096-worker plan).
+/// over the pairs in their order; transfers are sorted by (block, receiver), so the transfer of
+/// (k, w) is a binary search among block k's few receivers, in a compact copy that stays in
+/// cache.
 PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
-  static_assert(kMaxPairs + kMaxWorkers < std::numeric_limits<int32_t>::max());
   const auto n = static_cast<size_t>(plan.config.numWorkers);
-  const size_t numTransfers = plan.transfers.size();
-  FCP_CHECK(static_cast<int64_t>(numTransfers) <= kMaxPairs &&
-                static_cast<int64_t>(plan.pairs.size()) <= kMaxPairs,
-            "a plan of ", numTransfers, " transfers and ", plan.pairs.size(),
-            " pairs: over the limit of ", kMaxPairs);
-  // Block k's transfers: [firstOf[k], firstOf[k + 1]).
-  std::vector<int32_t> firstOf(plan.blocks.size() + 1, 0);
+  std::vector<int64_t> firstOf(plan.blocks.size() + 1, 0);  // block k: [firstOf[k], firstOf[k + 1])
   std::vector<int32_t> receiver;
-  detail::resizeHuge(receiver, numTransfers);
-  for (size_t t = 0; t < numTransfers; ++t) {
+  detail::resizeHuge(receiver, plan.transfers.size());
+  for (size_t t = 0; t < plan.transfers.size(); ++t) {
     ++firstOf[static_cast<size_t>(plan.transfers[t].block) + 1];
     receiver[t] = plan.transfers[t].receiver;
   }
   for (size_t k = 1; k < firstOf.size(); ++k) firstOf[k] += firstOf[k - 1];
-  std::vector<int32_t> keyOfTransfer;
-  detail::resizeHuge(keyOfTransfer, numTransfers);
+  std::vector<size_t> position;
+  detail::resizeHuge(position, plan.transfers.size());
   for (size_t i = 0; i < received.ids.size(); ++i)
-    keyOfTransfer[static_cast<size_t>(received.ids[i])] = static_cast<int32_t>(n + i);
-  PairsByNeed g;
-  detail::resizeHuge(g.offset, n + numTransfers + 1);  // zeroed: the counts
-  std::vector<int32_t> keyOf;
+    position[static_cast<size_t>(received.ids[i])] = i;
+  std::vector<size_t> keyOf;
   detail::resizeHuge(keyOf, plan.pairs.size());
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const auto k = static_cast<size_t>(plan.pairs[p].kvBlock);
     const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
-    int32_t key = w;
-    if (plan.owner[k] != w) {
-      const int32_t* first = receiver.data() + firstOf[k];
-      const int32_t* last = receiver.data() + firstOf[k + 1];
-      const int32_t* at = std::lower_bound(first, last, w);
-      FCP_CHECK(at != last && *at == w, "no transfer of block ", k, " to worker ", w);
-      key = keyOfTransfer[static_cast<size_t>(at - receiver.data())];
+    if (plan.owner[k] == w) {
+      keyOf[p] = static_cast<size_t>(w);
+      continue;
     }
-    keyOf[p] = key;
-    ++g.offset[static_cast<size_t>(key) + 1];
+    const int32_t* first = receiver.data() + firstOf[k];
+    const int32_t* last = receiver.data() + firstOf[k + 1];
+    const int32_t* at = std::lower_bound(first, last, w);
+    FCP_CHECK(at != last && *at == w, "no transfer of block ", k, " to worker ", w);
+    keyOf[p] = n + position[static_cast<size_t>(at - receiver.data())];
   }
+  PairsByNeed g;
+  detail::resizeHuge(g.offset, n + plan.transfers.size() + 1);
+  for (size_t key : keyOf) ++g.offset[key + 1];
   for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
   detail::resizeHuge(g.ids, plan.pairs.size());
-  // Each key's next slot is its offset, advanced as it fills: afterwards offset[k] holds where
-  // key k + 1 starts, so one shift restores the offsets (no second array).
+  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t p = 0; p < keyOf.size(); ++p)
-    g.ids[static_cast<size_t>(g.offset[static_cast<size_t>(keyOf[p])]++)] = static_cast<int32_t>(p);
-  std::copy_backward(g.offset.begin(), g.offset.end() - 1, g.offset.end());
-  g.offset[0] = 0;
+    g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
   return g;
 }
 

@@ -80,10 +80,9 @@ std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);
 
 /// Pairs grouped, in CSR form (ids[offset[k]] .. ids[offset[k + 1]]), by what they need:
 /// key k < N is worker k's local pairs (KV its own), key N + i those using the transfer at
-/// position i of the received list (TransfersByWorker by receiver). 32-bit offsets: pairs
-/// and transfers are at most kMaxPairs (fcp/plan/limits.h).
+/// position i of the received list (TransfersByWorker by receiver).
 struct PairsByNeed {
-  std::vector<int32_t> offset;
+  std::vector<int64_t> offset;
   std::vector<int32_t> ids;
 
   const int32_t* begin(size_t key) const { return ids.data() + offset[key]; }
