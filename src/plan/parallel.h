@@ -45,10 +45,12 @@ inline bool worthParallel(int64_t pairs) {
 
 /// The second thread of one piece of planning (a top-level runBoth, and every runBoth under
 /// it): `free` is 1 while no helper runs. A runBoth nested in one on two threads runs in order
-/// while the other side's thread is busy, so the planner never uses more than two threads; once
-/// that side is done, its thread is free for the runBoths still to come under the other (the
-/// paper's placement refines its cuttings for a second or more on long-tailed batches at 4096
-/// workers, long after the local placement beside it is done).
+/// while the helper is busy, so the planner never uses more than two threads; once the helper's
+/// side is done, its thread is free for the runBoths still to come under the calling thread's
+/// side (buildPlan's first side, the paper's placement, refines its cuttings for a second or
+/// more on long-tailed batches at 4096 workers, long after the local placement beside it is
+/// done). The calling thread, when its side ends first, waits for the helper's without lending
+/// its thread.
 struct ThreadBudget {
   std::atomic<int> free{1};
 };
@@ -107,6 +109,9 @@ void runBoth(bool parallel, First&& first, Second&& second) {
     first();
     second();
     return;
+  } catch (...) {
+    budget->free.fetch_add(1);
+    throw;
   }
   try {
     first();

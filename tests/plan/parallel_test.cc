@@ -16,8 +16,8 @@ namespace {
 
 TEST(ParallelTest, NeverMoreThanTwoThreadsPlanAtOnce) {
   // runBoths nested three deep, each asking for two threads; every leaf counts the leaves
-  // running beside it. Some leaves end early (their sibling's thread is then free for the
-  // runBoths still to come), others sleep.
+  // running beside it. Each second side opens with a leaf that ends at once, so its thread is
+  // free early for the runBoths still to come under the first side.
   std::atomic<int> running{0}, most{0}, leaves{0};
   const auto leaf = [&](int ms) {
     const int now = ++running;
@@ -28,7 +28,7 @@ TEST(ParallelTest, NeverMoreThanTwoThreadsPlanAtOnce) {
     --running;
   };
   std::function<void(int)> tree = [&](int depth) {
-    if (depth == 0) return leaf(depth % 2 == 0 ? 3 : 0);
+    if (depth == 0) return leaf(3);
     runBoth(true, [&] { tree(depth - 1); leaf(1); }, [&] { leaf(0); tree(depth - 1); });
   };
   tree(3);
@@ -67,6 +67,43 @@ TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
       },
       [&] { secondDone = true; });
   EXPECT_TRUE(secondDone);
+  EXPECT_NE(inner, outer);
+}
+
+TEST(ParallelTest, ANestedRunBothThatThrowsGivesItsThreadBack) {
+  // Under one budget: once the second side is done, a nested runBoth whose second side throws
+  // on the freed thread must give it back, so a later nested runBoth can have it again.
+  std::atomic<bool> secondDone{false};
+  std::thread::id outer, inner;
+  bool threw = false;
+  runBoth(
+      true,
+      [&] {
+        outer = std::this_thread::get_id();
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (!secondDone && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        try {
+          runBoth(true, [] {}, [] { throw std::runtime_error("nested"); });
+        } catch (const std::runtime_error&) {
+          threw = true;
+        }
+        do {
+          std::atomic<bool> started{false};
+          runBoth(
+              true,
+              [&] {
+                const auto wait = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+                while (!started && std::chrono::steady_clock::now() < wait)
+                  std::this_thread::yield();
+              },
+              [&] {
+                started = true;
+                inner = std::this_thread::get_id();
+              });
+        } while (inner == outer && std::chrono::steady_clock::now() < until);
+      },
+      [&] { secondDone = true; });
+  EXPECT_TRUE(threw);
   EXPECT_NE(inner, outer);
 }
 
