@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace fcp::plan::detail {
 namespace {
@@ -37,9 +38,14 @@ TEST(ParallelTest, NeverMoreThanTwoThreadsPlanAtOnce) {
   EXPECT_EQ(tBudget, nullptr);
 }
 
-TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
-  // The second side ends at once; the first then asks, until it gets one (its sibling's thread
-  // is freed as that thread ends), for a nested second side on another thread.
+// Inside the first side of an outer runBoth whose second side ends at once: after
+// `beforehand()`, asks (until it gets one, up to 5 s) for a nested second side on another
+// thread, the one the outer second side frees as it ends; returns the outer first side's
+// thread and the nested second side's. The nested first side waits (up to 100 ms) for the
+// second to start, so that a second side given a thread is seen running on it, not claimed by
+// this thread.
+template <typename Beforehand>
+std::pair<std::thread::id, std::thread::id> nestedSecondThread(Beforehand&& beforehand) {
   std::atomic<bool> secondDone{false};
   std::thread::id outer, inner;
   runBoth(
@@ -48,8 +54,7 @@ TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
         outer = std::this_thread::get_id();
         const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
         while (!secondDone && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-        // The nested first side waits (up to 100 ms) for the second to start, so that a second
-        // side given a thread is seen running on it, not claimed by this thread.
+        beforehand();
         do {
           std::atomic<bool> started{false};
           runBoth(
@@ -66,43 +71,25 @@ TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
         } while (inner == outer && std::chrono::steady_clock::now() < until);
       },
       [&] { secondDone = true; });
-  EXPECT_TRUE(secondDone);
+  return {outer, inner};
+}
+
+TEST(ParallelTest, ANestedRunBothUsesTheThreadItsSiblingFreed) {
+  const auto [outer, inner] = nestedSecondThread([] {});
   EXPECT_NE(inner, outer);
 }
 
 TEST(ParallelTest, ANestedRunBothThatThrowsGivesItsThreadBack) {
-  // Under one budget: once the second side is done, a nested runBoth whose second side throws
-  // on the freed thread must give it back, so a later nested runBoth can have it again.
-  std::atomic<bool> secondDone{false};
-  std::thread::id outer, inner;
+  // Under one budget: a nested runBoth whose second side throws on the freed thread must give
+  // it back, so a later nested runBoth can have it again.
   bool threw = false;
-  runBoth(
-      true,
-      [&] {
-        outer = std::this_thread::get_id();
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-        while (!secondDone && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-        try {
-          runBoth(true, [] {}, [] { throw std::runtime_error("nested"); });
-        } catch (const std::runtime_error&) {
-          threw = true;
-        }
-        do {
-          std::atomic<bool> started{false};
-          runBoth(
-              true,
-              [&] {
-                const auto wait = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-                while (!started && std::chrono::steady_clock::now() < wait)
-                  std::this_thread::yield();
-              },
-              [&] {
-                started = true;
-                inner = std::this_thread::get_id();
-              });
-        } while (inner == outer && std::chrono::steady_clock::now() < until);
-      },
-      [&] { secondDone = true; });
+  const auto [outer, inner] = nestedSecondThread([&] {
+    try {
+      runBoth(true, [] {}, [] { throw std::runtime_error("nested"); });
+    } catch (const std::runtime_error&) {
+      threw = true;
+    }
+  });
   EXPECT_TRUE(threw);
   EXPECT_NE(inner, outer);
 }

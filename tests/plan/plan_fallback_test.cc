@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
@@ -194,6 +195,17 @@ double busiest(const Plan& p) {
   return m;
 }
 
+/// `batch` planned on 64 workers with `placement`: without cost-aware blocks, then with.
+std::pair<Plan, Plan> uncutAndCut(const Batch& batch, Placement placement) {
+  PlanConfig c;
+  c.numWorkers = 64;
+  c.placement = placement;
+  c.costAwareBlocks = false;
+  Plan before = buildPlan(batch, c, CostModel{c.attention});
+  c.costAwareBlocks = true;
+  return {std::move(before), buildPlan(batch, c, CostModel{c.attention})};
+}
+
 TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
   // Each 4K Zig-Zag block of the 354K-token sequence costs most of a worker's share: 89 of
   // them on 64 workers leave 25 workers with two. Cutting them finer must lower the busiest
@@ -201,13 +213,7 @@ TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
   for (uint64_t seed : {1, 2}) {
     const Batch batch = longTailedBatch(seed);
     for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
-      PlanConfig c;
-      c.numWorkers = 64;
-      c.placement = placement;
-      c.costAwareBlocks = false;
-      const Plan before = buildPlan(batch, c, CostModel{c.attention});
-      c.costAwareBlocks = true;
-      const Plan after = buildPlan(batch, c, CostModel{c.attention});
+      const auto [before, after] = uncutAndCut(batch, placement);
       const std::string what =
           "seed " + std::to_string(seed) + " " + std::string(placementName(placement));
       ASSERT_TRUE(validate(after).empty()) << what;
@@ -217,7 +223,7 @@ TEST(CostAwareBlocksTest, GiantBlocksAreCutWhenItLowersTheBusiestWorker) {
       EXPECT_LT(busiest(after), 0.97 * busiest(before)) << what;
       EXPECT_LT(busiest(after), after.lowerBound * 1.02) << what;
       // The per-sequence sizes are deterministic: the same plan twice.
-      EXPECT_EQ(planToJson(after), planToJson(buildPlan(batch, c, CostModel{c.attention})));
+      EXPECT_EQ(planToJson(after), planToJson(uncutAndCut(batch, placement).second));
     }
   }
 }
@@ -232,13 +238,7 @@ TEST(CostAwareBlocksTest, BlocksOverAShareAreCutThoughThePlanIsAtItsBound) {
   Batch batch{{24 * 4096}};
   while (batch.numTokens() < 64 * 32768 * 6 / 10) batch.sequenceLengths.push_back(4096);
   for (Placement placement : {Placement::kLpt, Placement::kLocal}) {
-    PlanConfig c;
-    c.numWorkers = 64;
-    c.placement = placement;
-    c.costAwareBlocks = false;
-    const Plan before = buildPlan(batch, c, CostModel{c.attention});
-    c.costAwareBlocks = true;
-    const Plan after = buildPlan(batch, c, CostModel{c.attention});
+    const auto [before, after] = uncutAndCut(batch, placement);
     const std::string what(placementName(placement));
     ASSERT_TRUE(validate(after).empty()) << what;
     double total = 0;
