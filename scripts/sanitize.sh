@@ -40,5 +40,6 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 for t in fcp_runtime_tests fcp_api_tests; do
   "$tsan_dir/tests/$t" --gtest_brief=1
 done
-"$tsan_dir/tests/fcp_plan_tests" --gtest_brief=1 --gtest_filter='PlanTest.APlanIsTheSame*:ParallelTest.*'
+"$tsan_dir/tests/fcp_plan_tests" --gtest_brief=1 \
+  --gtest_filter='PlanTest.APlanIsTheSame*:ParallelTest.*'
 echo "sanitize: TSan threaded tests passed in $((SECONDS - start)) s"

@@ -124,7 +124,8 @@ std::vector<int64_t> blocksPerSequence(const ChunksBySequence& bySequence) {
   for (size_t s = 0; s < m.size(); ++s) {
     for (int64_t i = bySequence.offset[s]; i < bySequence.offset[s + 1]; ++i) {
       const auto at = static_cast<size_t>(i);
-      m[s] += i == bySequence.offset[s] || bySequence.items[at].first != bySequence.items[at - 1].first;
+      m[s] += i == bySequence.offset[s] ||
+              bySequence.items[at].first != bySequence.items[at - 1].first;
     }
   }
   return m;

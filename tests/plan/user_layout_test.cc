@@ -31,7 +31,8 @@ std::vector<std::vector<int64_t>> layouts(int64_t tokens, int64_t workers, std::
   std::vector<std::vector<int64_t>> out{userLayoutStarts(tokens, workers)};
   std::vector<int64_t> cuts{0, tokens};
   std::uniform_int_distribution<int64_t> at(0, tokens);
-  for (int64_t w = 1; w < workers; ++w) cuts.push_back(w % 3 == 0 ? cuts[cuts.size() - 1] : at(rng));
+  for (int64_t w = 1; w < workers; ++w)
+    cuts.push_back(w % 3 == 0 ? cuts[cuts.size() - 1] : at(rng));
   std::sort(cuts.begin(), cuts.end());
   out.push_back(cuts);
   std::vector<int64_t> last(static_cast<size_t>(workers) + 1, 0), first(last.size(), tokens);
