@@ -497,8 +497,8 @@ double forwardSpan(const Plan& plan, StagePrep prep) {
   const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
   FCP_CHECK(lag >= 1, "a buffer depth of ", plan.config.bufferDepth, ": expected at least 2");
   const size_t stages = groups > 0 ? static_cast<size_t>(groups) + lag : 1;
+  // Only the received lists are read (a transfer's sending stage is its group, from its round).
   setGroups(plan, &Transfer::receiver, prep.received);
-  setGroups(plan, &Transfer::sender, prep.sent);
   const auto costOf = [&](int32_t p) { return plan.pairs[static_cast<size_t>(p)].cost; };
   // Each stage's compute, summed in the order forwardStages lists its pairs: stage 0 opens
   // with the first half of the local pairs (nothing received lands there, lag >= 1), the pairs
