@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -161,14 +163,35 @@ bool cannotBeat(const std::vector<int64_t>& tokens, const std::vector<double>& c
   return bound >= mustBeat * (1 + 1e-12);
 }
 
-/// The paper's blocks (Zig-Zag) for `sharding`, with their pairs and costs.
-Placed shardLpt(const Batch& batch, const PlanConfig& config, const CostModel& costModel,
-                const Sharding& sharding) {
+/// cannotBeat's test before the pairs are made, from the blocks' costs by their chunks
+/// (blockCostsFromChunks): whether the costliest block, or the mean per worker, is at or above
+/// `mustBeat`, with a margin far above the rounding between the two ways of summing the costs,
+/// so blocks it refuses are blocks cannotBeat refuses once the pairs are made. The pairs are
+/// most of a cutting's planning time (tens of milliseconds at 4096 workers).
+bool cannotBeatByChunks(const std::vector<Block>& blocks, const Batch& batch,
+                        const CostModel& costModel, const DistributorOptions& options,
+                        double mustBeat) {
+  if (!(mustBeat < std::numeric_limits<double>::infinity())) return false;
+  double costliest = 0, total = 0;
+  for (const double c : blockCostsFromChunks(blocks, batch.sequenceLengths, costModel)) {
+    costliest = std::max(costliest, c);
+    total += c;
+  }
+  const double bound = std::max(costliest, total / static_cast<double>(options.numWorkers));
+  return bound >= mustBeat * (1 + 1e-9);
+}
+
+/// The paper's blocks (Zig-Zag) for `sharding`, with their pairs and costs; nullopt when the
+/// blocks cannot beat sharding.mustBeat (cannotBeatByChunks).
+std::optional<Placed> shardLpt(const Batch& batch, const PlanConfig& config,
+                               const CostModel& costModel, const DistributorOptions& options,
+                               const Sharding& sharding) {
   const auto start = std::chrono::steady_clock::now();
-  Placed p = placeWith(
-      batch, config, costModel,
-      shardBatch(batch, sharding.blockSize, config.attention.mask, sharding.sequenceSizes,
-                 sharding.packSize));
+  std::vector<Block> blocks = shardBatch(batch, sharding.blockSize, config.attention.mask,
+                                         sharding.sequenceSizes, sharding.packSize);
+  if (cannotBeatByChunks(blocks, batch, costModel, options, sharding.mustBeat))
+    return std::nullopt;
+  Placed p = placeWith(batch, config, costModel, std::move(blocks));
   p.shardMs = msSince(start);
   return p;
 }
@@ -178,8 +201,14 @@ Placed shardLpt(const Batch& batch, const PlanConfig& config, const CostModel& c
 std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
                                const CostModel& costModel, const DistributorOptions& options,
                                const Sharding& sharding) {
-  Placed p = sharding.made ? std::move(*sharding.made)
-                           : shardLpt(batch, config, costModel, sharding);
+  std::optional<Placed> made;
+  if (sharding.made) {
+    made = std::move(*sharding.made);
+  } else {
+    made = shardLpt(batch, config, costModel, options, sharding);
+    if (!made) return std::nullopt;
+  }
+  Placed& p = *made;
   const std::vector<int64_t> tokens = blockTokens(p.plan.blocks);
   if (cannotBeat(tokens, p.costs, options, sharding.mustBeat)) return std::nullopt;
   const auto start = std::chrono::steady_clock::now();
@@ -189,7 +218,7 @@ std::optional<Placed> placeLpt(const Batch& batch, const PlanConfig& config,
   p.plan.placement = Placement::kLpt;
   p.plan.loads = computeLoads(p.plan);
   p.assignMs = msSince(start);
-  return p;
+  return made;
 }
 
 /// Bytes of KV transfers each worker sends plus receives (the load PlanStats::commImbalance
@@ -272,9 +301,11 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
   FCP_CHECK(sharding.made == nullptr, "the local placement was given the paper's blocks");
   const std::vector<int64_t> user = userLayout(config, batch.numTokens());
   auto start = std::chrono::steady_clock::now();
-  Placed p =
-      placeWith(batch, config, costModel,
-                shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes));
+  std::vector<Block> blocks =
+      shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes);
+  if (cannotBeatByChunks(blocks, batch, costModel, options, sharding.mustBeat))
+    return std::nullopt;
+  Placed p = placeWith(batch, config, costModel, std::move(blocks));
   p.shardMs = msSince(start);
   const std::vector<int64_t> tokens = blockTokens(p.plan.blocks);
   if (cannotBeat(tokens, p.costs, options, sharding.mustBeat)) return std::nullopt;
@@ -291,6 +322,48 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
 
 /// The communication imbalance a winning local placement may have, if the paper's has less.
 constexpr double kLocalCommImbalance = 0.05;
+
+/// The most the local placement's busiest worker may cost and still be chosen (buildPlan,
+/// when commRatio is 0): it must be within max(maxCost, LB x slack) of the finished paper's
+/// placement, whose cost-aware cuttings only lower its busiest worker below `base`'s (and its
+/// bound is at most that), and whose communication balancing raises it at most to
+/// LB x (1 + commBalanceSlack). Infinite when the choice weighs bytes too (takeFastest).
+double localWinLimit(const Placed& base, const PlanConfig& config) {
+  if (config.commRatio > 0) return std::numeric_limits<double>::infinity();
+  const double m = maxCost(base.plan);
+  const double slack = 1.0 + std::max(config.improveTarget, config.localitySlack);
+  return std::max({m, m * slack, m * (1.0 + config.commBalanceSlack)});
+}
+
+/// localWinLimit, passed from the paper's placement to the local one beside it: the local
+/// placement assigns no finer cutting that cannot win (at 4096 workers a batch whose local
+/// cutting has blocks of 1.9 shares tried four cuttings, 550 ms, none of which could). A value
+/// of the inputs, never of the timing: the local side waits for it, so the plan is the same on
+/// one thread or two. The paper's side offers infinity as it ends, so an error there never
+/// leaves the local side waiting.
+class LocalWinLimit {
+ public:
+  /// Sets the limit unless it is set already; wakes the waiting side.
+  void offer(double limit) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (value_) return;
+      value_ = limit;
+    }
+    set_.notify_all();
+  }
+  /// The limit, once offered.
+  double get() const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    set_.wait(lock, [&] { return value_.has_value(); });
+    return *value_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable set_;
+  std::optional<double> value_;
+};
 
 /// Cost-aware blocks. A block is giant when it costs more than kCostCutShare of a worker's
 /// share (total cost / workers). Finer cuttings are tried in turn against the best so far
@@ -479,7 +552,8 @@ double forwardSpanOf(Placed& p);
 /// balancing may still move blocks within the compute slack, and the colouring depends on the
 /// relabelled workers' ids (the winner's rounds are made again after finishLpt).
 Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanConfig& config,
-                   const CostModel& costModel, const DistributorOptions& options) {
+                   const CostModel& costModel, const DistributorOptions& options,
+                   const LocalWinLimit* winLimit = nullptr) {
   if (!config.costAwareBlocks || base.plan.lowerBound <= 0) return base;
   // The local placement stops once within the locality slack of its bound, by design.
   const double stop =
@@ -490,6 +564,9 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
   // 1.1M-token sequence at 2.09 shares each, the busiest worker "at its bound").
   const double reference = std::min(base.plan.lowerBound, shareOf(base));
   if (maxCost(base.plan) <= reference * (1.0 + stop)) return base;
+  // The local placement's cuttings that cannot win the choice are not assigned (their blocks
+  // not even paired: cannotBeatByChunks), whatever they would do for its own busiest worker.
+  const double cap = winLimit ? winLimit->get() : std::numeric_limits<double>::infinity();
   const int64_t size = base.plan.shardBlockSize;
   const int64_t retries = base.plan.memoryRetries;
   double shardMs = base.shardMs, assignMs = base.assignMs, balanceMs = base.balanceMs;
@@ -513,7 +590,7 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
   const auto tryCandidate = [&](Sharding sharding) {
     // Only a busiest worker below the best so far is kept: blocks that cannot get there are
     // not assigned.
-    sharding.mustBeat = maxCost(best.plan);
+    sharding.mustBeat = std::min(maxCost(best.plan), cap);
     std::optional<Placed> fine = place(batch, config, costModel, options, sharding);
     if (!fine) return;  // finer blocks that the cap refuses, or that cannot win: keep best
     shardMs += fine->shardMs;
@@ -564,13 +641,20 @@ Placed refineCosts(PlaceFn place, Placed base, const Batch& batch, const PlanCon
 /// One placement, always feasible and cost-aware; candidates are compared by their
 /// assignment (and the paper's also by their spans), and only the winner is finished
 /// (finishLpt).
+///
+/// `winLimit`, when given, is what the two placements share: the paper's offers it once its
+/// first assignment is made, and the local one waits for it before it tries finer cuttings.
 Placed placeBest(PlaceFn place, const Batch& batch, const PlanConfig& config,
                  const CostModel& costModel, const DistributorOptions& options,
-                 Placed* made = nullptr) {
-  Placed p = refineCosts(place, placeFeasibly(place, batch, config, costModel, options, made),
-                         batch, config, costModel, options);
-  if (place == &placeLpt) finishLpt(p, config, options);
-  return p;
+                 Placed* made = nullptr, LocalWinLimit* winLimit = nullptr) {
+  Placed p = placeFeasibly(place, batch, config, costModel, options, made);
+  if (place == &placeLpt) {
+    if (winLimit) winLimit->offer(localWinLimit(p, config));
+    p = refineCosts(place, std::move(p), batch, config, costModel, options);
+    finishLpt(p, config, options);
+    return p;
+  }
+  return refineCosts(place, std::move(p), batch, config, costModel, options, winLimit);
 }
 
 /// Bytes a step moves, in all (as PlanStats::stepBytes) and at the busiest worker (as
@@ -1060,17 +1144,23 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     int64_t unusedRetries = 0;
     const int64_t size = firstSize(batch, config, options, &unusedRetries);
     checkPairCount(batch, size);
-    lptFirst = shardLpt(batch, config, costModel, Sharding{size, {}});
+    lptFirst = shardLpt(batch, config, costModel, options, Sharding{size, {}});
   }
   Placed lpt, local;
+  LocalWinLimit winLimit;
   detail::runBoth(
       parallel && withLocal,
       [&] {
+        struct OfferOnExit {  // an error leaves no waiter: infinity, if nothing was offered
+          LocalWinLimit& limit;
+          ~OfferOnExit() { limit.offer(std::numeric_limits<double>::infinity()); }
+        } const offerOnExit{winLimit};
         lpt = placeBest(&placeLpt, batch, config, costModel, options,
-                        lptFirst ? &*lptFirst : nullptr);
+                        lptFirst ? &*lptFirst : nullptr, &winLimit);
       },
       [&] {
-        if (withLocal) local = placeBest(&placeLocal, batch, config, costModel, options);
+        if (withLocal)
+          local = placeBest(&placeLocal, batch, config, costModel, options, nullptr, &winLimit);
       });
   lptFirst.reset();
   double shardMs = lpt.shardMs, assignMs = lpt.assignMs, balanceMs = lpt.balanceMs;

@@ -382,4 +382,33 @@ std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& 
   return costs;
 }
 
+std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,
+                                         const std::vector<int64_t>& sequenceLengths,
+                                         const CostModel& costModel) {
+  const MaskKind mask = costModel.attention.mask;
+  const double flopsPerEntry = forwardFlops(costModel.attention, 1);
+  std::vector<double> costs(blocks.size(), 0.0);
+  std::vector<const Chunk*> chunks;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    chunks.clear();
+    for (const Chunk& c : blocks[b].chunks) chunks.push_back(&c);
+    std::stable_sort(chunks.begin(), chunks.end(),
+                     [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    for (size_t i = 0; i < chunks.size();) {
+      const int32_t s = chunks[i]->sequence;
+      FCP_CHECK(s >= 0 && static_cast<size_t>(s) < sequenceLengths.size(), "chunk of sequence ",
+                s, " in a batch of ", sequenceLengths.size());
+      const int64_t length = sequenceLengths[static_cast<size_t>(s)];
+      int64_t tokens = 0, visible = 0;
+      for (; i < chunks.size() && chunks[i]->sequence == s; ++i) {
+        tokens += chunks[i]->numTokens();
+        visible += visibleEntries(mask, chunks[i]->begin, chunks[i]->end, 0, length);
+      }
+      if (visible > 0)
+        costs[b] += static_cast<double>(visible) * (flopsPerEntry / costModel.forward.at(tokens));
+    }
+  }
+  return costs;
+}
+
 }  // namespace fcp::plan

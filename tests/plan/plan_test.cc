@@ -106,8 +106,9 @@ class PlanThreads {
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
   // Large enough for the second thread (64K pairs and up): the paper's first pairs in two
   // halves, the two placements, the reshuffle beside the transfers and each half of the stages
-  // run side by side. The plan on one thread
-  // is the reference, to the byte.
+  // run side by side. In the first case the local placement's blocks cost over a share, so it
+  // tries finer cuttings once the paper's placement beside it has said what it must beat
+  // (LocalWinLimit). The plan on one thread is the reference, to the byte.
   struct Case {
     const char* workload;
     int64_t workers, tokensPerWorker, blockSize;

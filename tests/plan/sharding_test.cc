@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <map>
 #include <set>
@@ -158,6 +159,47 @@ TEST(ShardingTest, PairsCountEveryVisibleEntryOnce) {
     EXPECT_TRUE(std::is_sorted(pairs.begin(), pairs.end(), [](const BlockPair& a, const BlockPair& b) {
       return std::tie(a.qBlock, a.kvBlock) < std::tie(b.qBlock, b.kvBlock);
     }));
+  }
+}
+
+TEST(ShardingTest, CostsFromChunksAreThePairsCosts) {
+  // blockCostsFromChunks against the sums of blockPairs' costs (the reference: pair by pair),
+  // for Zig-Zag blocks with their own sizes and pack sizes, and blocks along user layouts (a
+  // sequence's blocks from several slices, packed pieces of several sequences), both masks.
+  Rng rng(17);
+  for (int trial = 0; trial < 120; ++trial) {
+    const MaskKind mask = trial % 2 == 0 ? MaskKind::kCausal : MaskKind::kFull;
+    CostModel model{};
+    model.attention.mask = mask;
+    const int64_t blockSize = int64_t{1} << (2 + rng.next() % 9);  // 4 .. 1024
+    const Batch batch = randomBatch(rng, blockSize, 4 + static_cast<int>(rng.next() % 40));
+    std::vector<Block> blocks;
+    if (trial % 4 < 2) {
+      std::vector<int64_t> sizes;
+      for (size_t s = 0; trial % 3 == 0 && s < batch.sequenceLengths.size(); ++s)
+        sizes.push_back(std::array<int64_t, 3>{0, blockSize / 2, blockSize / 4}[rng.next() % 3]);
+      const int64_t pack = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(blockSize + 1));
+      blocks = shardBatch(batch, blockSize, mask, sizes, pack);
+    } else {
+      const int64_t total = batch.numTokens();
+      std::vector<int64_t> starts{0};
+      const int workers = 1 + static_cast<int>(rng.next() % 8);
+      for (int w = 1; w < workers; ++w)
+        starts.push_back(static_cast<int64_t>(rng.next() % static_cast<uint64_t>(total + 1)));
+      std::sort(starts.begin(), starts.end());
+      starts.push_back(total);
+      blocks = shardBatchForLayout(batch, blockSize, starts);
+    }
+    const std::vector<double> reference =
+        blockCosts(static_cast<int64_t>(blocks.size()), blockPairs(blocks, model));
+    const std::vector<double> fromChunks =
+        blockCostsFromChunks(blocks, batch.sequenceLengths, model);
+    ASSERT_EQ(fromChunks.size(), reference.size());
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      ASSERT_GT(reference[b], 0) << "trial " << trial << " block " << b;
+      EXPECT_NEAR(fromChunks[b], reference[b], 1e-12 * reference[b])
+          << "trial " << trial << " block " << b << " of " << blocks.size();
+    }
   }
 }
 
