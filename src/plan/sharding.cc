@@ -387,25 +387,44 @@ std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,
                                          const CostModel& costModel) {
   const MaskKind mask = costModel.attention.mask;
   const double flopsPerEntry = forwardFlops(costModel.attention, 1);
+  // Most blocks hold the same number of tokens of one sequence: the last rate is kept rather
+  // than the curve evaluated again (as blockPairs does).
+  int64_t lastTokens = -1;
+  double lastRate = 0;
+  const auto cost = [&](int32_t s, const Chunk* const* first, const Chunk* const* last) {
+    FCP_CHECK(s >= 0 && static_cast<size_t>(s) < sequenceLengths.size(), "chunk of sequence ",
+              s, " in a batch of ", sequenceLengths.size());
+    const int64_t length = sequenceLengths[static_cast<size_t>(s)];
+    int64_t tokens = 0, visible = 0;
+    for (; first != last; ++first) {
+      tokens += (*first)->numTokens();
+      visible += visibleEntries(mask, (*first)->begin, (*first)->end, 0, length);
+    }
+    if (visible == 0) return 0.0;
+    if (tokens != lastTokens) {
+      lastTokens = tokens;
+      lastRate = flopsPerEntry / costModel.forward.at(tokens);
+    }
+    return static_cast<double>(visible) * lastRate;
+  };
   std::vector<double> costs(blocks.size(), 0.0);
   std::vector<const Chunk*> chunks;
   for (size_t b = 0; b < blocks.size(); ++b) {
     chunks.clear();
     for (const Chunk& c : blocks[b].chunks) chunks.push_back(&c);
-    std::stable_sort(chunks.begin(), chunks.end(),
-                     [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    // One sequence (a cut sequence's block: most blocks) needs no sorting.
+    const bool oneSequence = std::all_of(chunks.begin(), chunks.end(), [&](const Chunk* c) {
+      return c->sequence == chunks.front()->sequence;
+    });
+    if (!oneSequence) {
+      std::stable_sort(chunks.begin(), chunks.end(),
+                       [](const Chunk* x, const Chunk* y) { return x->sequence < y->sequence; });
+    }
     for (size_t i = 0; i < chunks.size();) {
-      const int32_t s = chunks[i]->sequence;
-      FCP_CHECK(s >= 0 && static_cast<size_t>(s) < sequenceLengths.size(), "chunk of sequence ",
-                s, " in a batch of ", sequenceLengths.size());
-      const int64_t length = sequenceLengths[static_cast<size_t>(s)];
-      int64_t tokens = 0, visible = 0;
-      for (; i < chunks.size() && chunks[i]->sequence == s; ++i) {
-        tokens += chunks[i]->numTokens();
-        visible += visibleEntries(mask, chunks[i]->begin, chunks[i]->end, 0, length);
-      }
-      if (visible > 0)
-        costs[b] += static_cast<double>(visible) * (flopsPerEntry / costModel.forward.at(tokens));
+      size_t j = i;
+      while (j < chunks.size() && chunks[j]->sequence == chunks[i]->sequence) ++j;
+      costs[b] += cost(chunks[i]->sequence, chunks.data() + i, chunks.data() + j);
+      i = j;
     }
   }
   return costs;
