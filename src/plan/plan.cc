@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -181,6 +182,33 @@ bool cannotBeatByChunks(const std::vector<Block>& blocks, const Batch& batch,
   return bound >= mustBeat * (1 + 1e-9);
 }
 
+/// Whether the local placement's cutting `sharding` of `batch` along `user` cannot beat
+/// sharding.mustBeat by the costliest own block of one of the batch's kLongestChecked longest
+/// sequences (costliestLayoutBlock), before the batch is cut. cannotBeatByChunks would find
+/// that block, at the same cost, once the batch is cut, and refuse the cutting on the same
+/// test: so this refuses no cutting that one keeps, and costs microseconds where cutting the
+/// batch costs milliseconds (at 4096 workers, the local placement's refused cuttings 22 ->
+/// ~1 ms; its costliest blocks end its longest sequences).
+constexpr size_t kLongestChecked = 4;
+
+bool layoutCannotBeat(const Batch& batch, const std::vector<int64_t>& user,
+                      const CostModel& costModel, const Sharding& sharding) {
+  if (!(sharding.mustBeat < std::numeric_limits<double>::infinity())) return false;
+  std::vector<int32_t> order(batch.sequenceLengths.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto longest = order.begin() +
+                       static_cast<std::ptrdiff_t>(std::min(kLongestChecked, order.size()));
+  std::partial_sort(order.begin(), longest, order.end(), [&](int32_t a, int32_t b) {
+    const int64_t la = batch.sequenceLengths[static_cast<size_t>(a)];
+    const int64_t lb = batch.sequenceLengths[static_cast<size_t>(b)];
+    return la != lb ? la > lb : a < b;
+  });
+  return std::any_of(order.begin(), longest, [&](int32_t s) {
+    return costliestLayoutBlock(batch, s, sharding.blockSize, user, sharding.sequenceSizes,
+                                costModel) >= sharding.mustBeat * (1 + 1e-9);
+  });
+}
+
 /// The paper's blocks (Zig-Zag) for `sharding`, with their pairs and costs; nullopt when the
 /// blocks cannot beat sharding.mustBeat (cannotBeatByChunks).
 std::optional<Placed> shardLpt(const Batch& batch, const PlanConfig& config,
@@ -301,6 +329,7 @@ std::optional<Placed> placeLocal(const Batch& batch, const PlanConfig& config,
   FCP_CHECK(sharding.made == nullptr, "the local placement was given the paper's blocks");
   const std::vector<int64_t> user = userLayout(config, batch.numTokens());
   auto start = std::chrono::steady_clock::now();
+  if (layoutCannotBeat(batch, user, costModel, sharding)) return std::nullopt;
   std::vector<Block> blocks =
       shardBatchForLayout(batch, sharding.blockSize, user, sharding.sequenceSizes);
   if (cannotBeatByChunks(blocks, batch, costModel, options, sharding.mustBeat))

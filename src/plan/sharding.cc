@@ -44,6 +44,46 @@ void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, Mas
   }
 }
 
+/// One user worker's part [begin, end) of a sequence (positions from its first token).
+struct LayoutPiece {
+  size_t worker;
+  int64_t begin, end;
+};
+
+/// The parts shardBatchForLayout cuts a sequence into: a sequence of `len` tokens from `first`
+/// in the packed stream, `worker` the user worker holding token `first`. Each worker's part of
+/// the sequence, except that a part under a block at either end of a sequence split across
+/// workers joins its neighbour's: a few tokens move rather than a kernel running on a short
+/// piece (at the end of a long causal sequence, the densest).
+void layoutPieces(int64_t first, int64_t len, int64_t blockSize,
+                  const std::vector<int64_t>& userStarts, size_t worker,
+                  std::vector<LayoutPiece>& pieces) {
+  const size_t numWorkers = userStarts.size() - 1;
+  pieces.clear();
+  for (size_t w = worker; w < numWorkers && userStarts[w] < first + len; ++w) {
+    const int64_t begin = std::max(first, userStarts[w]) - first;
+    const int64_t end = std::min(first + len, userStarts[w + 1]) - first;
+    if (end > begin) pieces.push_back({w, begin, end});
+  }
+  if (pieces.size() > 1 && pieces.front().end - pieces.front().begin < blockSize) {
+    pieces[1].begin = pieces.front().begin;
+    pieces.erase(pieces.begin());
+  }
+  if (pieces.size() > 1 && pieces.back().end - pieces.back().begin < blockSize) {
+    pieces[pieces.size() - 2].end = pieces.back().end;
+    pieces.pop_back();
+  }
+}
+
+void checkLayout(const Batch& batch, const std::vector<int64_t>& userStarts) {
+  if (userStarts.size() < 2 || userStarts.front() != 0 ||
+      userStarts.back() != batch.numTokens()) {
+    throwInvalidArgument("user layout of ", userStarts.size(),
+                         " slice starts does not cover the batch's ", batch.numTokens(),
+                         " tokens");
+  }
+}
+
 /// First-fit decreasing of `items` (chunks under blockSize tokens) into blocks of at most
 /// blockSize tokens, appended to `blocks`. Bins live in a max-segment tree of free space over
 /// slots 0..S-1 (not yet opened slots are empty, so created bins are a prefix): the first bin
@@ -242,20 +282,11 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
                                        const std::vector<int64_t>& sequenceBlockSizes) {
   checkShardInput(batch, blockSize);
   checkSequenceSizes(batch, blockSize, sequenceBlockSizes);
-  if (userStarts.size() < 2 || userStarts.front() != 0 ||
-      userStarts.back() != batch.numTokens()) {
-    throwInvalidArgument("user layout of ", userStarts.size(),
-                         " slice starts does not cover the batch's ", batch.numTokens(),
-                         " tokens");
-  }
+  checkLayout(batch, userStarts);
   const size_t numWorkers = userStarts.size() - 1;
   std::vector<Block> blocks;
   std::vector<std::vector<Chunk>> shortPieces(numWorkers);
-  struct Piece {
-    size_t worker;
-    int64_t begin, end;
-  };
-  std::vector<Piece> pieces;
+  std::vector<LayoutPiece> pieces;
   int64_t first = 0;  // the sequence's first token in the packed stream
   size_t worker = 0;  // the user worker holding token `first`
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
@@ -266,23 +297,7 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
     // workers. Contiguous, not Zig-Zag, even for a sequence on one worker: a causal
     // sequence's later blocks carry more work per token, so when balance must move work, the
     // fewest tokens move.
-    pieces.clear();
-    for (size_t w = worker; w < numWorkers && userStarts[w] < first + len; ++w) {
-      const int64_t begin = std::max(first, userStarts[w]) - first;
-      const int64_t end = std::min(first + len, userStarts[w + 1]) - first;
-      if (end > begin) pieces.push_back({w, begin, end});
-    }
-    // A piece under a block at either end of a sequence split across workers joins its
-    // neighbour's: a few tokens move rather than a kernel running on a short piece (at the
-    // end of a long causal sequence, the densest).
-    if (pieces.size() > 1 && pieces.front().end - pieces.front().begin < blockSize) {
-      pieces[1].begin = pieces.front().begin;
-      pieces.erase(pieces.begin());
-    }
-    if (pieces.size() > 1 && pieces.back().end - pieces.back().begin < blockSize) {
-      pieces[pieces.size() - 2].end = pieces.back().end;
-      pieces.pop_back();
-    }
+    layoutPieces(first, len, blockSize, userStarts, worker, pieces);
     for (const auto& [w, begin, end] : pieces) {
       if (end - begin < blockSize) {
         shortPieces[w].push_back({s, begin, end});
@@ -380,6 +395,44 @@ std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& 
   std::vector<double> costs(static_cast<size_t>(numBlocks), 0.0);
   for (const BlockPair& p : pairs) costs[static_cast<size_t>(p.qBlock)] += p.cost;
   return costs;
+}
+
+double costliestLayoutBlock(const Batch& batch, int32_t sequence, int64_t blockSize,
+                            const std::vector<int64_t>& userStarts,
+                            const std::vector<int64_t>& sequenceBlockSizes,
+                            const CostModel& costModel) {
+  checkShardInput(batch, blockSize);
+  checkSequenceSizes(batch, blockSize, sequenceBlockSizes);
+  checkLayout(batch, userStarts);
+  FCP_CHECK(sequence >= 0 && static_cast<size_t>(sequence) < batch.sequenceLengths.size(),
+            "sequence ", sequence, " of ", batch.sequenceLengths.size());
+  const auto s = static_cast<size_t>(sequence);
+  const int64_t len = batch.sequenceLengths[s];
+  const int64_t first =
+      std::accumulate(batch.sequenceLengths.begin(),
+                      batch.sequenceLengths.begin() + static_cast<std::ptrdiff_t>(s), int64_t{0});
+  // The last slice starting at or before `first` (the first slice holding it, or an empty one
+  // just before: layoutPieces skips empty parts, so both give the same pieces).
+  const auto worker = static_cast<size_t>(
+      std::upper_bound(userStarts.begin(), userStarts.end() - 1, first) - userStarts.begin() - 1);
+  std::vector<LayoutPiece> pieces;
+  layoutPieces(first, len, blockSize, userStarts, worker, pieces);
+  const double flopsPerEntry = forwardFlops(costModel.attention, 1);
+  double costliest = 0;
+  for (const auto& [w, begin, end] : pieces) {
+    if (end - begin < blockSize) continue;  // packed with the worker's other short pieces
+    const int64_t size = sizeOf(sequenceBlockSizes, sequence, blockSize);
+    for (const Chunk& c : splitEvenly(sequence, end - begin, (end - begin + size - 1) / size)) {
+      const int64_t visible =
+          visibleEntries(costModel.attention.mask, begin + c.begin, begin + c.end, 0, len);
+      if (visible == 0) continue;
+      // As blockCostsFromChunks computes a one-chunk block's cost: the same value.
+      costliest = std::max(costliest, 0.0 + static_cast<double>(visible) *
+                                                (flopsPerEntry /
+                                                 costModel.forward.at(c.numTokens())));
+    }
+  }
+  return costliest;
 }
 
 std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
@@ -199,6 +200,55 @@ TEST(ShardingTest, CostsFromChunksAreThePairsCosts) {
       ASSERT_GT(reference[b], 0) << "trial " << trial << " block " << b;
       EXPECT_NEAR(fromChunks[b], reference[b], 1e-12 * reference[b])
           << "trial " << trial << " block " << b << " of " << blocks.size();
+    }
+  }
+}
+
+TEST(ShardForLayoutTest, TheCostliestBlockOfASequenceIsOneOfItsBlocks) {
+  // costliestLayoutBlock against the cut batch's own costs. Where every user slice holds at
+  // least a block, no piece of a sequence of two blocks or more is packed, so its value is the
+  // costliest block holding that sequence alone, exactly; on any layout it is 0 or exactly the
+  // cost of some block holding that sequence alone (what the planner relies on).
+  Rng rng(23);
+  for (int trial = 0; trial < 200; ++trial) {
+    const MaskKind mask = trial % 3 == 0 ? MaskKind::kFull : MaskKind::kCausal;
+    CostModel model{};
+    model.attention.mask = mask;
+    const int64_t blockSize = int64_t{1} << (2 + rng.next() % 7);  // 4 .. 256
+    const Batch batch = randomBatch(rng, blockSize, 2 + static_cast<int>(rng.next() % 20));
+    const int64_t total = batch.numTokens();
+    const bool wide = trial % 2 == 0;  // every slice at least a block
+    const int workers = 1 + static_cast<int>(rng.next() % 9);
+    std::vector<int64_t> starts{0};
+    for (int w = 1; w < workers; ++w) {
+      const int64_t cut = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(total + 1));
+      if (!wide || (cut - starts.back() >= blockSize && total - cut >= blockSize))
+        starts.push_back(cut);
+      std::sort(starts.begin(), starts.end());
+    }
+    starts.push_back(total);
+    std::vector<int64_t> sizes;
+    for (size_t s = 0; trial % 4 == 1 && s < batch.sequenceLengths.size(); ++s)
+      sizes.push_back(std::array<int64_t, 3>{0, blockSize / 2, blockSize / 4}[rng.next() % 3]);
+    const auto blocks = shardBatchForLayout(batch, blockSize, starts, sizes);
+    const auto costs = blockCostsFromChunks(blocks, batch.sequenceLengths, model);
+    for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
+      std::vector<double> alone;  // costs of the blocks holding sequence s alone
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        if (std::all_of(blocks[b].chunks.begin(), blocks[b].chunks.end(),
+                        [&](const Chunk& c) { return c.sequence == s; }))
+          alone.push_back(costs[b]);
+      }
+      const double got = costliestLayoutBlock(batch, s, blockSize, starts, sizes, model);
+      const std::string what = "trial " + std::to_string(trial) + " sequence " +
+                               std::to_string(s) + " of " +
+                               std::to_string(batch.sequenceLengths[static_cast<size_t>(s)]);
+      EXPECT_TRUE(got == 0 || std::find(alone.begin(), alone.end(), got) != alone.end())
+          << what << ": " << got;
+      if (wide && batch.sequenceLengths[static_cast<size_t>(s)] >= 2 * blockSize) {
+        ASSERT_FALSE(alone.empty()) << what;
+        EXPECT_EQ(got, *std::max_element(alone.begin(), alone.end())) << what;
+      }
     }
   }
 }

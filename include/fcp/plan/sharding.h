@@ -98,4 +98,15 @@ std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,
                                          const std::vector<int64_t>& sequenceLengths,
                                          const CostModel& costModel);
 
+/// The costliest of the blocks of `sequence` alone (not packed with others) that
+/// shardBatchForLayout(batch, blockSize, userStarts, sequenceBlockSizes) makes, as
+/// blockCostsFromChunks costs them (the same value); 0 when the sequence has none (every piece
+/// of it is packed). O(the sequence's blocks + the batch's sequences), without cutting the
+/// rest of the batch: a cutting whose costliest block is over what it must beat is refused
+/// before it is made. Throws as shardBatchForLayout does, and for a sequence out of range.
+double costliestLayoutBlock(const Batch& batch, int32_t sequence, int64_t blockSize,
+                            const std::vector<int64_t>& userStarts,
+                            const std::vector<int64_t>& sequenceBlockSizes,
+                            const CostModel& costModel);
+
 }  // namespace fcp::plan
