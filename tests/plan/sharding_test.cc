@@ -163,6 +163,23 @@ TEST(ShardingTest, PairsCountEveryVisibleEntryOnce) {
   }
 }
 
+/// A cost model for `mask`, a block size of 2^(2 + k) tokens for k below `sizes`, and a
+/// random batch of `fewest` + (a draw below `more`) sequences for that size.
+struct Drawn {
+  CostModel model;
+  int64_t blockSize;
+  Batch batch;
+};
+
+Drawn draw(Rng& rng, MaskKind mask, int sizes, int fewest, int more) {
+  Drawn d;
+  d.model.attention.mask = mask;
+  d.blockSize = int64_t{1} << (2 + rng.next() % static_cast<uint64_t>(sizes));
+  d.batch = randomBatch(rng, d.blockSize,
+                        fewest + static_cast<int>(rng.next() % static_cast<uint64_t>(more)));
+  return d;
+}
+
 TEST(ShardingTest, CostsFromChunksAreThePairsCosts) {
   // blockCostsFromChunks against the sums of blockPairs' costs (the reference: pair by pair),
   // for Zig-Zag blocks with their own sizes and pack sizes, and blocks along user layouts (a
@@ -170,10 +187,7 @@ TEST(ShardingTest, CostsFromChunksAreThePairsCosts) {
   Rng rng(17);
   for (int trial = 0; trial < 120; ++trial) {
     const MaskKind mask = trial % 2 == 0 ? MaskKind::kCausal : MaskKind::kFull;
-    CostModel model{};
-    model.attention.mask = mask;
-    const int64_t blockSize = int64_t{1} << (2 + rng.next() % 9);  // 4 .. 1024
-    const Batch batch = randomBatch(rng, blockSize, 4 + static_cast<int>(rng.next() % 40));
+    const auto [model, blockSize, batch] = draw(rng, mask, 9, 4, 40);  // blocks of 4 .. 1024
     std::vector<Block> blocks;
     if (trial % 4 < 2) {
       std::vector<int64_t> sizes;
@@ -212,10 +226,7 @@ TEST(ShardForLayoutTest, TheCostliestBlockOfASequenceIsOneOfItsBlocks) {
   Rng rng(23);
   for (int trial = 0; trial < 200; ++trial) {
     const MaskKind mask = trial % 3 == 0 ? MaskKind::kFull : MaskKind::kCausal;
-    CostModel model{};
-    model.attention.mask = mask;
-    const int64_t blockSize = int64_t{1} << (2 + rng.next() % 7);  // 4 .. 256
-    const Batch batch = randomBatch(rng, blockSize, 2 + static_cast<int>(rng.next() % 20));
+    const auto [model, blockSize, batch] = draw(rng, mask, 7, 2, 20);  // blocks of 4 .. 256
     const int64_t total = batch.numTokens();
     const bool wide = trial % 2 == 0;  // every slice at least a block
     const int workers = 1 + static_cast<int>(rng.next() % 9);
