@@ -44,6 +44,13 @@ void appendLongSequence(int32_t sequence, int64_t length, int64_t blockSize, Mas
   }
 }
 
+/// The forward cost of one visible entry in kernels over `tokens` tokens of one sequence: a
+/// pair's cost is its visible entries times this (blockPairs), and so is a block's, per
+/// sequence it holds (blockCostsFromChunks, costliestLayoutBlock).
+double costPerVisible(const CostModel& costModel, int64_t tokens) {
+  return forwardFlops(costModel.attention, 1) / costModel.forward.at(tokens);
+}
+
 /// One user worker's part [begin, end) of a sequence (positions from its first token).
 struct LayoutPiece {
   size_t worker;
@@ -206,7 +213,7 @@ void appendPairs(const std::vector<Block>& blocks, const ChunksBySequence& bySeq
       }
       if (qTokens != lastTokens) {
         lastTokens = qTokens;
-        lastCostPerVisible = forwardFlops(costModel.attention, 1) / costModel.forward.at(qTokens);
+        lastCostPerVisible = costPerVisible(costModel, qTokens);
       }
       const double costPerVisible = lastCostPerVisible;
       const auto seq = static_cast<size_t>(qChunks[qi]->sequence);
@@ -417,19 +424,17 @@ double costliestLayoutBlock(const Batch& batch, int32_t sequence, int64_t blockS
       std::upper_bound(userStarts.begin(), userStarts.end() - 1, first) - userStarts.begin() - 1);
   std::vector<LayoutPiece> pieces;
   layoutPieces(first, len, blockSize, userStarts, worker, pieces);
-  const double flopsPerEntry = forwardFlops(costModel.attention, 1);
+  const int64_t size = sizeOf(sequenceBlockSizes, sequence, blockSize);
   double costliest = 0;
   for (const auto& [w, begin, end] : pieces) {
     if (end - begin < blockSize) continue;  // packed with the worker's other short pieces
-    const int64_t size = sizeOf(sequenceBlockSizes, sequence, blockSize);
     for (const Chunk& c : splitEvenly(sequence, end - begin, (end - begin + size - 1) / size)) {
       const int64_t visible =
           visibleEntries(costModel.attention.mask, begin + c.begin, begin + c.end, 0, len);
       if (visible == 0) continue;
       // As blockCostsFromChunks computes a one-chunk block's cost: the same value.
       costliest = std::max(costliest, 0.0 + static_cast<double>(visible) *
-                                                (flopsPerEntry /
-                                                 costModel.forward.at(c.numTokens())));
+                                                costPerVisible(costModel, c.numTokens()));
     }
   }
   return costliest;
@@ -439,7 +444,6 @@ std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,
                                          const std::vector<int64_t>& sequenceLengths,
                                          const CostModel& costModel) {
   const MaskKind mask = costModel.attention.mask;
-  const double flopsPerEntry = forwardFlops(costModel.attention, 1);
   // Most blocks hold the same number of tokens of one sequence: the last rate is kept rather
   // than the curve evaluated again (as blockPairs does).
   int64_t lastTokens = -1;
@@ -456,7 +460,7 @@ std::vector<double> blockCostsFromChunks(const std::vector<Block>& blocks,
     if (visible == 0) return 0.0;
     if (tokens != lastTokens) {
       lastTokens = tokens;
-      lastRate = flopsPerEntry / costModel.forward.at(tokens);
+      lastRate = costPerVisible(costModel, tokens);
     }
     return static_cast<double>(visible) * lastRate;
   };
