@@ -115,6 +115,11 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               "forward stages, imbalance %.4f\n",
               static_cast<long long>(p.transfers.size()), static_cast<double>(s.commBytes),
               p.numRounds, s.maxDegree, s.numForwardStages, s.commImbalance);
+  if (s.commFloorBytes > 0) {
+    std::printf("  communication floor: %.4g bytes at the busiest worker for these blocks "
+                "(imbalance at least %.4f without moving more bytes)\n",
+                static_cast<double>(s.commFloorBytes), s.commImbalanceFloor);
+  }
   std::printf("  round maxima: sum %.4g bytes; lower bounds %.4g (busiest worker), %.4g (sorted)\n",
               static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
               static_cast<double>(s.sortedRoundBound));
@@ -251,7 +256,11 @@ void runPlan(const PlanArgs& a) {
       {"pairs", p.pairs.size()},
       {"forward_flops", s.totalForwardFlops},
       {"imbalance",
-       {{"compute", s.computeImbalance}, {"memory", s.memoryImbalance}, {"comm", s.commImbalance}}},
+       {{"compute", s.computeImbalance},
+        {"memory", s.memoryImbalance},
+        {"comm", s.commImbalance},
+        {"comm_floor", s.commImbalanceFloor}}},
+      {"comm_floor_bytes", s.commFloorBytes},
       {"rounds", p.numRounds},
       {"max_degree", s.maxDegree},
       {"stages", s.numForwardStages},

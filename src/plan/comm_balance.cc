@@ -1,6 +1,8 @@
 #include "comm_balance.h"
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -424,3 +426,100 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
 }
 
 }  // namespace fcp::plan::detail
+
+namespace fcp::plan {
+
+// For each block b, on whatever worker w holds it:
+// - w receives every KV block b's Q reads that w does not hold. w holds at most capTokens
+//   tokens and maxCost cost, b's included; the KV blocks it can hold besides b are at most
+//   the tokens a fractional knapsack packs into the cost room (cheapest cost per token first)
+//   and into the token room, whichever is fewer.
+// - w sends b to every other worker holding a Q block that reads b. What w cannot hold of
+//   those blocks (their tokens past its token room, their cost past its cost room) needs at
+//   least that much over capTokens (over maxCost) other workers.
+// Both are lower bounds whatever else w holds, so their sum is one on w's bytes.
+int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
+  for (const Transfer& t : plan.transfers) {
+    if (t.sender != plan.owner[static_cast<size_t>(t.block)]) return 0;  // relayed
+  }
+  const size_t n = plan.blocks.size();
+  std::vector<int64_t> tokens(n);
+  for (size_t b = 0; b < n; ++b) tokens[b] = plan.blocks[b].numTokens();
+  const std::vector<double> cost = blockCosts(static_cast<int64_t>(n), plan.pairs);
+  // Per block: the first of its pairs as a Q block (pairs are sorted by Q block), the tokens
+  // of the KV blocks it reads and the tokens and cost of the Q blocks reading it, itself and
+  // repeated pairs left out.
+  std::vector<size_t> firstPair(n + 1, plan.pairs.size());
+  std::vector<int64_t> readTokens(n, 0), readerTokens(n, 0);
+  std::vector<double> readerCost(n, 0);
+  for (size_t i = plan.pairs.size(); i-- > 0;) {
+    const BlockPair& p = plan.pairs[i];
+    const auto q = static_cast<size_t>(p.qBlock), kv = static_cast<size_t>(p.kvBlock);
+    firstPair[q] = i;
+    if (q == kv) continue;
+    if (i > 0 && plan.pairs[i - 1].qBlock == p.qBlock && plan.pairs[i - 1].kvBlock == p.kvBlock) {
+      continue;
+    }
+    readTokens[q] += tokens[kv];
+    readerTokens[kv] += tokens[q];
+    readerCost[kv] += cost[q];
+  }
+  for (size_t b = n; b-- > 0;) firstPair[b] = std::min(firstPair[b], firstPair[b + 1]);
+
+  constexpr double kTolerance = 1e-9;  // sums of costs in another order differ in the last bits
+  auto tokenRoom = [&](size_t b) { return std::max<int64_t>(0, capTokens - tokens[b]); };
+  auto costRoom = [&](size_t b) { return std::max(0.0, maxCost - cost[b]) * (1 + kTolerance); };
+  // Other workers that must hold a Q block reading b.
+  auto readerHolders = [&](size_t b) {
+    const int64_t restTokens = readerTokens[b] - tokenRoom(b);
+    const int64_t byTokens = restTokens > 0 ? (restTokens + capTokens - 1) / capTokens : 0;
+    const double restCost = readerCost[b] - costRoom(b);
+    const double byCost =
+        restCost > 0 && maxCost > 0 ? std::ceil(restCost / maxCost * (1 - kTolerance)) : 0;
+    return std::max(static_cast<double>(byTokens), byCost);
+  };
+  // Tokens b's holder must receive: the cheap bound counts the token room only.
+  auto receivedCheaply = [&](size_t b) {
+    return static_cast<double>(std::max<int64_t>(0, readTokens[b] - tokenRoom(b)));
+  };
+  std::vector<std::pair<double, double>> kv;  // (cost per token, tokens) of b's KV blocks
+  auto received = [&](size_t b) {
+    kv.clear();
+    for (size_t i = firstPair[b]; i < firstPair[b + 1]; ++i) {
+      const auto k = static_cast<size_t>(plan.pairs[i].kvBlock);
+      if (k == b || (i > firstPair[b] && plan.pairs[i - 1].kvBlock == plan.pairs[i].kvBlock)) {
+        continue;
+      }
+      kv.emplace_back(cost[k] / static_cast<double>(tokens[k]), static_cast<double>(tokens[k]));
+    }
+    std::sort(kv.begin(), kv.end());
+    double room = costRoom(b), held = 0;
+    for (const auto& [rate, t] : kv) {
+      if (rate * t <= room) {
+        held += t;
+        room -= rate * t;
+      } else {
+        held += rate > 0 ? room / rate : t;
+        break;
+      }
+    }
+    held = std::min(static_cast<double>(tokenRoom(b)), std::floor(held * (1 + kTolerance)));
+    return std::max(0.0, static_cast<double>(readTokens[b]) - held);
+  };
+
+  // The exact bound only where the cheap one (an upper bound on it) could still raise the floor.
+  std::vector<std::pair<double, size_t>> order(n);
+  for (size_t b = 0; b < n; ++b) {
+    order[b] = {receivedCheaply(b) + static_cast<double>(tokens[b]) * readerHolders(b), b};
+  }
+  std::sort(order.begin(), order.end(), std::greater<>());
+  double floorTokens = 0;
+  for (const auto& [cheap, b] : order) {
+    if (cheap <= floorTokens) break;
+    floorTokens =
+        std::max(floorTokens, received(b) + static_cast<double>(tokens[b]) * readerHolders(b));
+  }
+  return static_cast<int64_t>(floorTokens) * plan.config.attention.kvBytesPerToken();
+}
+
+}  // namespace fcp::plan

@@ -1345,7 +1345,17 @@ PlanStats computeStats(const Plan& plan) {
     edges.push_back({t.sender, t.receiver, t.bytes});
   }
   // Each transfer counts at its sender and its receiver.
-  s.commImbalance = imbalance(transferBytesByWorker(plan));
+  const std::vector<int64_t> moved = transferBytesByWorker(plan);
+  s.commImbalance = imbalance(moved);
+  s.commFloorBytes =
+      commFloorBytes(plan, std::max(s.memoryCapTokens, s.maxWorkerTokens), maxCost);
+  const double meanMoved =
+      moved.empty() ? 0
+                    : static_cast<double>(std::accumulate(moved.begin(), moved.end(), int64_t{0})) /
+                          static_cast<double>(moved.size());
+  if (static_cast<double>(s.commFloorBytes) > meanMoved) {
+    s.commImbalanceFloor = 1 - meanMoved / static_cast<double>(s.commFloorBytes);
+  }
   const auto& a = plan.config.attention;
   const int64_t bytesPerToken = a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken();
   s.reshuffleBytes = movedTokens(plan.reshuffle) * bytesPerToken;
