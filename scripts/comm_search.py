@@ -119,7 +119,8 @@ def main():
         return sum(max(0.0, m - mean) ** 2 for m in moved) / 1e18
 
     def summary():
-        return f"imbalance {imbalance():.4f}, busiest {max(moved):.4g} B, total {sum(moved) / 2:.4g} B"
+        return (f"imbalance {imbalance():.4f}, busiest {max(moved):.4g} B, "
+                f"total {sum(moved) / 2:.4g} B")
 
     rng = random.Random(args.seed)
     start = summary()

@@ -156,7 +156,8 @@ void runLoadedPlan(const PlanArgs& a) {
     std::cout << nlohmann::json({{"workers", p.config.numWorkers}, {"valid", true},
                                  {"imbalance", {{"compute", s.computeImbalance},
                                                 {"memory", s.memoryImbalance},
-                                                {"comm", s.commImbalance}}}}).dump()
+                                                {"comm", s.commImbalance},
+                                                {"comm_floor", s.commImbalanceFloor}}}}).dump()
               << '\n';
   } else {
     printSummary(p, s, plan::PlanTimings{}, "loaded from " + a.planIn);

@@ -427,7 +427,7 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
 
 }  // namespace fcp::plan::detail
 
-namespace fcp::plan {
+namespace fcp::plan::detail {
 
 // For each block b, on whatever worker w holds it:
 // - w receives every KV block b's Q reads that w does not hold. w holds at most capTokens
@@ -436,9 +436,24 @@ namespace fcp::plan {
 //   and into the token room, whichever is fewer.
 // - w sends b to every other worker holding a Q block that reads b. What w cannot hold of
 //   those blocks (their tokens past its token room, their cost past its cost room) needs at
-//   least that much over capTokens (over maxCost) other workers.
+//   least that much over capTokens (over maxCost) other workers, and there are N - 1.
 // Both are lower bounds whatever else w holds, so their sum is one on w's bytes.
-int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
+int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost, FloorSearch search) {
+  if (capTokens <= 0) {
+    throwInvalidArgument("communication floor under a cap of ", capTokens,
+                         " tokens: expected at least 1");
+  }
+  if (!(maxCost >= 0)) {
+    throwInvalidArgument("communication floor under a busiest cost of ", maxCost,
+                         ": expected at least 0");
+  }
+  for (size_t i = 1; i < plan.pairs.size(); ++i) {
+    const BlockPair &a = plan.pairs[i - 1], &b = plan.pairs[i];
+    if (!(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock))) {
+      throwInvalidArgument("communication floor: pairs ", i - 1, " and ", i,
+                           " are not in strict (Q block, KV block) order");
+    }
+  }
   for (const Transfer& t : plan.transfers) {
     if (t.sender != plan.owner[static_cast<size_t>(t.block)]) return 0;  // relayed
   }
@@ -446,29 +461,28 @@ int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
   std::vector<int64_t> tokens(n);
   for (size_t b = 0; b < n; ++b) tokens[b] = plan.blocks[b].numTokens();
   const std::vector<double> cost = blockCosts(static_cast<int64_t>(n), plan.pairs);
-  // Per block: the first of its pairs as a Q block (pairs are sorted by Q block), the tokens
-  // of the KV blocks it reads and the tokens and cost of the Q blocks reading it, itself and
-  // repeated pairs left out.
-  std::vector<size_t> firstPair(n + 1, plan.pairs.size());
+  // Per block: its pairs as a Q block (pairs[firstPair[b]] .. pairs[firstPair[b + 1]]), the
+  // tokens of the KV blocks it reads, and the tokens and cost of the Q blocks reading it,
+  // itself left out.
+  std::vector<size_t> firstPair(n + 1, 0);
   std::vector<int64_t> readTokens(n, 0), readerTokens(n, 0);
   std::vector<double> readerCost(n, 0);
-  for (size_t i = plan.pairs.size(); i-- > 0;) {
-    const BlockPair& p = plan.pairs[i];
+  for (const BlockPair& p : plan.pairs) {
     const auto q = static_cast<size_t>(p.qBlock), kv = static_cast<size_t>(p.kvBlock);
-    firstPair[q] = i;
+    ++firstPair[q + 1];
     if (q == kv) continue;
-    if (i > 0 && plan.pairs[i - 1].qBlock == p.qBlock && plan.pairs[i - 1].kvBlock == p.kvBlock) {
-      continue;
-    }
     readTokens[q] += tokens[kv];
     readerTokens[kv] += tokens[q];
     readerCost[kv] += cost[q];
   }
-  for (size_t b = n; b-- > 0;) firstPair[b] = std::min(firstPair[b], firstPair[b + 1]);
+  for (size_t b = 0; b < n; ++b) firstPair[b + 1] += firstPair[b];
 
-  constexpr double kTolerance = 1e-9;  // sums of costs in another order differ in the last bits
+  // Sums of costs in another order differ in their last bits: the rooms are widened by a
+  // part in 1e9 of the busiest cost, and the worker counts narrowed as much.
+  constexpr double kTolerance = 1e-9;
+  const double otherWorkers = static_cast<double>(plan.config.numWorkers - 1);
   auto tokenRoom = [&](size_t b) { return std::max<int64_t>(0, capTokens - tokens[b]); };
-  auto costRoom = [&](size_t b) { return std::max(0.0, maxCost - cost[b]) * (1 + kTolerance); };
+  auto costRoom = [&](size_t b) { return std::max(0.0, maxCost * (1 + kTolerance) - cost[b]); };
   // Other workers that must hold a Q block reading b.
   auto readerHolders = [&](size_t b) {
     const int64_t restTokens = readerTokens[b] - tokenRoom(b);
@@ -476,21 +490,16 @@ int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
     const double restCost = readerCost[b] - costRoom(b);
     const double byCost =
         restCost > 0 && maxCost > 0 ? std::ceil(restCost / maxCost * (1 - kTolerance)) : 0;
-    return std::max(static_cast<double>(byTokens), byCost);
-  };
-  // Tokens b's holder must receive: the cheap bound counts the token room only.
-  auto receivedCheaply = [&](size_t b) {
-    return static_cast<double>(std::max<int64_t>(0, readTokens[b] - tokenRoom(b)));
+    return std::min(otherWorkers, std::max(static_cast<double>(byTokens), byCost));
   };
   std::vector<std::pair<double, double>> kv;  // (cost per token, tokens) of b's KV blocks
   auto received = [&](size_t b) {
     kv.clear();
     for (size_t i = firstPair[b]; i < firstPair[b + 1]; ++i) {
       const auto k = static_cast<size_t>(plan.pairs[i].kvBlock);
-      if (k == b || (i > firstPair[b] && plan.pairs[i - 1].kvBlock == plan.pairs[i].kvBlock)) {
-        continue;
+      if (k != b) {
+        kv.emplace_back(cost[k] / static_cast<double>(tokens[k]), static_cast<double>(tokens[k]));
       }
-      kv.emplace_back(cost[k] / static_cast<double>(tokens[k]), static_cast<double>(tokens[k]));
     }
     std::sort(kv.begin(), kv.end());
     double room = costRoom(b), held = 0;
@@ -499,27 +508,34 @@ int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
         held += t;
         room -= rate * t;
       } else {
-        held += rate > 0 ? room / rate : t;
+        held += room / rate;  // rate > 0: a block of no cost always fits
         break;
       }
     }
-    held = std::min(static_cast<double>(tokenRoom(b)), std::floor(held * (1 + kTolerance)));
+    held = std::min(static_cast<double>(tokenRoom(b)), std::floor(held));
     return std::max(0.0, static_cast<double>(readTokens[b]) - held);
   };
+  auto sent = [&](size_t b) { return static_cast<double>(tokens[b]) * readerHolders(b); };
 
-  // The exact bound only where the cheap one (an upper bound on it) could still raise the floor.
+  // Largest first by an upper bound on each block's value (all it reads, nothing held): the
+  // knapsack runs only for blocks that could still raise the floor.
   std::vector<std::pair<double, size_t>> order(n);
-  for (size_t b = 0; b < n; ++b) {
-    order[b] = {receivedCheaply(b) + static_cast<double>(tokens[b]) * readerHolders(b), b};
-  }
-  std::sort(order.begin(), order.end(), std::greater<>());
+  for (size_t b = 0; b < n; ++b) order[b] = {static_cast<double>(readTokens[b]) + sent(b), b};
+  if (search == FloorSearch::kBounded) std::sort(order.begin(), order.end(), std::greater<>());
   double floorTokens = 0;
-  for (const auto& [cheap, b] : order) {
-    if (cheap <= floorTokens) break;
-    floorTokens =
-        std::max(floorTokens, received(b) + static_cast<double>(tokens[b]) * readerHolders(b));
+  for (const auto& [most, b] : order) {
+    if (search == FloorSearch::kBounded && most <= floorTokens) break;
+    floorTokens = std::max(floorTokens, received(b) + sent(b));
   }
   return static_cast<int64_t>(floorTokens) * plan.config.attention.kvBytesPerToken();
+}
+
+}  // namespace fcp::plan::detail
+
+namespace fcp::plan {
+
+int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost) {
+  return detail::commFloorBytes(plan, capTokens, maxCost, detail::FloorSearch::kBounded);
 }
 
 }  // namespace fcp::plan

@@ -32,4 +32,13 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
                              int64_t memoryCap, int64_t maxSteps,
                              SwapSearch search = SwapSearch::kBounded);
 
+/// How commFloorBytes looks for the block whose holder must move the most. kBounded (the
+/// planner's) costs blocks in descending order of an upper bound on their value and stops once
+/// that bound cannot raise the floor; kEvery costs every block. Both give the same floor:
+/// kEvery is the reference for tests.
+enum class FloorSearch { kBounded, kEvery };
+
+/// fcp::plan::commFloorBytes, searching as `search` says.
+int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost, FloorSearch search);
+
 }  // namespace fcp::plan::detail

@@ -1,5 +1,7 @@
 // Communication balancing (src/plan/comm_balance.h, private to the plan module): the bounded
-// swap search keeps exactly the swaps that trying every candidate keeps.
+// swap search keeps exactly the swaps that trying every candidate keeps; and the floor on the
+// busiest worker's bytes (commFloorBytes): never above what trying every placement of small
+// plans finds, exact where it should be, the same however its blocks are searched.
 #include "comm_balance.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "fcp/core/error.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/plan.h"
 #include "fcp/plan/sharding.h"
@@ -123,48 +126,57 @@ int64_t leastBusiestBytes(const Plan& plan, int64_t capTokens, double maxCost) {
 }
 
 // The floor against every placement of small plans' blocks: never above the least busiest
-// worker's bytes, under the plan's own caps and under looser ones, and never 0 (every plan here
-// has a block whose holder must trade KV). On these few workers each one holds several blocks
-// and the floor, which counts one, is 41-100 % of the least; it is exact where a block is
-// alone on its worker (the test after this one).
+// worker's bytes, under the plan's own caps and under looser ones; and under the plan's own
+// caps never 0 (every plan here has a block whose holder must trade KV). On these few workers
+// each one holds several blocks and the floor, which counts one, is well under the least; it
+// is exact where a block is alone on its worker (the test after this one).
 TEST(CommFloorTest, NoPlacementOfTheBlocksMovesLessThanTheFloor) {
+  struct Shape {
+    int64_t workers, tokensPerWorker, blockSize;
+  };
   int cases = 0;
   for (const char* workload : {"lognormal", "bimodal", "lognormal-narrow"}) {
     for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
-      for (uint64_t seed = 0; seed < 12; ++seed) {
-        PlanConfig c;
-        c.numWorkers = 2 + static_cast<int64_t>(seed % 3);
-        c.tokensPerWorker = 3072;
-        c.blockSize = seed % 2 ? 1024 : 768;
-        c.attention.mask = mask;
-        const Plan plan = buildPlan(
-            sampleBatch(findWorkload(workload), c.numWorkers * c.tokensPerWorker, seed), c,
-            CostModel{c.attention});
-        if (std::pow(static_cast<double>(c.numWorkers), static_cast<double>(plan.blocks.size())) >
-            2e5) {
-          continue;
+      for (uint64_t seed = 0; seed < 4; ++seed) {
+        // Every shape below has few enough blocks to try every placement (asserted).
+        for (const Shape shape : {Shape{2, 4096, 1024}, Shape{2, 3072, 768},
+                                  Shape{3, 2048, 1024}, Shape{3, 4096, 2048},
+                                  Shape{4, 1024, 512}}) {
+          PlanConfig c;
+          c.numWorkers = shape.workers;
+          c.tokensPerWorker = shape.tokensPerWorker;
+          c.blockSize = shape.blockSize;
+          c.attention.mask = mask;
+          c.placement = seed % 2 ? Placement::kLpt : Placement::kLocal;
+          const Plan plan = buildPlan(
+              sampleBatch(findWorkload(workload), c.numWorkers * c.tokensPerWorker, seed), c,
+              CostModel{c.attention});
+          const std::string shapeName = std::string(workload) + " seed " + std::to_string(seed) +
+                                        ", " + std::to_string(plan.blocks.size()) +
+                                        " blocks on " + std::to_string(c.numWorkers);
+          ASSERT_LE(std::pow(static_cast<double>(c.numWorkers),
+                             static_cast<double>(plan.blocks.size())),
+                    6e5)
+              << shapeName;
+          const PlanStats s = computeStats(plan);
+          double busiest = 0;
+          for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
+          for (const auto& [cap, maxCost] :
+               {std::pair{s.memoryCapTokens, busiest},
+                std::pair{s.memoryCapTokens, std::numeric_limits<double>::infinity()},
+                std::pair{s.memoryCapTokens + c.blockSize, busiest * 1.2}}) {
+            const std::string what = shapeName + ", cap " + std::to_string(cap);
+            const int64_t floor = commFloorBytes(plan, cap, maxCost);
+            EXPECT_LE(floor, leastBusiestBytes(plan, cap, maxCost)) << what;
+            ++cases;
+          }
+          EXPECT_EQ(s.commFloorBytes, commFloorBytes(plan, s.memoryCapTokens, busiest));
+          EXPECT_GT(s.commFloorBytes, 0) << shapeName;
         }
-        const PlanStats s = computeStats(plan);
-        double busiest = 0;
-        for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
-        for (const auto& [cap, maxCost] :
-             {std::pair{s.memoryCapTokens, busiest},
-              std::pair{s.memoryCapTokens, std::numeric_limits<double>::infinity()},
-              std::pair{s.memoryCapTokens + c.blockSize, busiest * 1.2}}) {
-          const std::string what = std::string(workload) + " seed " + std::to_string(seed) +
-                                   ", " + std::to_string(plan.blocks.size()) + " blocks on " +
-                                   std::to_string(c.numWorkers) + ", cap " + std::to_string(cap);
-          const int64_t floor = commFloorBytes(plan, cap, maxCost);
-          const int64_t least = leastBusiestBytes(plan, cap, maxCost);
-          EXPECT_LE(floor, least) << what;
-          EXPECT_GT(floor, 0) << what;
-          ++cases;
-        }
-        EXPECT_EQ(s.commFloorBytes, commFloorBytes(plan, s.memoryCapTokens, busiest));
       }
     }
   }
-  EXPECT_GE(cases, 60);
+  EXPECT_EQ(cases, 3 * 2 * 4 * 5 * 3);
 }
 
 // One sequence cut into m k blocks of equal cost on k workers, m each by the cap and by the
@@ -188,7 +200,9 @@ TEST(CommFloorTest, OneLongSequenceOnFewerWorkersThanBlocks) {
       const PlanStats s = computeStats(plan);
       EXPECT_EQ(s.commFloorBytes, (m + 1) * (k - 1) * 4096 * c.attention.kvBytesPerToken())
           << what;
-      if (m == 1) EXPECT_NEAR(s.commImbalanceFloor, 0, 1e-12) << what;  // each moves the same
+      if (m == 1) {
+        EXPECT_NEAR(s.commImbalanceFloor, 0, 1e-12) << what;  // each worker moves the same
+      }
     }
   }
 }
@@ -215,6 +229,100 @@ TEST(CommFloorTest, PlansMoveAtLeastTheirFloor) {
       }
     }
   }
+}
+
+// The bounded search (blocks by an upper bound on their value, stopping once none can raise
+// the floor) finds what costing every block finds, on plans whose blocks differ widely: both
+// placements, both masks, the caps the plans have and looser or tighter ones.
+TEST(CommFloorTest, TheBoundedSearchFindsWhatCostingEveryBlockFinds) {
+  int cases = 0, positive = 0;
+  for (const char* workload : {"lognormal", "bimodal", "lognormal-narrow"}) {
+    for (const Placement placement : {Placement::kLocal, Placement::kLpt}) {
+      for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+        for (uint64_t seed = 0; seed < 3; ++seed) {
+          PlanConfig c;
+          c.numWorkers = 16 << seed;
+          c.tokensPerWorker = 16384;
+          c.blockSize = 2048;
+          c.placement = placement;
+          c.attention.mask = mask;
+          const Plan plan = buildPlan(
+              sampleBatch(findWorkload(workload), c.numWorkers * c.tokensPerWorker, seed), c,
+              CostModel{c.attention});
+          const PlanStats s = computeStats(plan);
+          double busiest = 0;
+          for (const WorkerLoad& l : plan.loads) busiest = std::max(busiest, l.cost);
+          for (const double costScale : {1.0, 0.5, 0.25, 3.0}) {
+            for (const int64_t cap :
+                 {s.memoryCapTokens, 2 * s.memoryCapTokens, 8 * s.memoryCapTokens}) {
+              const int64_t bounded = detail::commFloorBytes(plan, cap, busiest * costScale,
+                                                             detail::FloorSearch::kBounded);
+              const int64_t every = detail::commFloorBytes(plan, cap, busiest * costScale,
+                                                           detail::FloorSearch::kEvery);
+              EXPECT_EQ(bounded, every) << workload << " seed " << seed << " x" << costScale;
+              ++cases;
+              positive += bounded > 0;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 2 * 2 * 3 * 4 * 3);
+  EXPECT_GT(positive, cases / 2);  // the floors compared are not all 0
+}
+
+// A plan made by hand where the block reading the most tokens is not the one whose holder
+// must receive the most: block A reads five cheap blocks (its holder keeps two of them beside
+// it, the token room), block B four costly ones (its holder can afford 95 of their tokens, the
+// cost room). Units: blocks of 100 tokens, a cap of 300 tokens and a busiest cost of 10.
+//   A (cost 0.5 + 5 x 0.1): receives 500 - 200 = 300 tokens, sends to no one;
+//   B (cost 0.5 + 4 x 0.1): receives 400 - floor(9.1 / 9.5 x 100) = 305, sends to no one;
+//   each of B's KV blocks (cost 9.5): its reader B (0.9) is over its cost room (0.5), so it
+//   goes to one other worker: 100 sent.
+// The floor is B's 305 tokens. Ordering blocks by what they read less the token room (a lower
+// bound on their value, not an upper one) would stop at A's 300.
+TEST(CommFloorTest, TheCostRoomCanMakeAShorterReaderTheFloor) {
+  Plan plan;
+  plan.config.numWorkers = 4;
+  for (int32_t b = 0; b < 11; ++b) plan.blocks.push_back(Block{{Chunk{b, 0, 100}}});
+  auto pair = [&](int32_t q, int32_t kv, double cost) {
+    plan.pairs.push_back(BlockPair{q, kv, 0, cost});
+  };
+  pair(0, 0, 0.5);  // A = 0 reads K = 1..5
+  for (int32_t k = 1; k <= 5; ++k) pair(0, k, 0.1);
+  for (int32_t k = 1; k <= 5; ++k) pair(k, k, 0.1);
+  pair(6, 6, 0.5);  // B = 6 reads H = 7..10
+  for (int32_t h = 7; h <= 10; ++h) pair(6, h, 0.1);
+  for (int32_t h = 7; h <= 10; ++h) pair(h, h, 9.5);
+  const int64_t perToken = plan.config.attention.kvBytesPerToken();
+  for (const auto search : {detail::FloorSearch::kBounded, detail::FloorSearch::kEvery}) {
+    EXPECT_EQ(detail::commFloorBytes(plan, 300, 10.0, search), 305 * perToken);
+  }
+}
+
+TEST(CommFloorTest, BadArgumentsAreNamed) {
+  PlanConfig c;
+  c.numWorkers = 4;
+  const Plan plan = buildPlan(sampleBatch(findWorkload("lognormal"), 4 * c.tokensPerWorker, 1), c,
+                              CostModel{c.attention});
+  const auto message = [&](int64_t cap, double cost, const Plan& p) -> std::string {
+    try {
+      commFloorBytes(p, cap, cost);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message(0, 1.0, plan).find("cap of 0 tokens"), std::string::npos);
+  EXPECT_NE(message(100, -1.0, plan).find("busiest cost of -1"), std::string::npos);
+  EXPECT_NE(message(100, std::nan(""), plan).find("busiest cost of nan"), std::string::npos);
+  Plan unsorted = plan;
+  ASSERT_GE(unsorted.pairs.size(), 2u);
+  std::swap(unsorted.pairs.front(), unsorted.pairs.back());
+  EXPECT_NE(message(100, 1.0, unsorted).find("not in strict (Q block, KV block) order"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -231,11 +231,11 @@ struct PlanStats {
   int64_t commBytes = 0;       ///< forward KV bytes sent over the network
   double commImbalance = 0;    ///< (max - mean) / max of bytes sent + received per worker
   /// commFloorBytes under the plan's memory cap (or its fullest worker, if above) and its
-  /// busiest worker's cost: no placement of these blocks as balanced in compute moves fewer
-  /// bytes at its busiest worker.
+  /// busiest worker's cost: no placement of these blocks as balanced in compute, sending each
+  /// KV block from its owner (no relays), moves fewer bytes at its busiest worker.
   int64_t commFloorBytes = 0;
-  /// 1 - mean / commFloorBytes (0 when the floor is at or under the mean): the least
-  /// commImbalance of any such placement moving no more bytes in all than this plan.
+  /// 1 - mean / commFloorBytes (0 when the floor is at or under the mean): a lower bound on
+  /// commImbalance for any such placement moving no more bytes in all than this plan.
   double commImbalanceFloor = 0;
   int64_t reshuffleBytes = 0;  ///< forward: Q, K, V in and O out, off-worker pieces only
   int64_t reshuffleBytesWithoutLocality = 0;  ///< the same without the locality relabelling
@@ -253,12 +253,14 @@ PlanStats computeStats(const Plan& plan);
 
 /// A floor on the busiest worker's KV bytes (sent plus received, as PlanStats::commImbalance
 /// counts them) over every placement of `plan`'s blocks in which no worker holds more than
-/// `capTokens` tokens or costs more than `maxCost`, each block sent by its owner to every
+/// `capTokens` tokens or costs more than `maxCost`, each KV block sent by its owner to every
 /// other worker holding a Q block that reads it (no relays): for each block, what its holder
 /// must receive (the KV its Q reads, less what fits beside it) and send (to at least as many
 /// other workers as its readers need, by their tokens and cost). It depends on the blocks, not
 /// on where the plan put them. 0 when a transfer of the plan is relayed (sent by a worker
-/// other than its block's owner, as ring attention's baselines do).
+/// other than its block's owner, as ring attention's baselines do). O(pairs log pairs).
+/// Throws Error(kInvalidArgument) for a cap under 1 token, a negative or NaN cost, or pairs
+/// not in strict (Q block, KV block) order.
 int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost);
 
 /// Every violated invariant, one sentence each; empty when the plan is valid. Checks: each
