@@ -17,25 +17,25 @@
 
 #include "fcp/core/statistics.h"
 #include "fcp/core/units.h"
-#include "planner_bench_args.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/plan.h"
-
+#include "planner_bench_args.h"
 
 int main(int argc, char** argv) {
-  const fcp::bench::PlannerBenchArgs args =
-      fcp::bench::parsePlannerBenchArgs(argc, argv, {32 * 1024, 4 * 1024, 3, {16, 64, 256, 1024, 4096}});
+  const fcp::bench::PlannerBenchArgs args = fcp::bench::parsePlannerBenchArgs(
+      argc, argv, {32 * 1024, 4 * 1024, 3, {16, 64, 256, 1024, 4096}});
   const int64_t tokensPerWorker = args.tokensPerWorker;
   const int64_t blockSize = args.blockSize;
   const int seeds = args.seeds;
   const std::vector<int64_t>& workerCounts = args.workerCounts;
-  std::printf("tokens/worker %lld, block %lld, causal, 64/8 heads x 128, coalesce 16, 3 buffers; "
-              "%d seeds: worst case for quality, median for times (ms)\n",
-              static_cast<long long>(tokensPerWorker), static_cast<long long>(blockSize), seeds);
+  std::printf(
+      "tokens/worker %lld, block %lld, causal, 64/8 heads x 128, coalesce 16, 3 buffers; "
+      "%d seeds: worst case for quality, median for times (ms)\n",
+      static_cast<long long>(tokensPerWorker), static_cast<long long>(blockSize), seeds);
   std::printf("%-16s %5s %7s %7s %8s %5s %7s %7s %6s %8s %8s %8s %7s %7s %7s %7s %7s %7s %7s\n",
               "workload", "N", "gap.LB", "gap.mLB", "transfers", "rounds", "imb.comm", "imb.fl",
-              ">5%/fl", "rmax/lb", "reshuf", "no-loc", "shard",
-              "assign", "balance", "xfers", "colour", "sched", "total");
+              ">5%/fl", "rmax/lb", "reshuf", "no-loc", "shard", "assign", "balance", "xfers",
+              "colour", "sched", "total");
   for (const auto& workload : args.workloads) {
     for (int64_t n : workerCounts) {
       double worstGap = 0, worstMemoryGap = 0, worstComm = 0, worstCommFloor = 0;
@@ -65,8 +65,10 @@ int main(int argc, char** argv) {
           ++overTarget;
           floorOverTarget += s.commImbalanceFloor > 0.05;
         }
-        const double bound = static_cast<double>(std::max(s.maxWorkerCommBytes, s.sortedRoundBound));
-        worstRoundRatio = std::max(worstRoundRatio, bound > 0 ? static_cast<double>(s.sumRoundMaxima) / bound : 1.0);
+        const double bound =
+            static_cast<double>(std::max(s.maxWorkerCommBytes, s.sortedRoundBound));
+        worstRoundRatio = std::max(worstRoundRatio,
+                                   bound > 0 ? static_cast<double>(s.sumRoundMaxima) / bound : 1.0);
         transfers = static_cast<int64_t>(p.transfers.size());
         rounds = p.numRounds;
         reshuffle += static_cast<double>(s.reshuffleBytes) / seeds;
@@ -81,15 +83,14 @@ int main(int argc, char** argv) {
       }
       const std::string name = workload.name.substr(workload.name.rfind('/') + 1);
       const std::string over = std::to_string(overTarget) + "/" + std::to_string(floorOverTarget);
-      std::printf("%-16s %5lld %6.2f%% %6.2f%% %8lld %5lld %6.2f%% %6.2f%% %6s %8.3f %7.3gG %7.3gG "
-                  "%7.2f %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
-                  name.c_str(), static_cast<long long>(n), 100 * worstGap, 100 * worstMemoryGap,
-                  static_cast<long long>(transfers), static_cast<long long>(rounds),
-                  100 * worstComm, 100 * worstCommFloor, over.c_str(), worstRoundRatio,
-                  reshuffle / 1e9,
-                  reshuffleNoLocality / 1e9, fcp::median(shard), fcp::median(assign),
-                  fcp::median(balance), fcp::median(xfers),
-                  fcp::median(colour), fcp::median(sched), fcp::median(total));
+      std::printf(
+          "%-16s %5lld %6.2f%% %6.2f%% %8lld %5lld %6.2f%% %6.2f%% %6s %8.3f %7.3gG %7.3gG "
+          "%7.2f %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f\n",
+          name.c_str(), static_cast<long long>(n), 100 * worstGap, 100 * worstMemoryGap,
+          static_cast<long long>(transfers), static_cast<long long>(rounds), 100 * worstComm,
+          100 * worstCommFloor, over.c_str(), worstRoundRatio, reshuffle / 1e9,
+          reshuffleNoLocality / 1e9, fcp::median(shard), fcp::median(assign), fcp::median(balance),
+          fcp::median(xfers), fcp::median(colour), fcp::median(sched), fcp::median(total));
       std::fflush(stdout);
     }
   }

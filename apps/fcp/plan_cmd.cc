@@ -4,8 +4,8 @@
 #include <iostream>
 #include <limits>
 #include <memory>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "commands.h"
 #include "common.h"
@@ -89,49 +89,55 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
   std::printf("FCP plan: %s, %lld sequences, %lld tokens\n", source.c_str(),
               static_cast<long long>(p.batch.numSequences()),
               static_cast<long long>(p.batch.numTokens()));
-  std::printf("  workers %lld, %s tokens per worker, %s blocks, %s mask, %lld/%lld heads x %lld\n",
-              static_cast<long long>(c.numWorkers), formatTokenCount(c.tokensPerWorker).c_str(),
-              formatTokenCount(c.blockSize).c_str(), std::string(maskName(c.attention.mask)).c_str(),
-              static_cast<long long>(c.attention.numHeadsQ),
-              static_cast<long long>(c.attention.numHeadsKv),
-              static_cast<long long>(c.attention.headDim));
+  std::printf(
+      "  workers %lld, %s tokens per worker, %s blocks, %s mask, %lld/%lld heads x %lld\n",
+      static_cast<long long>(c.numWorkers), formatTokenCount(c.tokensPerWorker).c_str(),
+      formatTokenCount(c.blockSize).c_str(), std::string(maskName(c.attention.mask)).c_str(),
+      static_cast<long long>(c.attention.numHeadsQ), static_cast<long long>(c.attention.numHeadsKv),
+      static_cast<long long>(c.attention.headDim));
   std::printf("  blocks %zu, pairs %zu, forward %.3g FLOP\n", p.blocks.size(), p.pairs.size(),
               s.totalForwardFlops);
   printSharding(p);
   std::printf("  imbalance: compute %.4f, memory %.4f (max - mean) / max\n", s.computeImbalance,
               s.memoryImbalance);
-  std::printf("  busiest worker %.4f%% above the lower bound (greedy alone: %.4f%%, %lld "
-              "improvement steps)\n",
-              100 * s.lowerBoundGap, 100 * (p.greedyMaxCost / p.lowerBound - 1),
-              static_cast<long long>(p.improveSteps));
+  std::printf(
+      "  busiest worker %.4f%% above the lower bound (greedy alone: %.4f%%, %lld "
+      "improvement steps)\n",
+      100 * s.lowerBoundGap, 100 * (p.greedyMaxCost / p.lowerBound - 1),
+      static_cast<long long>(p.improveSteps));
   if (s.memoryLowerBound > p.lowerBound) {
-    std::printf("  the memory cap raises the bound %.4f%% (no assignment of these blocks does "
-                "better): busiest worker %.4f%% above it\n",
-                100 * (s.memoryLowerBound / p.lowerBound - 1), 100 * s.memoryBoundGap);
+    std::printf(
+        "  the memory cap raises the bound %.4f%% (no assignment of these blocks does "
+        "better): busiest worker %.4f%% above it\n",
+        100 * (s.memoryLowerBound / p.lowerBound - 1), 100 * s.memoryBoundGap);
   }
   std::printf("  memory: max %lld tokens per worker, cap %lld\n",
               static_cast<long long>(s.maxWorkerTokens), static_cast<long long>(s.memoryCapTokens));
-  std::printf("  communication: %lld transfers, %.3g bytes, %d rounds (= max degree %d), %d "
-              "forward stages, imbalance %.4f\n",
-              static_cast<long long>(p.transfers.size()), static_cast<double>(s.commBytes),
-              p.numRounds, s.maxDegree, s.numForwardStages, s.commImbalance);
+  std::printf(
+      "  communication: %lld transfers, %.3g bytes, %d rounds (= max degree %d), %d "
+      "forward stages, imbalance %.4f\n",
+      static_cast<long long>(p.transfers.size()), static_cast<double>(s.commBytes), p.numRounds,
+      s.maxDegree, s.numForwardStages, s.commImbalance);
   if (s.commFloorBytes > 0) {
-    std::printf("  communication floor: %.4g bytes at the busiest worker for these blocks "
-                "(imbalance at least %.4f without moving more bytes)\n",
-                static_cast<double>(s.commFloorBytes), s.commImbalanceFloor);
+    std::printf(
+        "  communication floor: %.4g bytes at the busiest worker for these blocks "
+        "(imbalance at least %.4f without moving more bytes)\n",
+        static_cast<double>(s.commFloorBytes), s.commImbalanceFloor);
   }
   std::printf("  round maxima: sum %.4g bytes; lower bounds %.4g (busiest worker), %.4g (sorted)\n",
               static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
               static_cast<double>(s.sortedRoundBound));
   std::printf("  reshuffle: %.4g bytes\n", static_cast<double>(s.reshuffleBytes));
-  std::printf("  placement %s (%lld blocks moved off their home worker); a step (forward and "
-              "backward) moves %.4g bytes, the busiest worker %.4g\n",
-              std::string(plan::placementName(p.placement)).c_str(),
-              static_cast<long long>(p.localityMoves), static_cast<double>(s.stepBytes),
-              static_cast<double>(s.maxWorkerStepBytes));
-  std::printf("  planned in %.2f ms (shard %.2f, assign %.2f, balance %.2f, transfers %.2f, "
-              "colour %.2f, schedule %.2f)\n",
-              t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
+  std::printf(
+      "  placement %s (%lld blocks moved off their home worker); a step (forward and "
+      "backward) moves %.4g bytes, the busiest worker %.4g\n",
+      std::string(plan::placementName(p.placement)).c_str(),
+      static_cast<long long>(p.localityMoves), static_cast<double>(s.stepBytes),
+      static_cast<double>(s.maxWorkerStepBytes));
+  std::printf(
+      "  planned in %.2f ms (shard %.2f, assign %.2f, balance %.2f, transfers %.2f, "
+      "colour %.2f, schedule %.2f)\n",
+      t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
 }
 
 /// `fcp plan --plan-in FILE`: a saved plan, checked, then summarised like a new one.
@@ -143,21 +149,25 @@ void runLoadedPlan(const PlanArgs& a) {
   auto violations = plan::validate(p);
   if (violations.empty()) {
     CostModel costModel{p.config.attention};
-    if (!a.curve.empty()) std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
+    if (!a.curve.empty())
+      std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
     violations = plan::validateCosts(p, costModel);
   }
   if (!violations.empty()) {
-    throw Error(ErrorCode::kInvalidPlan, "plan '" + printable(a.planIn) + "' is invalid: " +
-                                             violations.front() +
+    throw Error(ErrorCode::kInvalidPlan, "plan '" + printable(a.planIn) +
+                                             "' is invalid: " + violations.front() +
                                              (violations.size() > 1 ? " (and more)" : ""));
   }
   const plan::PlanStats s = plan::computeStats(p);
   if (a.json) {
-    std::cout << nlohmann::json({{"workers", p.config.numWorkers}, {"valid", true},
-                                 {"imbalance", {{"compute", s.computeImbalance},
-                                                {"memory", s.memoryImbalance},
-                                                {"comm", s.commImbalance},
-                                                {"comm_floor", s.commImbalanceFloor}}}}).dump()
+    std::cout << nlohmann::json({{"workers", p.config.numWorkers},
+                                 {"valid", true},
+                                 {"imbalance",
+                                  {{"compute", s.computeImbalance},
+                                   {"memory", s.memoryImbalance},
+                                   {"comm", s.commImbalance},
+                                   {"comm_floor", s.commImbalanceFloor}}}})
+                     .dump()
               << '\n';
   } else {
     printSummary(p, s, plan::PlanTimings{}, "loaded from " + a.planIn);
@@ -193,23 +203,27 @@ void runPlan(const PlanArgs& a) {
     batch = readTrace(a.trace);
     source = "trace " + a.trace;
     const int64_t share = (batch.numTokens() + a.workers - 1) / a.workers;
-    config.tokensPerWorker =
-        a.tokensPerWorker.empty() ? share : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+    config.tokensPerWorker = a.tokensPerWorker.empty()
+                                 ? share
+                                 : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
   } else {
     const Workload workload = loadWorkload(a.workload);
     config.tokensPerWorker = parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker,
                                              "--tokens-per-worker");
     if (config.tokensPerWorker > kMaxBatchTokens / a.workers) {
-      throwInvalidArgument("--workers ", a.workers, " x --tokens-per-worker ", config.tokensPerWorker,
-                           " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
+      throwInvalidArgument("--workers ", a.workers, " x --tokens-per-worker ",
+                           config.tokensPerWorker, " passes ", kMaxBatchTokens,
+                           " tokens: expected a smaller batch");
     }
     batch = sampleBatch(workload, a.workers * config.tokensPerWorker, a.seed, a.minSequences);
     source = describeDraw(workload.name, a.seed, a.minSequences);
   }
-  config.memoryLimitTokens = a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
+  config.memoryLimitTokens =
+      a.memoryLimit.empty() ? 0 : parseTokenCount(a.memoryLimit, "--memory-limit");
 
   CostModel costModel{config.attention};
-  if (!a.curve.empty()) std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
+  if (!a.curve.empty())
+    std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
   plan::PlanTimings timings;
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
   plan::checkValid(p);
@@ -225,7 +239,8 @@ void runPlan(const PlanArgs& a) {
   nlohmann::json traffic = nlohmann::json::array();
   for (const plan::WorkerTraffic& w : plan::computeTraffic(p)) {
     nlohmann::json passes;
-    for (const auto& [name, t] : {std::pair{"forward", w.forward}, std::pair{"backward", w.backward}}) {
+    for (const auto& [name, t] :
+         {std::pair{"forward", w.forward}, std::pair{"backward", w.backward}}) {
       passes[name] = {{"reshuffle_sent", t.reshuffleSent},
                       {"reshuffle_received", t.reshuffleReceived},
                       {"kv_sent", t.kvSent},
@@ -298,17 +313,18 @@ void runPlan(const PlanArgs& a) {
 
 void addPlanCommand(CLI::App& app) {
   auto args = std::make_shared<PlanArgs>();
-  CLI::App* cmd = app.add_subcommand("plan", "Shard a batch into blocks and assign them to workers");
+  CLI::App* cmd =
+      app.add_subcommand("plan", "Shard a batch into blocks and assign them to workers");
   auto* workload = addText(cmd, "--workload", args->workload, kWorkloadHelp);
   auto* trace = addText(cmd, "--trace", args->trace,
-                                "File of sequence lengths, one per line (# comments allowed)");
+                        "File of sequence lengths, one per line (# comments allowed)");
   workload->excludes(trace);
   addInteger(cmd, "--workers", args->workers, 1, plan::kMaxWorkers, "Number of workers (ranks)");
   addText(cmd, "--tokens-per-worker", args->tokensPerWorker,
-                  "Tokens per worker, e.g. 32K (default 32K; for a trace, its total / workers)");
+          "Tokens per worker, e.g. 32K (default 32K; for a trace, its total / workers)");
   addText(cmd, "--block-size", args->blockSize, "Tokens per block, e.g. 4K");
   addText(cmd, "--memory-limit", args->memoryLimit,
-                  "Per-worker memory budget M in tokens (default: tokens per worker)");
+          "Per-worker memory budget M in tokens (default: tokens per worker)");
   addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100, "Tolerated overshoot delta of M");
   addNumber(cmd, "--alpha", args->alpha, 1e-6, 1e6, "Weight of memory in the distributor's score");
   addNumber(cmd, "--beta", args->beta, 1e-6, 1e6, "Weight of compute in the distributor's score");
@@ -319,8 +335,9 @@ void addPlanCommand(CLI::App& app) {
              "(default 1)")
       ->excludes(trace);
   addText(cmd, "--curve", args->curve,
-                  "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
-                  "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped GPU curve");
+          "Kernel efficiency f(B) to plan with: a file from `fcp bench kernel --curve-out`, or a "
+          "hardware profile (h100, gpu-x, gpu-y, cpu or a JSON file); default: the paper-shaped "
+          "GPU curve");
   addText(cmd, "--mask", args->mask, "causal or full");
   addInteger(cmd, "--heads-q", args->headsQ, 1, kMaxHeads, "Query heads");
   addInteger(cmd, "--heads-kv", args->headsKv, 1, kMaxHeads, "Key/value heads (GQA)");
@@ -335,8 +352,8 @@ void addPlanCommand(CLI::App& app) {
             plan::kMaxCommBalanceSlack,
             "Compute above LB allowed to even out communication (negative: off)");
   addText(cmd, "--placement", args->placement,
-                  "local: blocks stay where the user layout holds their tokens unless balance "
-                  "needs them elsewhere; lpt: the paper's Zig-Zag blocks and LPT greedy");
+          "local: blocks stay where the user layout holds their tokens unless balance "
+          "needs them elsewhere; lpt: the paper's Zig-Zag blocks and LPT greedy");
   addNumber(cmd, "--locality-slack", args->localitySlack, 0, 1,
             "With --placement local: compute above the lower bound the busiest worker may "
             "keep rather than move more bytes (0 to 1)");
@@ -352,7 +369,7 @@ void addPlanCommand(CLI::App& app) {
                 "large part of a worker's share");
   addText(cmd, "--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
   addText(cmd, "--plan-in", args->planIn,
-                  "Check and summarise a plan written by --plan-out instead of planning");
+          "Check and summarise a plan written by --plan-out instead of planning");
   cmd->callback([args] { runPlan(*args); });
 }
 

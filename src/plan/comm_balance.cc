@@ -68,8 +68,8 @@ class CommState {
     // per (Q block, KV block), which blockPairs makes (sorted by both).
     for (size_t p = 1; p < plan.pairs.size(); ++p) {
       const BlockPair &a = plan.pairs[p - 1], &b = plan.pairs[p];
-      FCP_CHECK(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock),
-                "pairs ", p - 1, " and ", p, " are not in strict (Q block, KV block) order");
+      FCP_CHECK(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock), "pairs ",
+                p - 1, " and ", p, " are not in strict (Q block, KV block) order");
     }
     qOffset_.assign(numBlocks + 1, 0);
     for (const BlockPair& p : plan.pairs) ++qOffset_[static_cast<size_t>(p.qBlock) + 1];
@@ -380,7 +380,8 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
           const int32_t u = plan.owner[static_cast<size_t>(b2)];
           if (u == w) continue;
           const double c2 = blockCost[static_cast<size_t>(b2)];
-          if (state.load(w) - cb + c2 > computeCap || state.load(u) - c2 + cb > computeCap) continue;
+          if (state.load(w) - cb + c2 > computeCap || state.load(u) - c2 + cb > computeCap)
+            continue;
           if (state.mem(w) - state.tokens(b) + state.tokens(b2) > memoryCap ||
               state.mem(u) - state.tokens(b2) + state.tokens(b) > memoryCap ||
               state.traffic(b2) >= traffic) {  // only a quieter block can help w
@@ -391,13 +392,13 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
           const double loadW = state.load(w), loadU = state.load(u);
           state.move(b, u);
           state.move(b2, w);
-          FCP_CHECK(state.comm(w) >= floor, "the swap floor ", floor, " is above worker ", w,
-                    "'s ", state.comm(w), " bytes after the swap");
+          FCP_CHECK(state.comm(w) >= floor, "the swap floor ", floor, " is above worker ", w, "'s ",
+                    state.comm(w), " bytes after the swap");
           // Kept if w drops and nobody rises to w's old level: with several workers tied at
           // the top (equal-size blocks make ties common), the maximum itself falls only after
           // each of them has been relieved in turn.
-          const bool better = state.comm(w) < before && state.maxComm() <= before &&
-                              state.comm(u) < before;
+          const bool better =
+              state.comm(w) < before && state.maxComm() <= before && state.comm(u) < before;
           state.move(b2, u);
           state.move(b, w);
           // As they were, not a rounding step away: so the caps test the same numbers however

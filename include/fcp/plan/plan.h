@@ -80,9 +80,9 @@ struct PlanConfig {
   /// ratio, and the reshuffle) wins among the paper's, the local one and the local one with
   /// every block at home: where bytes dominate, fewer bytes are worth more compute.
   double commRatio = 0;
-  /// With the LPT placement, the locality relabelling: the distributor's workers are interchangeable (any relabelling of
-  /// them balances the same), so they are relabelled to keep blocks where the user layout
-  /// already holds most of their tokens, shrinking the reshuffle.
+  /// With the LPT placement, the locality relabelling: the distributor's workers are
+  /// interchangeable (any relabelling of them balances the same), so they are relabelled to keep
+  /// blocks where the user layout already holds most of their tokens, shrinking the reshuffle.
   bool locality = true;
   /// Communication balancing: after the distributor, blocks of near-equal cost are swapped
   /// to lower the busiest worker's transfer bytes, letting compute rise to at most this
@@ -168,7 +168,7 @@ struct Plan {
 /// totalMs.
 struct PlanTimings {
   double shardMs = 0;
-  double assignMs = 0;   ///< the Block Distributor (greedy and improvement)
+  double assignMs = 0;  ///< the Block Distributor (greedy and improvement)
   /// Communication balancing, the locality relabelling and the choice between the two
   /// placements; where that choice times their forward passes (pipelineSpan), the transfers,
   /// colouring and stages it builds for both are in here too, and the phases below are then
@@ -228,8 +228,8 @@ struct PlanStats {
   int64_t maxWorkerTokens = 0;
   int64_t memoryCapTokens = 0;
   double totalForwardFlops = 0;
-  int64_t commBytes = 0;       ///< forward KV bytes sent over the network
-  double commImbalance = 0;    ///< (max - mean) / max of bytes sent + received per worker
+  int64_t commBytes = 0;     ///< forward KV bytes sent over the network
+  double commImbalance = 0;  ///< (max - mean) / max of bytes sent + received per worker
   /// commFloorBytes under the plan's memory cap (or its fullest worker, if above) and its
   /// busiest worker's cost: no placement of these blocks as balanced in compute, sending each
   /// KV block from its owner (no relays), moves fewer bytes at its busiest worker.
