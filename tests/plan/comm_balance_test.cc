@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,34 +87,36 @@ TEST(CommBalanceTest, TheBoundedSearchKeepsTheSwapsEveryCandidateKeeps) {
 // of the busiest worker's bytes (sent plus received), by trying them all.
 int64_t leastBusiestBytes(const Plan& plan, int64_t capTokens, double maxCost) {
   const size_t n = plan.blocks.size();
-  const auto workers = static_cast<int32_t>(plan.config.numWorkers);
+  const auto workers = static_cast<size_t>(plan.config.numWorkers);
   const std::vector<double> cost = blockCosts(static_cast<int64_t>(n), plan.pairs);
   const int64_t perToken = plan.config.attention.kvBytesPerToken();
-  std::vector<int32_t> owner(n, 0);
+  // Every array is made once: the loop runs up to 6e5 times, also under the sanitizers.
+  std::vector<size_t> owner(n, 0);
+  std::vector<int64_t> tokens(workers), bytes(workers);
+  std::vector<double> load(workers);
+  std::vector<int64_t> sentIn(n * workers, -1);  // the placement that last sent k to w
   int64_t least = std::numeric_limits<int64_t>::max();
-  for (;;) {
-    std::vector<int64_t> tokens(static_cast<size_t>(workers), 0);
-    std::vector<double> load(static_cast<size_t>(workers), 0);
+  for (int64_t placement = 0;; ++placement) {
+    std::fill(tokens.begin(), tokens.end(), 0);
+    std::fill(load.begin(), load.end(), 0.0);
     for (size_t b = 0; b < n; ++b) {
-      tokens[static_cast<size_t>(owner[b])] += plan.blocks[b].numTokens();
-      load[static_cast<size_t>(owner[b])] += cost[b];
+      tokens[owner[b]] += plan.blocks[b].numTokens();
+      load[owner[b]] += cost[b];
     }
     bool fits = true;
-    for (int32_t w = 0; w < workers; ++w) {
-      fits = fits && tokens[static_cast<size_t>(w)] <= capTokens &&
-             load[static_cast<size_t>(w)] <= maxCost * (1 + 1e-12);
+    for (size_t w = 0; w < workers; ++w) {
+      fits = fits && tokens[w] <= capTokens && load[w] <= maxCost * (1 + 1e-12);
     }
     if (fits) {
-      std::set<std::pair<size_t, int32_t>> sent;  // (KV block, receiver)
+      // Each KV block once to each worker other than its owner whose Q blocks read it.
+      std::fill(bytes.begin(), bytes.end(), 0);
       for (const BlockPair& p : plan.pairs) {
-        const int32_t to = owner[static_cast<size_t>(p.qBlock)];
-        if (to != owner[static_cast<size_t>(p.kvBlock)]) sent.emplace(p.kvBlock, to);
-      }
-      std::vector<int64_t> bytes(static_cast<size_t>(workers), 0);
-      for (const auto& [k, to] : sent) {
-        const int64_t b = plan.blocks[k].numTokens() * perToken;
-        bytes[static_cast<size_t>(owner[k])] += b;
-        bytes[static_cast<size_t>(to)] += b;
+        const auto k = static_cast<size_t>(p.kvBlock);
+        const size_t to = owner[static_cast<size_t>(p.qBlock)];
+        if (to == owner[k] || sentIn[k * workers + to] == placement) continue;
+        sentIn[k * workers + to] = placement;
+        bytes[owner[k]] += plan.blocks[k].numTokens() * perToken;
+        bytes[to] += plan.blocks[k].numTokens() * perToken;
       }
       least = std::min(least, *std::max_element(bytes.begin(), bytes.end()));
     }
