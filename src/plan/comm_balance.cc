@@ -14,6 +14,16 @@
 namespace fcp::plan::detail {
 namespace {
 
+/// The first p with pairs[p - 1] and pairs[p] not in strict (Q block, KV block) order, as
+/// blockPairs makes them (one pair per block pair); 0 when they all are.
+size_t pairOutOfOrder(const std::vector<BlockPair>& pairs) {
+  for (size_t p = 1; p < pairs.size(); ++p) {
+    const BlockPair &a = pairs[p - 1], &b = pairs[p];
+    if (!(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock))) return p;
+  }
+  return 0;
+}
+
 /// Max over workers with its argmax (lowest id on ties), O(log N) per update.
 class MaxTree {
  public:
@@ -66,11 +76,9 @@ class CommState {
     }
     // KV blocks each Q block reads (CSR), and the need counts. SwapBound counts on one pair
     // per (Q block, KV block), which blockPairs makes (sorted by both).
-    for (size_t p = 1; p < plan.pairs.size(); ++p) {
-      const BlockPair &a = plan.pairs[p - 1], &b = plan.pairs[p];
-      FCP_CHECK(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock), "pairs ",
-                p - 1, " and ", p, " are not in strict (Q block, KV block) order");
-    }
+    const size_t unordered = pairOutOfOrder(plan.pairs);
+    FCP_CHECK(unordered == 0, "pairs ", unordered - 1, " and ", unordered,
+              " are not in strict (Q block, KV block) order");
     qOffset_.assign(numBlocks + 1, 0);
     for (const BlockPair& p : plan.pairs) ++qOffset_[static_cast<size_t>(p.qBlock) + 1];
     for (size_t b = 1; b <= numBlocks; ++b) qOffset_[b] += qOffset_[b - 1];
@@ -448,12 +456,9 @@ int64_t commFloorBytes(const Plan& plan, int64_t capTokens, double maxCost, Floo
     throwInvalidArgument("communication floor under a busiest cost of ", maxCost,
                          ": expected at least 0");
   }
-  for (size_t i = 1; i < plan.pairs.size(); ++i) {
-    const BlockPair &a = plan.pairs[i - 1], &b = plan.pairs[i];
-    if (!(a.qBlock < b.qBlock || (a.qBlock == b.qBlock && a.kvBlock < b.kvBlock))) {
-      throwInvalidArgument("communication floor: pairs ", i - 1, " and ", i,
-                           " are not in strict (Q block, KV block) order");
-    }
+  if (const size_t p = pairOutOfOrder(plan.pairs); p != 0) {
+    throwInvalidArgument("communication floor: pairs ", p - 1, " and ", p,
+                         " are not in strict (Q block, KV block) order");
   }
   for (const Transfer& t : plan.transfers) {
     if (t.sender != plan.owner[static_cast<size_t>(t.block)]) return 0;  // relayed
