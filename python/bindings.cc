@@ -206,34 +206,55 @@ PYBIND11_MODULE(_fcp, m) {
       },
       py::arg("fortran_handle"), py::arg("timeout_seconds") = 60.0);
 
+  // What AttentionBatch and PendingBatch are made from (opaque to Python).
+  py::class_<BatchOptions>(m, "BatchOptions");
+  m.def(
+      "batch_options",
+      [](std::vector<int64_t> cuSeqlens, int64_t begin, int64_t end, int64_t heads, int64_t kvHeads,
+         int64_t headDim, bool causal, const std::string& dtype, bool dispatched,
+         const std::string& strategy, int64_t blockSize, int threads, double commRatio) {
+        BatchOptions o;
+        o.cuSeqlens = std::move(cuSeqlens);
+        o.localBegin = begin;
+        o.localEnd = end;
+        o.numHeadsQ = heads;
+        o.numHeadsKv = kvHeads;
+        o.headDim = headDim;
+        o.mask = causal ? MaskKind::kCausal : MaskKind::kFull;
+        o.dtype = dtypeOf(dtype);
+        o.layout = dispatched ? Layout::kDispatched : Layout::kTransparent;
+        o.strategy = strategy;
+        o.planConfig.blockSize = blockSize;
+        o.planConfig.commRatio = commRatio;
+        o.numThreads = threads;
+        return o;
+      },
+      py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"), py::arg("heads"),
+      py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"), py::arg("dtype"),
+      py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"), py::arg("threads"),
+      py::arg("comm_ratio"));
+
+  // Planned on a thread of its own (collective checks first); AttentionBatch(pending) waits.
+  py::class_<PendingBatch>(m, "PendingBatch")
+      .def(py::init([](std::shared_ptr<runtime::Transport> transport, const BatchOptions& o) {
+             py::gil_scoped_release release;
+             return std::make_unique<PendingBatch>(*transport, o);
+           }),
+           py::arg("transport"), py::arg("options"), py::keep_alive<1, 2>())
+      .def_property_readonly("ready", &PendingBatch::ready);
+
   py::class_<AttentionBatch>(m, "AttentionBatch")
-      .def(
-          py::init([](std::shared_ptr<runtime::Transport> transport, std::vector<int64_t> cuSeqlens,
-                      int64_t begin, int64_t end, int64_t heads, int64_t kvHeads, int64_t headDim,
-                      bool causal, const std::string& dtype, bool dispatched,
-                      const std::string& strategy, int64_t blockSize, int threads,
-                      double commRatio) {
-            BatchOptions o;
-            o.cuSeqlens = std::move(cuSeqlens);
-            o.localBegin = begin;
-            o.localEnd = end;
-            o.numHeadsQ = heads;
-            o.numHeadsKv = kvHeads;
-            o.headDim = headDim;
-            o.mask = causal ? MaskKind::kCausal : MaskKind::kFull;
-            o.dtype = dtypeOf(dtype);
-            o.layout = dispatched ? Layout::kDispatched : Layout::kTransparent;
-            o.strategy = strategy;
-            o.planConfig.blockSize = blockSize;
-            o.planConfig.commRatio = commRatio;
-            o.numThreads = threads;
-            py::gil_scoped_release release;
-            return std::make_unique<AttentionBatch>(*transport, o);
-          }),
-          py::arg("transport"), py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"),
-          py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"),
-          py::arg("dtype"), py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"),
-          py::arg("threads"), py::arg("comm_ratio"), py::keep_alive<1, 2>())
+      .def(py::init([](std::shared_ptr<runtime::Transport> transport, const BatchOptions& o) {
+             py::gil_scoped_release release;
+             return std::make_unique<AttentionBatch>(*transport, o);
+           }),
+           py::arg("transport"), py::arg("options"), py::keep_alive<1, 2>())
+      // The pending batch (kept alive with the batch) keeps the transport alive.
+      .def(py::init([](PendingBatch& pending) {
+             py::gil_scoped_release release;
+             return std::make_unique<AttentionBatch>(std::move(pending));
+           }),
+           py::arg("pending"), py::keep_alive<1, 2>())
       .def_property_readonly("num_user_tokens", &AttentionBatch::numUserTokens)
       .def_property_readonly("num_local_tokens", &AttentionBatch::numLocalTokens)
       .def_property_readonly("num_call_tokens", &AttentionBatch::numCallTokens)

@@ -21,6 +21,11 @@ its bytes, the planner keeps whichever placement has the least estimated step ti
 leave short sequences where they are; 0 (the default) balances compute first. Every rank must
 pass the same value.
 
+Planning ahead. ``PendingBatch(...)`` takes Batch's arguments and plans on a thread of its own
+while the caller goes on with the current step; ``pending.batch()`` then waits for the plan and
+returns the Batch. Planning a large batch takes long (at 4096 ranks, most of a second for a
+long-tailed batch): planned one step ahead, a training step need not wait for it.
+
 Every call is collective over the group: every rank calls it, in the same order.
 """
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch.distributed as dist
 
 from . import _fcp
 
-__all__ = ["Batch", "attention", "user_positions"]
+__all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -118,13 +123,11 @@ def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Ten
     return tokens - cu[seq]
 
 
-class Batch:
-    """One training step's batch, planned on every rank (collective). See the module docstring."""
+class _Settings:
+    """A batch's arguments, checked, and the options FCP plans it from."""
 
-    def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
-                 kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
-                 layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
+    def __init__(self, cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
+                 strategy, block_size, threads, comm_ratio, timeout_seconds):
         if dtype not in _DTYPES:
             raise _fcp.Error(f"dtype {dtype} is not supported: expected torch.float32 or torch.bfloat16")
         if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds <= 86400):
@@ -136,11 +139,31 @@ class Batch:
         self.heads, self.kv_heads, self.head_dim = int(heads), int(kv_heads), int(head_dim)
         self.dtype = dtype
         self.layout = layout
-        self._transport = _transport(group, timeout_seconds)
-        self._impl = _fcp.AttentionBatch(self._transport, self.cu_seqlens, self.begin, self.end, self.heads,
-                                         self.kv_heads, self.head_dim, causal, _DTYPES[dtype],
-                                         layout == "dispatched", strategy, int(block_size), int(threads),
-                                         float(comm_ratio))
+        self.transport = _transport(group, timeout_seconds)
+        self.options = _fcp.batch_options(self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads,
+                                          self.head_dim, causal, _DTYPES[dtype], layout == "dispatched",
+                                          strategy, int(block_size), int(threads), float(comm_ratio))
+
+
+class Batch:
+    """One training step's batch, planned on every rank (collective). See the module docstring."""
+
+    def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
+                 kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
+                 layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
+                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
+        settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
+                             strategy, block_size, threads, comm_ratio, timeout_seconds)
+        self._attach(settings, _fcp.AttentionBatch(settings.transport, settings.options))
+
+    def _attach(self, settings: _Settings, impl) -> None:
+        self.cu_seqlens = settings.cu_seqlens
+        self.begin, self.end = settings.begin, settings.end
+        self.heads, self.kv_heads, self.head_dim = settings.heads, settings.kv_heads, settings.head_dim
+        self.dtype = settings.dtype
+        self.layout = settings.layout
+        self._transport = settings.transport
+        self._impl = impl
         self._sequence = None
         self._position = None
         #: Seconds this rank spent inside attention (forward and backward) with this batch.
@@ -186,6 +209,36 @@ class Batch:
     def stats(self) -> dict:
         """The last forward's and backward's time, FLOPs and bytes on this rank."""
         return self._impl.stats()
+
+
+class PendingBatch:
+    """The next step's batch, planned on a thread of its own while this step runs.
+
+    ``PendingBatch(...)`` takes Batch's arguments; it is collective (every rank checks the batch
+    with the others, as Batch does) and returns once planning has started. Planning talks to no
+    other rank, so the current step's attention and the caller's own collectives may run
+    meanwhile. ``batch()`` (collective) waits for the plan and returns the Batch, the same one
+    ``Batch(...)`` would have made; call it once, on every rank at the same point.
+    """
+
+    def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
+                 kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
+                 layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
+                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
+        self._settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype,
+                                   layout, strategy, block_size, threads, comm_ratio, timeout_seconds)
+        self._impl = _fcp.PendingBatch(self._settings.transport, self._settings.options)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the plan is made: batch() would not wait (False once batch() was called)."""
+        return self._impl.ready
+
+    def batch(self) -> Batch:
+        """The planned Batch (collective): waits for the plan and checks every rank has the same."""
+        batch = Batch.__new__(Batch)
+        batch._attach(self._settings, _fcp.AttentionBatch(self._impl))
+        return batch
 
 
 def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:

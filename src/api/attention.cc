@@ -3,6 +3,7 @@
 #include "fcp/api/attention.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -118,9 +119,19 @@ int64_t optionsHash(const BatchOptions& o) {
   return h.value();
 }
 
-}  // namespace
+/// What every rank has agreed on before planning: the inputs of the planning itself, which
+/// talks to no other rank.
+struct Agreed {
+  Batch batch;
+  plan::PlanConfig config;
+  CostModel costModel;
+  std::string strategy;
+  bool budgetSet = false;  ///< the caller set planConfig.memoryLimitTokens
+};
 
-plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchOptions& o) {
+/// The collective part before planning: every rank learns the same facts (two allreduces), and
+/// a bad input fails on every rank alike.
+Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   const int ranks = transport.size(), rank = transport.rank();
   // Two collectives before any check, so that every rank learns the same facts and a bad
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
@@ -169,6 +180,14 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
   config.userStarts = starts;
   CostModel costModel = o.costModel;
   costModel.attention = config.attention;
+  return {batch, config, costModel, o.strategy, o.planConfig.memoryLimitTokens > 0};
+}
+
+/// The plan of an agreed batch, checked (plan::checkValid); the same on every rank, since
+/// planning is deterministic. Touches no transport, so it may run on a thread of its own.
+plan::Plan planAgreed(const Agreed& a) {
+  const int64_t total = a.batch.numTokens();
+  plan::PlanConfig config = a.config;
   // WLB-LLM's oracle here: the busiest worker's compute, then the fewer transfer bytes (the
   // simulator's oracle needs a hardware model the runtime does not have).
   const baselines::PlanOracle oracle = [](const plan::Plan& p) {
@@ -179,7 +198,7 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
   plan::Plan plan;
   for (;;) {
     try {
-      plan = baselines::makePlan(o.strategy, batch, config, costModel, oracle);
+      plan = baselines::makePlan(a.strategy, a.batch, config, a.costModel, oracle);
       break;
     } catch (const Error& e) {
       // A training step must not stop because a batch packed badly. Until the distributor cuts
@@ -187,19 +206,52 @@ plan::Plan AttentionBatch::planBatch(runtime::Transport& transport, const BatchO
       // (every rank takes the same steps; plan.config says the budget used).
       const bool capFailed =
           std::string_view(e.what()).find("memory cap") != std::string_view::npos;
-      if (!capFailed || o.planConfig.memoryLimitTokens > 0 || config.memoryLimit() >= total) throw;
+      if (!capFailed || a.budgetSet || config.memoryLimit() >= total) throw;
       config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
     }
   }
   plan::checkValid(plan);
+  return plan;
+}
+
+plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
+  plan::Plan plan = planAgreed(agree(transport, options));
   runtime::checkPlanAgreement(plan, transport);
   return plan;
 }
 
+runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
+  return {o.numThreads, o.timeline, o.dtype, o.layout, o.firstTag};
+}
+
+}  // namespace
+
+PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& options)
+    : transport_(&transport),
+      executorOptions_(executorOptions(options)),
+      plan_(std::async(std::launch::async,
+                       [agreed = agree(transport, options)] { return planAgreed(agreed); })) {}
+
+bool PendingBatch::ready() const {
+  return plan_.valid() && plan_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
+  if (!pending.plan_.valid()) {
+    throwInvalidArgument(
+        "this PendingBatch was already used: expected one not yet handed to an "
+        "AttentionBatch");
+  }
+  plan::Plan plan = pending.plan_.get();
+  runtime::checkPlanAgreement(plan, *pending.transport_);
+  return plan;
+}
+
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
-    : executor_(planBatch(transport, options), transport,
-                runtime::ExecutorOptions{options.numThreads, options.timeline, options.dtype,
-                                         options.layout, options.firstTag}) {}
+    : executor_(planNow(transport, options), transport, executorOptions(options)) {}
+
+AttentionBatch::AttentionBatch(PendingBatch&& pending)
+    : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_) {}
 
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
                               int64_t rowBytes) {

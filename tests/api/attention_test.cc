@@ -115,9 +115,8 @@ struct Outputs {
 // Ranks whose plan used the locality-first placement, over all runs.
 std::atomic<int> localPlacements{0};
 
-void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
-             std::vector<Outputs>& out) {
-  AttentionBatch batch(t, optionsFor(p, t.rank()));
+void runLayers(AttentionBatch& batch, Transport& t, const Problem& p, const std::vector<Whole>& in,
+               std::vector<Outputs>& out) {
   if (batch.plan().placement == plan::Placement::kLocal) ++localPlacements;
   if (p.placement == plan::Placement::kLpt) {
     EXPECT_EQ(batch.plan().placement, plan::Placement::kLpt);
@@ -181,13 +180,25 @@ void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
   }
 }
 
-std::vector<Outputs> run(const Problem& p, const std::vector<Whole>& in) {
-  const int ranks = static_cast<int>(p.starts.size()) - 1;
+void runRank(Transport& t, const Problem& p, const std::vector<Whole>& in,
+             std::vector<Outputs>& out) {
+  AttentionBatch batch(t, optionsFor(p, t.rank()));
+  runLayers(batch, t, p, in, out);
+}
+
+// Whole-batch outputs, zero, for `in`'s layers.
+std::vector<Outputs> outputsFor(const std::vector<Whole>& in) {
   std::vector<Outputs> out(in.size());
   for (size_t l = 0; l < in.size(); ++l) {
     out[l] = {std::vector<float>(in[l].q.size()), std::vector<float>(in[l].q.size()),
               std::vector<float>(in[l].k.size()), std::vector<float>(in[l].k.size())};
   }
+  return out;
+}
+
+std::vector<Outputs> run(const Problem& p, const std::vector<Whole>& in) {
+  const int ranks = static_cast<int>(p.starts.size()) - 1;
+  std::vector<Outputs> out = outputsFor(in);
   runtime::testing::runRanks(ranks, [&](Transport& t) { runRank(t, p, in, out); });
   return out;
 }
@@ -444,6 +455,42 @@ void expectErrorOnEveryRank(int ranks, const std::string& text,
   EXPECT_EQ(failures.load(), ranks) << text;
 }
 
+// Planning ahead, as a training loop would: each rank makes the next batch's PendingBatch, runs
+// the current batch's layers on the same transport while it plans, then takes the next batch
+// from it. The next batch has exactly the plan AttentionBatch(transport, options) makes, and
+// both batches match the reference. A pending batch never used is waited for when destroyed.
+TEST(AttentionBatchTest, APendingBatchPlansTheSamePlanWhileTheStepBeforeRuns) {
+  Rng rng(2026);
+  const int ranks = 3;
+  Problem now, next;
+  now.lengths = randomLengths(rng, 500, 200);
+  now.starts = randomSplit(rng, cuOf(now.lengths).back(), ranks, -1);
+  next.lengths = randomLengths(rng, 700, 300);
+  next.starts = randomSplit(rng, cuOf(next.lengths).back(), ranks, 1);
+  next.dtype = DType::kBf16;
+  next.layout = Layout::kDispatched;
+  const std::vector<Whole> inNow{randomInputs(now, rng.next()), randomInputs(now, rng.next())};
+  const std::vector<Whole> inNext{randomInputs(next, rng.next())};
+  std::vector<Outputs> outNow = outputsFor(inNow), outNext = outputsFor(inNext);
+  std::atomic<int> samePlans = 0;
+  runtime::testing::runRanks(ranks, [&](Transport& t) {
+    AttentionBatch current(t, optionsFor(now, t.rank()));
+    PendingBatch pending(t, optionsFor(next, t.rank()));
+    PendingBatch unused(t, optionsFor(now, t.rank()));  // destroyed unused
+    runLayers(current, t, now, inNow, outNow);
+    AttentionBatch planned(std::move(pending));
+    EXPECT_FALSE(pending.ready()) << "used";
+    AttentionBatch direct(t, optionsFor(next, t.rank()));
+    if (planned.plan() == direct.plan()) ++samePlans;
+    EXPECT_GT(planned.plan().blocks.size(), 0u);
+    runLayers(planned, t, next, inNext, outNext);
+  });
+  EXPECT_EQ(samePlans.load(), ranks);
+  for (size_t l = 0; l < inNow.size(); ++l)
+    expectMatchesReference(now, inNow[l], outNow[l], 1e-5, "current layer " + std::to_string(l));
+  expectMatchesReference(next, inNext[0], outNext[0], 2e-2, "planned ahead, bf16");
+}
+
 TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
   Problem p;
   p.lengths = {100, 60};
@@ -463,6 +510,34 @@ TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
     BatchOptions o = optionsFor(p, t.rank());
     if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
     AttentionBatch batch(t, o);
+  });
+}
+
+// A pending batch checks what the ranks passed when it is made (collective), as AttentionBatch
+// does; a batch that cannot be planned fails where the plan is taken, on every rank alike; and
+// a pending batch gives one batch only.
+TEST(AttentionBatchErrorTest, PendingBatchesCheckFirstAndFailWhereThePlanIsTaken) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
+    PendingBatch pending(t, o);
+  });
+  std::atomic<int> made = 0;
+  expectErrorOnEveryRank(2, "memory cap cannot hold the batch: 160 tokens", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    o.planConfig.memoryLimitTokens = 50;  // 2 x 50 < 160 tokens: no plan exists
+    PendingBatch pending(t, o);
+    ++made;
+    AttentionBatch batch(std::move(pending));
+  });
+  EXPECT_EQ(made.load(), 2) << "the pending batches were made; planning failed later";
+  expectErrorOnEveryRank(2, "already used", [&](Transport& t) {
+    PendingBatch pending(t, optionsFor(p, t.rank()));
+    AttentionBatch batch(std::move(pending));
+    AttentionBatch again(std::move(pending));
   });
 }
 

@@ -170,3 +170,49 @@ def test_a_slow_link_keeps_whole_sequences_where_they_are(group):
     assert torch.equal(slow.dispatch(index), index)
     with pytest.raises(fcp.Error, match="invalid communication ratio -1"):
         ft.Batch(cu, (begin, end), comm, comm_ratio=-1, **options)
+
+
+def test_a_pending_batch_plans_while_the_step_before_runs(group):
+    """PendingBatch plans the next batch while this one's attention and backward run over the
+    same group; batch() is then the Batch that Batch(...) makes (same layout of rows, same
+    outputs) and matches the reference. A pending batch gives one batch only."""
+    comm, rank, ranks = group
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for seed in (1, 2):
+        lengths = torch.randint(1, 300, (5,), generator=g).tolist()
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        starts = split(cu[-1], ranks, seed)
+        batches.append((cu, starts[rank], starts[rank + 1]))
+    options = dict(heads=4, kv_heads=2, head_dim=16, layout="dispatched", block_size=64)
+
+    def step(batch, cu, begin, end):
+        whole = {n: torch.randn(cu[-1], h, 16, generator=torch.Generator().manual_seed(cu[-1])).double()
+                 for n, h in (("q", 4), ("k", 2), ("v", 2))}
+        mine = {n: t[begin:end].float().clone().requires_grad_() for n, t in whole.items()}
+        q, k, v = (batch.dispatch(mine[n]) for n in ("q", "k", "v"))
+        o = batch.undispatch(ft.attention(q, k, v, batch))
+        o.sum().backward()
+        ref_in = {n: t.clone().requires_grad_() for n, t in whole.items()}
+        ref = reference(ref_in["q"], ref_in["k"], ref_in["v"], cu, True)
+        ref.sum().backward()
+        if end > begin:
+            assert rel(o, ref[begin:end]) <= 1e-5
+            for n in ("q", "k", "v"):
+                assert rel(mine[n].grad, ref_in[n].grad[begin:end]) <= 1e-5, n
+        return batch.dispatch(torch.arange(begin, end, dtype=torch.int64))
+
+    (cu0, b0, e0), (cu1, b1, e1) = batches
+    current = ft.Batch(cu0, (b0, e0), comm, **options)
+    pending = ft.PendingBatch(cu1, (b1, e1), comm, **options)
+    step(current, cu0, b0, e0)
+    planned = pending.batch()
+    assert not pending.ready
+    direct = ft.Batch(cu1, (b1, e1), comm, **options)
+    assert planned.num_local_tokens == direct.num_local_tokens
+    assert torch.equal(planned.sequence, direct.sequence) and torch.equal(planned.position, direct.position)
+    assert torch.equal(step(planned, cu1, b1, e1), direct.dispatch(torch.arange(b1, e1, dtype=torch.int64)))
+    with pytest.raises(fcp.Error, match="already used"):
+        pending.batch()

@@ -6,6 +6,11 @@
 ///   per layer:       layer[i].forward(batch, q, k, v, o, lse);    // any number of layers
 ///                    layer[i].backward(batch, dO, dq, dk, dv);    // in any order after
 ///
+/// Or plan the next batch while this one runs (PendingBatch):
+///   PendingBatch next(transport, nextOptions);   // checks, then plans on a thread of its own
+///   ... this step's layers ...
+///   AttentionBatch batch(std::move(next));       // waits for the plan, digest-checked
+///
 /// Terms. The *caller's layout*: rank r holds the contiguous token range [localBegin,
 /// localEnd) of the batch's packed stream (sequences one after another as cu_seqlens says); the
 /// ranges, in rank order, tile the stream (uneven, starting mid-sequence or empty are all fine).
@@ -22,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <future>
 #include <span>
 #include <string>
 #include <vector>
@@ -87,6 +93,33 @@ struct BatchOptions {
   int firstTag = runtime::kFirstFcpTag;
 };
 
+/// A batch whose plan is being made on a thread of its own, so that a training loop can plan
+/// step k + 1 while step k runs. The constructor is collective and does everything that talks
+/// to other ranks before planning (the same two allreduces and checks as AttentionBatch's);
+/// the planning thread then touches no transport, so the caller's calls on the same transport
+/// (this step's attention, its own collectives) go on meanwhile. AttentionBatch(PendingBatch&&)
+/// waits for the plan and checks that every rank reached the same one. The plan is the one
+/// AttentionBatch(transport, options) makes; an error in planning is thrown there, on every
+/// rank alike. Destroying a pending batch that was never used waits for its planning to end.
+/// `transport` must outlive it and the batch made from it.
+class PendingBatch {
+ public:
+  PendingBatch(runtime::Transport& transport, const BatchOptions& options);
+  PendingBatch(PendingBatch&&) noexcept = default;
+  PendingBatch& operator=(PendingBatch&&) noexcept = default;
+  ~PendingBatch() = default;  // the future's destructor waits for the planning thread
+
+  /// Whether the plan is made (or planning failed): AttentionBatch(PendingBatch&&) would not
+  /// wait. False once the pending batch has been used.
+  bool ready() const;
+
+ private:
+  friend class AttentionBatch;
+  runtime::Transport* transport_ = nullptr;
+  runtime::ExecutorOptions executorOptions_;
+  std::future<plan::Plan> plan_;  ///< planned and checked (plan::checkValid), not yet agreed
+};
+
 /// One batch: its plan (the same on every rank, checked) and the plan indexed for this rank.
 /// Every layer of the model shares it. Keep it alive while its layers run forward or backward.
 class AttentionBatch {
@@ -94,6 +127,9 @@ class AttentionBatch {
   /// Plans the batch on every rank and checks that all ranks reached the same plan (an
   /// allreduce of the ranks' ranges, one of a digest). Collective. `transport` must outlive it.
   AttentionBatch(runtime::Transport& transport, const BatchOptions& options);
+  /// The batch a PendingBatch planned: waits for its plan, then checks that all ranks reached
+  /// the same one (one allreduce). Collective. Throws if `pending` was already used.
+  explicit AttentionBatch(PendingBatch&& pending);
 
   const plan::Plan& plan() const { return executor_.plan(); }
   Layout layout() const { return executor_.options().layout; }
@@ -125,7 +161,7 @@ class AttentionBatch {
   runtime::Executor& executor() { return executor_; }
 
  private:
-  static plan::Plan planBatch(runtime::Transport& transport, const BatchOptions& options);
+  static plan::Plan takePlan(PendingBatch& pending);
   runtime::Executor executor_;
 };
 
