@@ -15,6 +15,8 @@ attention. The model is a decoder-only transformer: RoPE, GQA, pre-norm blocks w
                         caller's layout) and attention reshuffles; dispatched: token ids,
                         targets and positions are dispatched once per step into FCP's layout and
                         the whole model runs there.
+    --plan-ahead        each step's batch is planned during the step before
+                        (fcp.torch.PendingBatch), as a data loader prefetches
 
 Context-parallel runs are launched the ecosystem's way:
     python3 -m torch.distributed.run --nproc-per-node 2 examples/train_gpt.py --attention fcp
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--block-size", type=int, default=2048, help="FCP's block size in tokens")
+    p.add_argument("--plan-ahead", action="store_true",
+                   help="plan each step's batch during the step before (fcp.torch.PendingBatch)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
@@ -161,9 +165,29 @@ def main(argv=None):
     docs = load_documents(args.text, args.seed)
     data = batches(docs, args.batch_tokens)
     log = []
+
+    def plan(text, cu, ahead):
+        """This rank's even share of the batch, planned now (Batch) or on a thread (PendingBatch)."""
+        begin, end = rank * len(text) // ranks, (rank + 1) * len(text) // ranks
+        make = fcp_torch.PendingBatch if ahead else fcp_torch.Batch
+        return make(cu, (begin, end), None, heads=args.heads, kv_heads=args.kv_heads,
+                    head_dim=args.dim // args.heads, layout=args.layout,
+                    strategy="ring" if args.attention == "ring" else "fcp", block_size=args.block_size,
+                    threads=threads)
+
+    ahead = args.plan_ahead and args.steps > 0
+    upcoming = next(data) if ahead else None
+    pending = plan(*upcoming, True) if ahead else None
     for step in range(args.steps):
-        text, cu = next(data)
+        text, cu = upcoming if ahead else next(data)
         t0 = time.perf_counter()
+        if ahead:
+            batch = pending.batch()  # planned during the step before (the first: before the loop)
+            if step + 1 < args.steps:  # the next step's batch plans while this one runs
+                upcoming = next(data)
+                pending = plan(*upcoming, True)
+        else:
+            batch = plan(text, cu, False)
         ids_all = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
         # Next-byte targets inside each sequence; the last byte of a sequence predicts nothing.
         targets_all = torch.full_like(ids_all, -100)
@@ -171,10 +195,6 @@ def main(argv=None):
         targets_all[torch.tensor(cu[1:], dtype=torch.int64) - 1] = -100
         count = int((targets_all >= 0).sum())
         begin, end = rank * len(text) // ranks, (rank + 1) * len(text) // ranks
-        batch = fcp_torch.Batch(cu, (begin, end), None if distributed else None, heads=args.heads,
-                                kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
-                                layout=args.layout, strategy="ring" if args.attention == "ring" else "fcp",
-                                block_size=args.block_size, threads=threads)
         ids, targets = ids_all[begin:end], targets_all[begin:end]
         pos = fcp_torch.user_positions(cu, begin, end)
         if args.layout == "dispatched":
