@@ -502,29 +502,30 @@ TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
                          [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
 }
 
+// A pending batch makes the same checks, when it is made (collective).
 TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
-  expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
-    BatchOptions o = optionsFor(p, t.rank());
-    if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
-    AttentionBatch batch(t, o);
-  });
+  for (const bool ahead : {false, true}) {
+    expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
+      if (ahead) {
+        PendingBatch pending(t, o);
+      } else {
+        AttentionBatch batch(t, o);
+      }
+    });
+  }
 }
 
-// A pending batch checks what the ranks passed when it is made (collective), as AttentionBatch
-// does; a batch that cannot be planned fails where the plan is taken, on every rank alike; and
-// a pending batch gives one batch only.
-TEST(AttentionBatchErrorTest, PendingBatchesCheckFirstAndFailWhereThePlanIsTaken) {
+// A batch that cannot be planned fails where its pending batch's plan is taken, on every rank
+// alike; and a pending batch gives one batch only.
+TEST(AttentionBatchErrorTest, PendingBatchesFailWhereThePlanIsTaken) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
-  expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
-    BatchOptions o = optionsFor(p, t.rank());
-    if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
-    PendingBatch pending(t, o);
-  });
   std::atomic<int> made = 0;
   expectErrorOnEveryRank(2, "memory cap cannot hold the batch: 160 tokens", [&](Transport& t) {
     BatchOptions o = optionsFor(p, t.rank());
