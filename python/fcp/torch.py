@@ -23,8 +23,9 @@ pass the same value.
 
 Planning ahead. ``PendingBatch(...)`` takes Batch's arguments and plans on a thread of its own
 while the caller goes on with the current step; ``pending.batch()`` then waits for the plan and
-returns the Batch. Planning a large batch takes long (at 4096 ranks, most of a second for a
-long-tailed batch): planned one step ahead, a training step need not wait for it.
+returns the Batch. Planning a large batch and checking its plan take long (at 4096 ranks, half
+a second to two seconds): planned one step ahead, a training step need not wait for them.
+Make the PendingBatch on the training thread, at the same point on every rank: it is collective.
 
 Every call is collective over the group: every rank calls it, in the same order.
 """

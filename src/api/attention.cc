@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
@@ -227,10 +228,17 @@ runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
 }  // namespace
 
 PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& options)
-    : transport_(&transport),
-      executorOptions_(executorOptions(options)),
-      plan_(std::async(std::launch::async,
-                       [agreed = agree(transport, options)] { return planAgreed(agreed); })) {}
+    : transport_(&transport), executorOptions_(executorOptions(options)) {
+  Agreed agreed = agree(transport, options);
+  try {
+    plan_ = std::async(std::launch::async, [agreed] { return planAgreed(agreed); });
+  } catch (const std::system_error&) {
+    // No thread to be had (a process limit) on this rank: plan where the plan is taken, rather
+    // than fail here alone while the other ranks go on to the digest check and wait.
+    plan_ = std::async(std::launch::deferred,
+                       [agreed = std::move(agreed)] { return planAgreed(agreed); });
+  }
+}
 
 bool PendingBatch::ready() const {
   return plan_.valid() && plan_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;

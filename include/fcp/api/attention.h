@@ -99,9 +99,12 @@ struct BatchOptions {
 /// the planning thread then touches no transport, so the caller's calls on the same transport
 /// (this step's attention, its own collectives) go on meanwhile. AttentionBatch(PendingBatch&&)
 /// waits for the plan and checks that every rank reached the same one. The plan is the one
-/// AttentionBatch(transport, options) makes; an error in planning is thrown there, on every
-/// rank alike. Destroying a pending batch that was never used waits for its planning to end.
-/// `transport` must outlive it and the batch made from it.
+/// AttentionBatch(transport, options) makes; an error in planning is thrown there (a
+/// deterministic one, such as a batch no plan can hold, on every rank alike). The constructor is
+/// a collective like any other: every rank makes it at the same point of its sequence of calls
+/// on the transport, on the thread that makes the others (not on a prefetching thread). Destroying
+/// or assigning over a pending batch that was never used waits for its planning to end.
+/// `transport` and options.timeline must outlive it and the batch made from it.
 class PendingBatch {
  public:
   PendingBatch(runtime::Transport& transport, const BatchOptions& options);
