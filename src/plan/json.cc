@@ -1,5 +1,7 @@
 #include "fcp/plan/json.h"
 
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <type_traits>
@@ -154,6 +156,71 @@ std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
 
 }  // namespace
 
+namespace {
+
+/// Everything planToJson writes but the arrays that grow with the batch (its sequences, blocks,
+/// owners, pairs, loads, transfers, stages and reshuffle): what planDigest takes as text.
+json headerJson(const Plan& plan) {
+  json sharding = {{"block_size", plan.shardBlockSize},
+                   {"memory_retries", plan.memoryRetries},
+                   {"cost_cut_sequences", plan.costCutSequences},
+                   {"smallest_block_size", plan.smallestBlockSize}};
+  // Only when memory-aware packing cut it, so that other plans keep their JSON (and digests).
+  if (plan.packedBlockSize != plan.shardBlockSize)
+    sharding["packed_block_size"] = plan.packedBlockSize;
+  return {{"format", "fcp-plan"},
+          {"version", kFormatVersion},
+          {"strategy", plan.strategy},
+          {"congestion_free", plan.congestionFree},
+          {"config", configToJson(plan.config)},
+          {"lower_bound", plan.lowerBound},
+          {"greedy_max_cost", plan.greedyMaxCost},
+          {"improve_steps", plan.improveSteps},
+          {"comm_balance_steps", plan.commBalanceSteps},
+          {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
+          {"placement", std::string(placementName(plan.placement))},
+          {"locality_moves", plan.localityMoves},
+          {"sharding", std::move(sharding)},
+          {"num_rounds", plan.numRounds}};
+}
+
+/// A 64-bit hash of a sequence of words: each is mixed in with a multiply and a shift, so that
+/// a change in any bit of any word reaches the whole state. Not cryptographic: it tells ranks
+/// whose plans differ apart, it does not resist a forger.
+class WordHash {
+ public:
+  void add(uint64_t x) {
+    h_ = (h_ ^ x) * 0x9e3779b97f4a7c15ull;
+    h_ ^= h_ >> 29;
+  }
+  void add(int64_t x) { add(static_cast<uint64_t>(x)); }
+  void add(int32_t x) { add(static_cast<uint64_t>(static_cast<int64_t>(x))); }
+  void add(double x) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    add(bits);
+  }
+  void add(std::string_view text) {
+    add(static_cast<uint64_t>(text.size()));
+    for (const char c : text) add(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+  }
+  /// A list: its length, then each item as `each` adds it (lengths keep lists apart).
+  template <typename T, typename Each>
+  void list(const std::vector<T>& items, const Each& each) {
+    add(static_cast<uint64_t>(items.size()));
+    for (const T& item : items) each(item);
+  }
+  void ids(const std::vector<int32_t>& v) {
+    list(v, [&](int32_t x) { add(x); });
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 14695981039346656037ull;
+};
+
+}  // namespace
+
 std::string planToJson(const Plan& plan) {
   json blocks = json::array();
   for (const Block& b : plan.blocks) {
@@ -173,37 +240,66 @@ std::string planToJson(const Plan& plan) {
   for (const ReshufflePiece& p : plan.reshuffle) {
     reshuffle.push_back({p.userWorker, p.fcpWorker, p.begin, p.end});
   }
-  json sharding = {{"block_size", plan.shardBlockSize},
-                   {"memory_retries", plan.memoryRetries},
-                   {"cost_cut_sequences", plan.costCutSequences},
-                   {"smallest_block_size", plan.smallestBlockSize}};
-  // Only when memory-aware packing cut it, so that other plans keep their JSON (and digests).
-  if (plan.packedBlockSize != plan.shardBlockSize)
-    sharding["packed_block_size"] = plan.packedBlockSize;
-  const json doc = {{"format", "fcp-plan"},
-                    {"version", kFormatVersion},
-                    {"strategy", plan.strategy},
-                    {"congestion_free", plan.congestionFree},
-                    {"config", configToJson(plan.config)},
-                    {"batch", plan.batch.sequenceLengths},
-                    {"blocks", std::move(blocks)},
-                    {"owner", plan.owner},
-                    {"pairs", std::move(pairs)},
-                    {"loads", std::move(loads)},
-                    {"lower_bound", plan.lowerBound},
-                    {"greedy_max_cost", plan.greedyMaxCost},
-                    {"improve_steps", plan.improveSteps},
-                    {"comm_balance_steps", plan.commBalanceSteps},
-                    {"moved_tokens_without_locality", plan.movedTokensWithoutLocality},
-                    {"placement", std::string(placementName(plan.placement))},
-                    {"locality_moves", plan.localityMoves},
-                    {"sharding", std::move(sharding)},
-                    {"transfers", std::move(transfers)},
-                    {"num_rounds", plan.numRounds},
-                    {"forward", stagesToJson(plan.forward)},
-                    {"backward", stagesToJson(plan.backward)},
-                    {"reshuffle", std::move(reshuffle)}};
+  // An object's keys are written sorted, whatever order they were added in.
+  json doc = headerJson(plan);
+  doc["batch"] = plan.batch.sequenceLengths;
+  doc["blocks"] = std::move(blocks);
+  doc["owner"] = plan.owner;
+  doc["pairs"] = std::move(pairs);
+  doc["loads"] = std::move(loads);
+  doc["transfers"] = std::move(transfers);
+  doc["forward"] = stagesToJson(plan.forward);
+  doc["backward"] = stagesToJson(plan.backward);
+  doc["reshuffle"] = std::move(reshuffle);
   return doc.dump();
+}
+
+uint64_t planDigest(const Plan& plan) {
+  WordHash h;
+  h.add(std::string_view(headerJson(plan).dump()));
+  h.list(plan.batch.sequenceLengths, [&](int64_t length) { h.add(length); });
+  h.list(plan.blocks, [&](const Block& b) {
+    h.list(b.chunks, [&](const Chunk& c) {
+      h.add(c.sequence);
+      h.add(c.begin);
+      h.add(c.end);
+    });
+  });
+  h.ids(plan.owner);
+  h.list(plan.pairs, [&](const BlockPair& p) {
+    h.add(p.qBlock);
+    h.add(p.kvBlock);
+    h.add(p.visible);
+    h.add(p.cost);
+  });
+  h.list(plan.loads, [&](const WorkerLoad& l) {
+    h.add(l.numTokens);
+    h.add(l.cost);
+  });
+  h.list(plan.transfers, [&](const Transfer& t) {
+    h.add(t.block);
+    h.add(t.sender);
+    h.add(t.receiver);
+    h.add(t.bytes);
+    h.add(t.round);
+  });
+  for (const auto* pass : {&plan.forward, &plan.backward}) {
+    h.list(*pass, [&](const std::vector<Stage>& stages) {
+      h.list(stages, [&](const Stage& st) {
+        for (const auto* ids : {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad,
+                                &st.recvGrad}) {
+          h.ids(*ids);
+        }
+      });
+    });
+  }
+  h.list(plan.reshuffle, [&](const ReshufflePiece& p) {
+    h.add(p.userWorker);
+    h.add(p.fcpWorker);
+    h.add(p.begin);
+    h.add(p.end);
+  });
+  return h.value();
 }
 
 Plan planFromJson(std::string_view text) {

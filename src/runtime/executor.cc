@@ -1027,17 +1027,8 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
 const PassStats& Executor::forwardStats() const { return state_->fwd; }
 const PassStats& Executor::backwardStats() const { return state_->bwd; }
 
-uint64_t planDigest(const plan::Plan& plan) {
-  uint64_t hash = 14695981039346656037ull;
-  for (const char c : plan::planToJson(plan)) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
-  const uint64_t digest = planDigest(plan);
+  const uint64_t digest = plan::planDigest(plan);
   // Max of the digest and of its complement gives the largest and the smallest in one call.
   int64_t values[2] = {static_cast<int64_t>(digest >> 1), static_cast<int64_t>(~(digest >> 1))};
   transport.allreduce(values, ReduceOp::kMax);

@@ -113,10 +113,7 @@ class Executor {
   std::unique_ptr<State> state_;
 };
 
-/// 64-bit FNV-1a of plan::planToJson(plan).
-uint64_t planDigest(const plan::Plan& plan);
-
-/// Compares this rank's plan digest with every other rank's (one allreduce). Throws
+/// Compares this rank's plan digest (plan::planDigest) with every other rank's (one allreduce). Throws
 /// Error(kInvalidPlan) on every rank when any two differ, naming this rank's digest and the
 /// range seen, so that no rank starts a plan the others do not share.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
