@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <functional>
+#include <span>
+#include <thread>
 
 #include "../runtime/thread_transport.h"
 #include "fcp/core/error.h"
@@ -489,6 +493,71 @@ TEST(AttentionBatchTest, APendingBatchPlansTheSamePlanWhileTheStepBeforeRuns) {
   for (size_t l = 0; l < inNow.size(); ++l)
     expectMatchesReference(now, inNow[l], outNow[l], 1e-5, "current layer " + std::to_string(l));
   expectMatchesReference(next, inNext[0], outNext[0], 2e-2, "planned ahead, bf16");
+}
+
+// A transport that counts the calls made on it, and notes an allreduce from any thread but the
+// one that made it (the rank's own).
+class CountingTransport final : public Transport {
+ public:
+  explicit CountingTransport(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int maxTag() const override { return inner_.maxTag(); }
+  runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    ++calls;
+    return inner_.isend(peer, tag, data);
+  }
+  runtime::RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    ++calls;
+    return inner_.irecv(peer, tag, data);
+  }
+  bool test(runtime::RequestId request) override {
+    ++calls;
+    return inner_.test(request);
+  }
+  void wait(runtime::RequestId request) override {
+    ++calls;
+    inner_.wait(request);
+  }
+  void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeout) override {
+    ++calls;
+    ++allreduces;
+    if (std::this_thread::get_id() != owner_) ++allreducesOffThread;
+    inner_.allreduce(values, op, timeout);
+  }
+  [[noreturn]] void abort(int exitCode) noexcept override {
+    inner_.abort(exitCode);
+    std::abort();  // not reached: inner_.abort ends the process
+  }
+
+  std::atomic<int> calls = 0, allreduces = 0, allreducesOffThread = 0;
+
+ private:
+  Transport& inner_;
+  const std::thread::id owner_ = std::this_thread::get_id();
+};
+
+// What talks to the other ranks, and when: making a pending batch takes exactly the two
+// allreduces of the checks; its planning, run to the end, makes no call at all on the
+// transport; taking the plan makes one allreduce, the digest check (so a plan is never taken
+// unchecked); all three from the rank's own thread.
+TEST(AttentionBatchTest, APendingBatchTalksToTheOtherRanksOnlyWhereItIsMadeAndTaken) {
+  Problem p;
+  Rng rng(11);
+  p.lengths = randomLengths(rng, 600, 250);
+  p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+  runtime::testing::runRanks(3, [&](Transport& t) {
+    CountingTransport counted(t);
+    PendingBatch pending(counted, optionsFor(p, t.rank()));
+    EXPECT_EQ(counted.allreduces.load(), 2);
+    const int made = counted.calls.load();
+    // Until the plan is made (no time limit asserted: the test only waits for it).
+    while (!pending.ready()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(counted.calls.load(), made) << "the planning thread called the transport";
+    AttentionBatch batch(std::move(pending));
+    EXPECT_EQ(counted.allreduces.load(), 3);
+    EXPECT_EQ(counted.allreducesOffThread.load(), 0);
+  });
 }
 
 TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
