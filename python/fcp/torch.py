@@ -219,7 +219,8 @@ class PendingBatch:
     with the others, as Batch does) and returns once planning has started. Planning talks to no
     other rank, so the current step's attention and the caller's own collectives may run
     meanwhile. ``batch()`` (collective) waits for the plan and returns the Batch, the same one
-    ``Batch(...)`` would have made; call it once, on every rank at the same point.
+    ``Batch(...)`` would have made; call it once, on every rank at the same point. Use a pending
+    batch from one thread; dropping one unused waits for its planning to end.
     """
 
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
