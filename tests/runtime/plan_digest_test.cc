@@ -91,15 +91,15 @@ TEST(PlanDigestTest, PlansForFixedInputsArePinned) {
   }
 }
 
-// Every number, word and flag of a small plan's JSON, changed one at a time (each run of digits
-// has its last digit moved, true and false swap): every change that reads back as a different
-// plan changes the digest. The plan has stages, transfers and a reshuffle (8 workers, causal,
-// blocks of 1K so that several workers share sequences).
+// Every number and flag of a small plan's JSON, changed one at a time (each run of digits has
+// its last digit moved, true and false swap): every change that reads back as another plan
+// changes the digest. The plan has stages, transfers and a reshuffle (3 workers, causal, blocks
+// of 512 tokens, so that workers share sequences).
 TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
   plan::PlanConfig c;
-  c.numWorkers = 4;
-  c.tokensPerWorker = 4096;
-  c.blockSize = 1024;
+  c.numWorkers = 3;
+  c.tokensPerWorker = 2048;
+  c.blockSize = 512;
   const Batch batch = sampleBatch(findWorkload("lognormal"), c.numWorkers * c.tokensPerWorker, 3);
   const plan::Plan base = baselines::makePlan("fcp", batch, c, CostModel{c.attention});
   ASSERT_FALSE(base.transfers.empty());
@@ -131,15 +131,15 @@ TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
       ++unread;  // e.g. the format version, or a count no longer in range
       continue;
     }
-    if (plan::planToJson(p) == text) {
-      ++same;  // the change is not one the plan carries (a digit of an exponent's padding)
+    if (p == base) {
+      ++same;  // the change is not one the plan carries (a double's last digit, say)
       continue;
     }
     ++tried;
     EXPECT_NE(plan::planDigest(p), digest) << "a change the digest misses: JSON offset "
                                               << (std::mismatch(t.begin(), t.end(), text.begin()).first - t.begin());
   }
-  EXPECT_GT(tried, 2000) << unread << " changes did not read back, " << same << " read back the same";
+  EXPECT_GT(tried, 500) << unread << " changes did not read back, " << same << " read back the same";
 }
 
 }  // namespace
