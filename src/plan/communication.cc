@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -902,15 +903,31 @@ void validateCommunication(const Plan& plan, Violations& v) {
     return static_cast<int32_t>(it - plan.transfers.begin());
   };
 
-  // Stages, both passes: replay every worker's stages.
+  // Each worker's transfers, as receiver (ids ascending): with them the replay of a worker's
+  // stages finds the transfer bringing a pair's KV block (transferOf) in a table by block.
+  std::vector<int64_t> intoStart(static_cast<size_t>(n) + 1, 0);
+  for (const Transfer& tr : plan.transfers) ++intoStart[static_cast<size_t>(tr.receiver) + 1];
+  for (size_t w = 1; w < intoStart.size(); ++w) intoStart[w] += intoStart[w - 1];
+  std::vector<int32_t> into(plan.transfers.size());
+  {
+    std::vector<int64_t> next(intoStart.begin(), intoStart.end() - 1);
+    for (size_t t = 0; t < plan.transfers.size(); ++t)
+      into[static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].receiver)]++)] =
+          static_cast<int32_t>(t);
+  }
+
+  // Stages, both passes: replay every worker's stages. The passes are independent: on two
+  // threads for large plans, each with its own sentences (forward's are reported first).
   const int64_t bufferLimit = plan.config.bufferDepth * plan.config.coalesce;
-  for (const bool backward : {false, true}) {
+  const auto replay = [&](const bool backward, Violations& found) {
     const auto& stages = backward ? plan.backward : plan.forward;
     const char* pass = backward ? "backward" : "forward";
     if (static_cast<int64_t>(stages.size()) != n) {
-      v.add(pass, " stages cover ", stages.size(), " workers, not ", n);
-      continue;
+      found.add(pass, " stages cover ", stages.size(), " workers, not ", n);
+      return;
     }
+    // transferOf(block, w) for the worker w being replayed, -1 where there is none.
+    std::vector<int32_t> transferTo(plan.blocks.size(), -1);
     const size_t numT = plan.transfers.size();
     std::vector<int64_t> sentAt(numT, -1), recvAt(numT, -1), releasedAt(numT, -1),
         lastUse(numT, -1), gradSentAt(numT, -1), gradRecvAt(numT, -1);
@@ -918,12 +935,12 @@ void validateCommunication(const Plan& plan, Violations& v) {
     auto mark = [&](std::vector<int64_t>& at, int32_t id, size_t limit, int64_t stage,
                     const char* what, int64_t worker) {
       if (id < 0 || static_cast<size_t>(id) >= limit) {
-        v.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id,
-              " out of range");
+        found.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id,
+                  " out of range");
         return false;
       }
       if (at[static_cast<size_t>(id)] >= 0) {
-        v.add(pass, ": ", what, " ", id, " happens twice");
+        found.add(pass, ": ", what, " ", id, " happens twice");
         return false;
       }
       at[static_cast<size_t>(id)] = stage;
@@ -933,48 +950,55 @@ void validateCommunication(const Plan& plan, Violations& v) {
       int64_t held = 0;
       bool overflowed = false;
       const auto& ws = stages[static_cast<size_t>(w)];
+      const auto mine = std::span(into)
+                            .first(static_cast<size_t>(intoStart[static_cast<size_t>(w) + 1]))
+                            .subspan(static_cast<size_t>(intoStart[static_cast<size_t>(w)]));
+      const auto blockOf = [&](int32_t t) {
+        return static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block);
+      };
+      for (const int32_t t : mine) transferTo[blockOf(t)] = t;
       for (int64_t s = 0; s < static_cast<int64_t>(ws.size()); ++s) {
         const Stage& st = ws[static_cast<size_t>(s)];
         if (static_cast<int64_t>(st.send.size()) > plan.config.coalesce ||
             static_cast<int64_t>(st.recv.size()) > plan.config.coalesce ||
             static_cast<int64_t>(st.sendGrad.size()) > plan.config.coalesce ||
             static_cast<int64_t>(st.recvGrad.size()) > plan.config.coalesce) {
-          v.add(pass, " worker ", w, " stage ", s, " moves more than ", plan.config.coalesce,
-                " blocks one way");
+          found.add(pass, " worker ", w, " stage ", s, " moves more than ", plan.config.coalesce,
+                    " blocks one way");
         }
         for (int32_t t : st.send) {
           if (mark(sentAt, t, numT, s, "send of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
-            v.add(pass, ": worker ", w, " sends transfer ", t, " meant to come from another");
+            found.add(pass, ": worker ", w, " sends transfer ", t, " meant to come from another");
           }
         }
         for (int32_t t : st.recv) {
           if (mark(recvAt, t, numT, s, "receive of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].receiver != w) {
-            v.add(pass, ": worker ", w, " receives transfer ", t, " meant for another");
+            found.add(pass, ": worker ", w, " receives transfer ", t, " meant for another");
           }
         }
         held += static_cast<int64_t>(st.recv.size());
         if (held > bufferLimit && !overflowed) {  // once per worker: the first stage says it
           overflowed = true;
-          v.add(pass, " worker ", w, " holds ", held, " remote blocks at stage ", s,
-                ", over buffer depth ", plan.config.bufferDepth, " x coalesce ",
-                plan.config.coalesce);
+          found.add(pass, " worker ", w, " holds ", held, " remote blocks at stage ", s,
+                    ", over buffer depth ", plan.config.bufferDepth, " x coalesce ",
+                    plan.config.coalesce);
         }
         for (int32_t p : st.compute) {
           if (!mark(computedAt, p, plan.pairs.size(), s, "pair", w)) continue;
           const BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
           if (plan.owner[static_cast<size_t>(pair.qBlock)] != w) {
-            v.add(pass, ": worker ", w, " computes pair ", p, " whose Q block it does not own");
+            found.add(pass, ": worker ", w, " computes pair ", p, " whose Q block it does not own");
             continue;
           }
           if (plan.owner[static_cast<size_t>(pair.kvBlock)] == w) continue;
-          const int32_t t = transferOf(pair.kvBlock, static_cast<int32_t>(w));
+          const int32_t t = transferTo[static_cast<size_t>(pair.kvBlock)];
           if (t < 0 || recvAt[static_cast<size_t>(t)] < 0 || recvAt[static_cast<size_t>(t)] >= s ||
               releasedAt[static_cast<size_t>(t)] >= 0) {
-            v.add(pass, ": worker ", w, " computes pair ", p, " at stage ", s,
-                  " before its KV block ", pair.kvBlock,
-                  " arrived (or after its buffer was freed)");
+            found.add(pass, ": worker ", w, " computes pair ", p, " at stage ", s,
+                      " before its KV block ", pair.kvBlock,
+                      " arrived (or after its buffer was freed)");
             continue;
           }
           lastUse[static_cast<size_t>(t)] = s;
@@ -983,8 +1007,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
           if (!mark(releasedAt, t, numT, s, "release of transfer", w)) continue;
           const auto ts = static_cast<size_t>(t);
           if (plan.transfers[ts].receiver != w || recvAt[ts] < 0 || recvAt[ts] > s) {
-            v.add(pass, ": worker ", w, " frees the buffer of transfer ", t,
-                  " that it has not received");
+            found.add(pass, ": worker ", w, " frees the buffer of transfer ", t,
+                      " that it has not received");
             continue;
           }
           --held;
@@ -993,29 +1017,32 @@ void validateCommunication(const Plan& plan, Violations& v) {
           if (mark(gradSentAt, t, numT, s, "dK/dV partial of transfer", w) &&
               (plan.transfers[static_cast<size_t>(t)].receiver != w ||
                lastUse[static_cast<size_t>(t)] < 0 || lastUse[static_cast<size_t>(t)] >= s)) {
-            v.add(pass, ": worker ", w, " sends the dK/dV partial of transfer ", t,
-                  " before computing with it, or it is not its to send");
+            found.add(pass, ": worker ", w, " sends the dK/dV partial of transfer ", t,
+                      " before computing with it, or it is not its to send");
           }
         }
         for (int32_t t : st.recvGrad) {
           if (mark(gradRecvAt, t, numT, s, "dK/dV return of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
-            v.add(pass, ": worker ", w, " receives a dK/dV partial of a transfer it did not send");
+            found.add(pass, ": worker ", w,
+                      " receives a dK/dV partial of a transfer it did not send");
           }
         }
       }
+      for (const int32_t t : mine) transferTo[blockOf(t)] = -1;
     }
     for (size_t t = 0; t < numT; ++t) {
       if (sentAt[t] < 0 || recvAt[t] < 0 || sentAt[t] != recvAt[t]) {
-        v.add(pass, ": transfer ", t, " is sent at stage ", sentAt[t], " and received at stage ",
-              recvAt[t], ": expected once each, in the same stage");
+        found.add(pass, ": transfer ", t, " is sent at stage ", sentAt[t],
+                  " and received at stage ", recvAt[t], ": expected once each, in the same stage");
       }
-      if (releasedAt[t] < 0) v.add(pass, ": the buffer of transfer ", t, " is never freed");
+      if (releasedAt[t] < 0) found.add(pass, ": the buffer of transfer ", t, " is never freed");
       if (backward && (gradSentAt[t] < 0 || gradSentAt[t] != gradRecvAt[t])) {
-        v.add(pass, ": the dK/dV partial of transfer ", t, " is sent at stage ", gradSentAt[t],
-              " and received at stage ", gradRecvAt[t], ": expected once each, in the same stage");
+        found.add(pass, ": the dK/dV partial of transfer ", t, " is sent at stage ", gradSentAt[t],
+                  " and received at stage ", gradRecvAt[t],
+                  ": expected once each, in the same stage");
       }
-      if (!backward && gradSentAt[t] >= 0) v.add("forward stages send a dK/dV partial");
+      if (!backward && gradSentAt[t] >= 0) found.add("forward stages send a dK/dV partial");
       // A relay must hold the block when it passes it on; backward, it returns its own partial
       // only after the partials of everything it relayed came back (it adds them in).
       const Transfer& tr = plan.transfers[t];
@@ -1023,18 +1050,23 @@ void validateCommunication(const Plan& plan, Violations& v) {
       const int32_t in = transferOf(tr.block, tr.sender);
       const auto i = static_cast<size_t>(in);
       if (in < 0 || recvAt[i] < 0 || recvAt[i] >= sentAt[t] || releasedAt[i] < sentAt[t]) {
-        v.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
-              " without holding it then");
+        found.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
+                  " without holding it then");
       } else if (backward && gradSentAt[i] >= 0 && gradRecvAt[t] >= 0 &&
                  gradSentAt[i] <= gradRecvAt[t]) {
-        v.add(pass, ": worker ", tr.sender, " returns its dK/dV partial of block ", tr.block,
-              " before the partial it relayed came back");
+        found.add(pass, ": worker ", tr.sender, " returns its dK/dV partial of block ", tr.block,
+                  " before the partial it relayed came back");
       }
     }
     for (size_t p = 0; p < plan.pairs.size(); ++p) {
-      if (computedAt[p] < 0) v.add(pass, ": pair ", p, " is never computed");
+      if (computedAt[p] < 0) found.add(pass, ": pair ", p, " is never computed");
     }
-  }
+  };
+  Violations backwardFound;
+  runBoth(
+      worthParallel(static_cast<int64_t>(plan.pairs.size())), [&] { replay(false, v); },
+      [&] { replay(true, backwardFound); });
+  v.append(std::move(backwardFound));
 
   // Reshuffle: the pieces tile the stream, each inside one user slice and one chunk of a
   // block owned by its fcpWorker.

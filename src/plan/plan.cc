@@ -926,6 +926,7 @@ void checkPairs(const Plan& plan, Violations& v) {
     firstChunk[b + 1] = firstChunk[b] + static_cast<int64_t>(plan.blocks[b].chunks.size());
   }
   std::vector<std::pair<int64_t, int64_t>> covered;
+  covered.reserve(plan.pairs.size());
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const BlockPair& pair = plan.pairs[p];
     if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 ||
@@ -966,6 +967,11 @@ void checkPairs(const Plan& plan, Violations& v) {
       v.add("chunk pair (", covered[i].first, ", ", covered[i].second, ") is computed twice");
     }
   }
+  // Where each Q chunk's covered pairs start (they are a run, sorted by KV chunk).
+  const auto numChunks = static_cast<size_t>(firstChunk.back());
+  std::vector<size_t> coveredFrom(numChunks + 1, 0);
+  for (const auto& [q, k] : covered) ++coveredFrom[static_cast<size_t>(q) + 1];
+  for (size_t c = 1; c <= numChunks; ++c) coveredFrom[c] += coveredFrom[c - 1];
   // What the mask needs: all same-sequence chunk pairs with visible entries.
   std::vector<std::vector<int64_t>> chunksOf(plan.batch.sequenceLengths.size());
   std::vector<const Chunk*> chunkById;
@@ -979,11 +985,16 @@ void checkPairs(const Plan& plan, Violations& v) {
   }
   for (const auto& ids : chunksOf) {
     for (int64_t q : ids) {
+      // ids ascend, so the KV chunks are met in the order of q's run: one walk along it finds
+      // each (as a binary search of the whole list would).
+      size_t at = coveredFrom[static_cast<size_t>(q)];
+      const size_t end = coveredFrom[static_cast<size_t>(q) + 1];
       for (int64_t k : ids) {
         const Chunk& qc = *chunkById[static_cast<size_t>(q)];
         const Chunk& kc = *chunkById[static_cast<size_t>(k)];
         if (visibleEntries(mask, qc.begin, qc.end, kc.begin, kc.end) == 0) continue;
-        if (!std::binary_search(covered.begin(), covered.end(), std::make_pair(q, k))) {
+        while (at < end && covered[at].second < k) ++at;
+        if (at == end || covered[at].second != k) {
           v.add("sequence ", qc.sequence, ": Q tokens [", qc.begin, ", ", qc.end, ") x KV tokens [",
                 kc.begin, ", ", kc.end, ") are never computed");
         }

@@ -25,6 +25,14 @@ class Violations {
     return std::move(messages_);
   }
   bool empty() const { return count_ == 0; }
+  /// Adds `later`'s sentences after these, as if each had been added here in turn.
+  void append(Violations&& later) {
+    for (std::string& m : later.messages_) {
+      if (messages_.size() >= kMaxReported) break;
+      messages_.push_back(std::move(m));
+    }
+    count_ += later.count_;
+  }
 
  private:
   static constexpr size_t kMaxReported = 50;
