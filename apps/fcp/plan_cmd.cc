@@ -226,12 +226,26 @@ void runPlan(const PlanArgs& a) {
     std::tie(costModel.forward, costModel.backward) = sim::loadEfficiencyCurves(a.curve);
   plan::PlanTimings timings;
   const plan::Plan p = plan::buildPlan(batch, config, costModel, &timings);
+  // What a batch of the library costs after its plan (AttentionBatch): the invariants checked,
+  // and the digest the ranks compare.
+  const auto msFrom = [](std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  const auto validateStart = std::chrono::steady_clock::now();
   plan::checkValid(p);
+  const double validateMs = msFrom(validateStart);
+  const auto digestStart = std::chrono::steady_clock::now();
+  const uint64_t digest = plan::planDigest(p);
+  const double digestMs = msFrom(digestStart);
+  char digestText[24];
+  std::snprintf(digestText, sizeof digestText, "%016llx", static_cast<unsigned long long>(digest));
   const plan::PlanStats s = plan::computeStats(p);
   if (!a.planOut.empty()) writeUserFile(a.planOut, "--plan-out file", plan::planToJson(p) + "\n");
 
   if (!a.json) {
     printSummary(p, s, timings, source);
+    std::printf("  checked in %.2f ms; digest %s in %.2f ms\n", validateMs, digestText, digestMs);
     std::printf("  reshuffle without the locality preference: %.4g bytes\n",
                 static_cast<double>(s.reshuffleBytesWithoutLocality));
     return;
@@ -305,7 +319,9 @@ void runPlan(const PlanArgs& a) {
         {"balance", timings.balanceMs},
         {"transfers", timings.transfersMs},
         {"colour", timings.colorMs},
-        {"schedule", timings.scheduleMs}}}};
+        {"schedule", timings.scheduleMs}}},
+      {"digest", digestText},
+      {"check_ms", {{"validate", validateMs}, {"digest", digestMs}}}};
   std::cout << out.dump() << '\n';
 }
 

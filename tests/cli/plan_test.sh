@@ -18,10 +18,16 @@ check summary_mentions_imbalance grep -q "imbalance: compute" "$tmp/summary.txt"
 
 check json_runs "$fcp" plan --workers 32 --workload bimodal --seed 4 --json \
   --plan-out "$tmp/a.json" > "$tmp/summary.json"
-"$fcp" plan --workers 32 --workload bimodal --seed 4 --plan-out "$tmp/b.json" > /dev/null
+"$fcp" plan --workers 32 --workload bimodal --seed 4 --plan-out "$tmp/b.json" --json > "$tmp/b_summary.json"
 check same_seed_same_plan cmp -s "$tmp/a.json" "$tmp/b.json"
-"$fcp" plan --workers 32 --workload bimodal --seed 5 --plan-out "$tmp/c.json" > /dev/null
+"$fcp" plan --workers 32 --workload bimodal --seed 5 --plan-out "$tmp/c.json" --json > "$tmp/c_summary.json"
 check other_seed_other_plan bash -c "! cmp -s '$tmp/a.json' '$tmp/c.json'"
+# The digest the ranks compare: the same for the same plan, another for another.
+check digests /usr/bin/python3 -c "
+import json
+a, b, c = (json.load(open('$tmp/' + n + '.json'))['digest'] for n in ('summary', 'b_summary', 'c_summary'))
+assert len(a) == 16 and int(a, 16) >= 0, a
+assert a == b != c, (a, b, c)"
 
 # The summary JSON has the documented fields, with sane values.
 check json_fields /usr/bin/python3 - "$tmp/summary.json" <<'PY'
@@ -37,6 +43,7 @@ b = s["round_max_bytes_lower_bounds"]
 assert s["round_max_bytes_sum"] >= max(b["busiest_worker"], b["sorted_transfers"]) > 0
 assert s["reshuffle_bytes"] <= s["reshuffle_bytes_without_locality"]
 assert set(s["plan_ms_by_phase"]) == {"shard", "assign", "balance", "transfers", "colour", "schedule"}
+assert set(s["check_ms"]) == {"validate", "digest"} and min(s["check_ms"].values()) > 0
 assert s["workers"] == 32 and s["tokens"] == 32 * 32768
 assert 0 <= s["imbalance"]["compute"] < 0.05 and 0 <= s["imbalance"]["memory"] < 1
 assert s["lower_bound_gap"] >= 0 and s["plan_ms"] > 0
