@@ -202,8 +202,9 @@ plan::Plan planAgreed(const Agreed& a) {
       plan = baselines::makePlan(a.strategy, a.batch, config, a.costModel, oracle);
       break;
     } catch (const Error& e) {
-      // A training step must not stop because a batch packed badly. Until the distributor cuts
-      // blocks finer itself, a budget the caller did not set is doubled until the blocks fit
+      // A training step must not stop because a batch packed badly. FCP's planner cuts blocks
+      // finer rather than refuse a batch that fits (issue 15); should another strategy's
+      // planner refuse one, a budget the caller did not set is doubled until the blocks fit
       // (every rank takes the same steps; plan.config says the budget used).
       const bool capFailed =
           std::string_view(e.what()).find("memory cap") != std::string_view::npos;
