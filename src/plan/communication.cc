@@ -903,18 +903,9 @@ void validateCommunication(const Plan& plan, Violations& v) {
     return static_cast<int32_t>(it - plan.transfers.begin());
   };
 
-  // Each worker's transfers, as receiver (ids ascending): with them the replay of a worker's
-  // stages finds the transfer bringing a pair's KV block (transferOf) in a table by block.
-  std::vector<int64_t> intoStart(static_cast<size_t>(n) + 1, 0);
-  for (const Transfer& tr : plan.transfers) ++intoStart[static_cast<size_t>(tr.receiver) + 1];
-  for (size_t w = 1; w < intoStart.size(); ++w) intoStart[w] += intoStart[w - 1];
-  std::vector<int32_t> into(plan.transfers.size());
-  {
-    std::vector<int64_t> next(intoStart.begin(), intoStart.end() - 1);
-    for (size_t t = 0; t < plan.transfers.size(); ++t)
-      into[static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].receiver)]++)] =
-          static_cast<int32_t>(t);
-  }
+  // Each worker's transfers, as receiver: with them the replay of a worker's stages finds the
+  // transfer bringing a pair's KV block (transferOf) in a table by block.
+  const TransfersByWorker into = transfersBy(plan, &Transfer::receiver);
 
   // Stages, both passes: replay every worker's stages. The passes are independent: on two
   // threads for large plans, each with its own sentences (forward's are reported first).
@@ -950,9 +941,8 @@ void validateCommunication(const Plan& plan, Violations& v) {
       int64_t held = 0;
       bool overflowed = false;
       const auto& ws = stages[static_cast<size_t>(w)];
-      const auto mine = std::span(into)
-                            .first(static_cast<size_t>(intoStart[static_cast<size_t>(w) + 1]))
-                            .subspan(static_cast<size_t>(intoStart[static_cast<size_t>(w)]));
+      const auto mine = std::span(into.ids).first(into.end(static_cast<size_t>(w)))
+                            .subspan(into.begin(static_cast<size_t>(w)));
       const auto blockOf = [&](int32_t t) {
         return static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block);
       };
