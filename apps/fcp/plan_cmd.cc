@@ -140,6 +140,14 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
       t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
 }
 
+/// The plan's digest as the ranks compare it and name it when they disagree: its top 63 bits,
+/// 16 hex digits.
+std::string digestHex(uint64_t digest) {
+  char text[24];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(digest >> 1));
+  return text;
+}
+
 /// `fcp plan --plan-in FILE`: a saved plan, checked, then summarised like a new one.
 /// Its pair costs are recomputed with --curve (the paper-shaped curve by default), so a plan
 /// made with `--curve X` must be loaded with `--curve X`.
@@ -162,6 +170,7 @@ void runLoadedPlan(const PlanArgs& a) {
   if (a.json) {
     std::cout << nlohmann::json({{"workers", p.config.numWorkers},
                                  {"valid", true},
+                                 {"digest", digestHex(plan::planDigest(p))},
                                  {"imbalance",
                                   {{"compute", s.computeImbalance},
                                    {"memory", s.memoryImbalance},
@@ -171,6 +180,7 @@ void runLoadedPlan(const PlanArgs& a) {
               << '\n';
   } else {
     printSummary(p, s, plan::PlanTimings{}, "loaded from " + a.planIn);
+    std::printf("  digest %s\n", digestHex(plan::planDigest(p)).c_str());
   }
 }
 
@@ -238,14 +248,14 @@ void runPlan(const PlanArgs& a) {
   const auto digestStart = std::chrono::steady_clock::now();
   const uint64_t digest = plan::planDigest(p);
   const double digestMs = msFrom(digestStart);
-  char digestText[24];
-  std::snprintf(digestText, sizeof digestText, "%016llx", static_cast<unsigned long long>(digest));
+  const std::string digestText = digestHex(digest);
   const plan::PlanStats s = plan::computeStats(p);
   if (!a.planOut.empty()) writeUserFile(a.planOut, "--plan-out file", plan::planToJson(p) + "\n");
 
   if (!a.json) {
     printSummary(p, s, timings, source);
-    std::printf("  checked in %.2f ms; digest %s in %.2f ms\n", validateMs, digestText, digestMs);
+    std::printf("  checked in %.2f ms; digest %s in %.2f ms\n", validateMs, digestText.c_str(),
+                digestMs);
     std::printf("  reshuffle without the locality preference: %.4g bytes\n",
                 static_cast<double>(s.reshuffleBytesWithoutLocality));
     return;

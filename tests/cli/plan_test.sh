@@ -22,11 +22,15 @@ check json_runs "$fcp" plan --workers 32 --workload bimodal --seed 4 --json \
 check same_seed_same_plan cmp -s "$tmp/a.json" "$tmp/b.json"
 "$fcp" plan --workers 32 --workload bimodal --seed 5 --plan-out "$tmp/c.json" --json > "$tmp/c_summary.json"
 check other_seed_other_plan bash -c "! cmp -s '$tmp/a.json' '$tmp/c.json'"
-# The digest the ranks compare: the same for the same plan, another for another.
+# The digest the ranks compare: the same for the same plan (made again, or read back from its
+# file), another for another.
+"$fcp" plan --plan-in "$tmp/a.json" --json > "$tmp/a_loaded.json"
 check digests /usr/bin/python3 -c "
 import json
-a, b, c = (json.load(open('$tmp/' + n + '.json'))['digest'] for n in ('summary', 'b_summary', 'c_summary'))
-assert len(a) == 16 and int(a, 16) >= 0, a
+a, b, c, l = (json.load(open('$tmp/' + n + '.json'))['digest']
+              for n in ('summary', 'b_summary', 'c_summary', 'a_loaded'))
+assert a == l, (a, l)
+assert len(a) == 16 and all(ch in '0123456789abcdef' for ch in a), a
 assert a == b != c, (a, b, c)"
 
 # The summary JSON has the documented fields, with sane values.

@@ -103,6 +103,47 @@ class PlanThreads {
   std::optional<std::string> old_;
 };
 
+// validate replays the two passes' stages on two threads for large plans: the same sentences,
+// in the same order, as on one thread, forward's first, over the 50 reported (the rest
+// counted); and a bad FCP_PLAN_THREADS, which planning refuses, is no error for validate.
+TEST(PlanTest, ValidateSaysTheSameOnOneThreadAndOnTwo) {
+  Plan p = makePlan("lognormal", 512, MaskKind::kCausal, 7);
+  ASSERT_GE(p.pairs.size(), size_t{1} << 16) << "under the two-thread threshold";
+  // 20 workers' forward pairs and 60 workers' backward pairs never computed.
+  for (const auto& [pass, workers] : {std::pair{&p.forward, 20}, std::pair{&p.backward, 60}}) {
+    int dropped = 0;
+    for (auto& stages : *pass) {
+      for (auto& st : stages) {
+        if (dropped < workers && !st.compute.empty()) {
+          st.compute.pop_back();
+          ++dropped;
+          break;
+        }
+      }
+    }
+    ASSERT_EQ(dropped, workers);
+  }
+  std::vector<std::string> one, two, bad;
+  {
+    PlanThreads t("1");
+    one = validate(p);
+  }
+  {
+    PlanThreads t("2");
+    two = validate(p);
+  }
+  {
+    PlanThreads t("three");
+    bad = validate(p);
+  }
+  EXPECT_EQ(one, two);
+  EXPECT_EQ(one, bad);
+  ASSERT_EQ(one.size(), 51u);
+  EXPECT_EQ(one.front().rfind("forward", 0), 0u) << one.front();
+  EXPECT_EQ(one[20].rfind("backward", 0), 0u) << one[20];
+  EXPECT_NE(one.back().find("more"), std::string::npos) << one.back();
+}
+
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
   // Large enough for the second thread (64K pairs and up): the paper's first pairs in two
   // halves, the two placements, the reshuffle beside the transfers and each half of the stages

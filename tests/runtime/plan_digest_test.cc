@@ -139,6 +139,34 @@ TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
     EXPECT_NE(plan::planDigest(p), digest) << "a change the digest misses: JSON offset "
                                               << (std::mismatch(t.begin(), t.end(), text.begin()).first - t.begin());
   }
+  // And edits of the plan's shape, where every value stays: an id moved to the next list of its
+  // stage, to the next stage, to the next worker, or from the forward pass to the backward; a
+  // block's last chunk moved to the next block (lengths keep the lists apart).
+  const auto moveLast = [](std::vector<int32_t>& from, std::vector<int32_t>& to) {
+    to.push_back(from.back());
+    from.pop_back();
+  };
+  std::vector<plan::Plan> reshaped(5, base);
+  for (size_t w = 0; w + 1 < base.forward.size(); ++w) {
+    if (base.forward[w].size() < 2 || base.forward[w][0].compute.empty()) continue;
+    moveLast(reshaped[0].forward[w][0].compute, reshaped[0].forward[w][0].release);
+    moveLast(reshaped[1].forward[w][0].compute, reshaped[1].forward[w][1].compute);
+    moveLast(reshaped[2].forward[w][0].compute, reshaped[2].forward[w + 1][0].compute);
+    moveLast(reshaped[3].forward[w][0].compute, reshaped[3].backward[w][0].compute);
+    break;
+  }
+  for (size_t b = 0; b + 1 < base.blocks.size(); ++b) {
+    if (base.blocks[b].chunks.empty()) continue;
+    auto& from = reshaped[4].blocks[b].chunks;
+    auto& to = reshaped[4].blocks[b + 1].chunks;
+    to.insert(to.begin(), from.back());
+    from.pop_back();
+    break;
+  }
+  for (size_t i = 0; i < reshaped.size(); ++i) {
+    ASSERT_FALSE(reshaped[i] == base) << "edit " << i << " found nothing to move";
+    EXPECT_NE(plan::planDigest(reshaped[i]), digest) << "edit " << i;
+  }
   EXPECT_GT(tried, 500) << unread << " changes did not read back, " << same << " read back the same";
 }
 

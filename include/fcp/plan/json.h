@@ -14,9 +14,10 @@ namespace fcp::plan {
 std::string planToJson(const Plan& plan);
 
 /// A 64-bit digest of everything planToJson writes, without writing it (at 4096 workers the
-/// JSON is some 80 MB and takes most of a second to build): two plans with the same JSON have
-/// the same digest, and any change to what the JSON says changes it but for hash collisions.
-/// The same on every machine (fixed-width words, doubles by their bits).
+/// JSON is some 80 MB and takes most of a second to build): two plans with the same JSON (and
+/// finite doubles) have the same digest, and any change to what the JSON says changes it but
+/// for hash collisions. The same on every machine (fixed-width words, doubles by their bits).
+/// The ranks compare its top 63 bits (runtime::checkPlanAgreement), which `fcp plan` prints.
 uint64_t planDigest(const Plan& plan);
 
 /// Parses planToJson's output. Throws Error(kInvalidArgument) naming the field that is
