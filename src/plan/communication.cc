@@ -919,6 +919,9 @@ void validateCommunication(const Plan& plan, Violations& v) {
     }
     // transferOf(block, w) for the worker w being replayed, -1 where there is none.
     std::vector<int32_t> transferTo(plan.blocks.size(), -1);
+    const auto blockOf = [&](int32_t t) {
+      return static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block);
+    };
     const size_t numT = plan.transfers.size();
     std::vector<int64_t> sentAt(numT, -1), recvAt(numT, -1), releasedAt(numT, -1),
         lastUse(numT, -1), gradSentAt(numT, -1), gradRecvAt(numT, -1);
@@ -943,9 +946,6 @@ void validateCommunication(const Plan& plan, Violations& v) {
       const auto& ws = stages[static_cast<size_t>(w)];
       const auto mine = std::span(into.ids).first(into.end(static_cast<size_t>(w)))
                             .subspan(into.begin(static_cast<size_t>(w)));
-      const auto blockOf = [&](int32_t t) {
-        return static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block);
-      };
       for (const int32_t t : mine) transferTo[blockOf(t)] = t;
       for (int64_t s = 0; s < static_cast<int64_t>(ws.size()); ++s) {
         const Stage& st = ws[static_cast<size_t>(s)];

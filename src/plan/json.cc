@@ -154,10 +154,6 @@ std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
   return stages;
 }
 
-}  // namespace
-
-namespace {
-
 /// Everything planToJson writes but the arrays that grow with the batch (its sequences, blocks,
 /// owners, pairs, loads, transfers, stages and reshuffle): what planDigest takes as text.
 json headerJson(const Plan& plan) {

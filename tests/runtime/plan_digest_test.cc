@@ -53,7 +53,8 @@ plan::Plan pinnedPlan(const Pinned& p) {
   c.blockSize = 4096;
   c.placement = p.placement;
   c.attention.mask = p.mask;
-  const Batch batch = sampleBatch(findWorkload(p.workload), c.numWorkers * c.tokensPerWorker, p.seed);
+  const Batch batch =
+      sampleBatch(findWorkload(p.workload), c.numWorkers * c.tokensPerWorker, p.seed);
   return baselines::makePlan(p.strategy, batch, c, CostModel{c.attention});
 }
 
@@ -63,8 +64,8 @@ TEST(PlanDigestTest, PlansForFixedInputsArePinned) {
        0xabd266c75d2bbc81ull},
       {"fcp", "lognormal", 64, 1, plan::Placement::kLocal, MaskKind::kCausal, 0x31563b486d8647d0ull,
        0x333ac343f62bab46ull},
-      {"fcp", "lognormal-narrow", 16, 2, plan::Placement::kLpt, MaskKind::kCausal, 0x44f0b8e06cf08d13ull,
-       0x5a1a79ca8ad703beull},
+      {"fcp", "lognormal-narrow", 16, 2, plan::Placement::kLpt, MaskKind::kCausal,
+       0x44f0b8e06cf08d13ull, 0x5a1a79ca8ad703beull},
       {"fcp", "bimodal", 32, 3, plan::Placement::kLocal, MaskKind::kFull, 0x143a249ff635fc3aull,
        0x8cf832846654a126ull},
       {"fcp", "bimodal", 256, 4, plan::Placement::kLpt, MaskKind::kCausal, 0xb8786c366eb5324aull,
@@ -136,8 +137,9 @@ TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
       continue;
     }
     ++tried;
-    EXPECT_NE(plan::planDigest(p), digest) << "a change the digest misses: JSON offset "
-                                              << (std::mismatch(t.begin(), t.end(), text.begin()).first - t.begin());
+    EXPECT_NE(plan::planDigest(p), digest)
+        << "a change the digest misses: JSON offset "
+        << (std::mismatch(t.begin(), t.end(), text.begin()).first - t.begin());
   }
   // And edits of the plan's shape, where every value stays: an id moved to the next list of its
   // stage, to the next stage, to the next worker, or from the forward pass to the backward; a
@@ -167,7 +169,8 @@ TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
     ASSERT_FALSE(reshaped[i] == base) << "edit " << i << " found nothing to move";
     EXPECT_NE(plan::planDigest(reshaped[i]), digest) << "edit " << i;
   }
-  EXPECT_GT(tried, 500) << unread << " changes did not read back, " << same << " read back the same";
+  EXPECT_GT(tried, 500) << unread << " changes did not read back, " << same
+                        << " read back the same";
 }
 
 }  // namespace

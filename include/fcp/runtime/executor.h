@@ -113,9 +113,9 @@ class Executor {
   std::unique_ptr<State> state_;
 };
 
-/// Compares this rank's plan digest (plan::planDigest) with every other rank's (one allreduce). Throws
-/// Error(kInvalidPlan) on every rank when any two differ, naming this rank's digest and the
-/// range seen, so that no rank starts a plan the others do not share.
+/// Compares this rank's plan digest (plan::planDigest) with every other rank's (one
+/// allreduce). Throws Error(kInvalidPlan) on every rank when any two differ, naming this rank's
+/// digest and the range seen, so that no rank starts a plan the others do not share.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
 
 }  // namespace fcp::runtime
