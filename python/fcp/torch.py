@@ -27,7 +27,9 @@ returns the Batch. Planning a large batch and checking its plan take long (at 40
 a second to two seconds): planned one step ahead, a training step need not wait for them.
 Make the PendingBatch on the training thread, at the same point on every rank: it is collective.
 
-Every call is collective over the group: every rank calls it, in the same order.
+Every call is collective over the group: every rank calls it, in the same order. Planning fails
+on every rank or on none: where one rank's planning raises (its own environment, memory), the
+others raise ``fcp.Error`` naming it at the same point, so a loop may skip the batch and go on.
 """
 from __future__ import annotations
 

@@ -216,10 +216,24 @@ plan::Plan planAgreed(const Agreed& a) {
   return plan;
 }
 
-plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
-  plan::Plan plan = planAgreed(agree(transport, options));
+/// The plan `make` returns, once every rank has one and all are the same (one allreduce). A
+/// rank whose `make` throws tells the others in that allreduce, so that every rank throws there
+/// together: the ones that planned name it, and it throws its own error.
+template <typename Make>
+plan::Plan agreedPlan(runtime::Transport& transport, Make&& make) {
+  plan::Plan plan;
+  try {
+    plan = make();
+  } catch (...) {
+    runtime::failPlanAgreement(std::current_exception(), transport);
+  }
   runtime::checkPlanAgreement(plan, transport);
   return plan;
+}
+
+plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
+  const Agreed agreed = agree(transport, options);
+  return agreedPlan(transport, [&] { return planAgreed(agreed); });
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
@@ -251,9 +265,7 @@ plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
         "this PendingBatch was already used: expected one not yet handed to an "
         "AttentionBatch");
   }
-  plan::Plan plan = pending.plan_.get();
-  runtime::checkPlanAgreement(plan, *pending.transport_);
-  return plan;
+  return agreedPlan(*pending.transport_, [&] { return pending.plan_.get(); });
 }
 
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)

@@ -1027,11 +1027,33 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
 const PassStats& Executor::forwardStats() const { return state_->fwd; }
 const PassStats& Executor::backwardStats() const { return state_->bwd; }
 
+namespace {
+
+// The plan agreement's one allreduce (kMax) carries three values: this rank's digest, its
+// complement (so the largest and the smallest digest come back in one call), and a failure
+// key, (ranks - rank) * 8 + code + 1 on a rank that could not plan and 0 elsewhere, whose
+// maximum names the lowest failed rank and its error code.
+constexpr int64_t kCodeSlots = 8;
+static_assert(static_cast<int64_t>(ErrorCode::kInternal) + 1 < kCodeSlots);
+
+int64_t failureKey(int rank, int ranks, ErrorCode code) {
+  return (int64_t{ranks} - rank) * kCodeSlots + static_cast<int64_t>(code) + 1;
+}
+
+}  // namespace
+
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
   const uint64_t digest = plan::planDigest(plan);
-  // Max of the digest and of its complement gives the largest and the smallest in one call.
-  int64_t values[2] = {static_cast<int64_t>(digest >> 1), static_cast<int64_t>(~(digest >> 1))};
+  int64_t values[3] = {static_cast<int64_t>(digest >> 1), static_cast<int64_t>(~(digest >> 1)), 0};
   transport.allreduce(values, ReduceOp::kMax);
+  if (values[2] > 0) {
+    const int failed = transport.size() - static_cast<int>(values[2] / kCodeSlots);
+    const auto code = static_cast<ErrorCode>(values[2] % kCodeSlots - 1);
+    throw Error(code, "rank " + std::to_string(transport.rank()) + ": rank " +
+                          std::to_string(failed) +
+                          " could not plan this batch (its error there, of kind '" +
+                          std::string(errorCodeName(code)) + "', says why), so no rank starts it");
+  }
   const auto largest = static_cast<uint64_t>(values[0]);
   const auto smallest = static_cast<uint64_t>(~values[1]);
   if (largest != smallest) {
@@ -1044,6 +1066,24 @@ void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
         static_cast<unsigned long long>(largest), static_cast<unsigned long long>(digest >> 1));
     throw Error(ErrorCode::kInvalidPlan, text);
   }
+}
+
+void failPlanAgreement(std::exception_ptr failure, Transport& transport) {
+  ErrorCode code = ErrorCode::kInternal;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& e) {
+    code = e.code();
+  } catch (...) {
+  }
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+  int64_t values[3] = {kNone, kNone, failureKey(transport.rank(), transport.size(), code)};
+  try {
+    transport.allreduce(values, ReduceOp::kMax);
+  } catch (...) {
+    // The planning error is what went wrong here; a transport failing as well is secondary.
+  }
+  std::rethrow_exception(failure);
 }
 
 }  // namespace fcp::runtime

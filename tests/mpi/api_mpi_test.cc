@@ -2,7 +2,9 @@
 // over random uneven caller splits (a rank with no tokens, slices starting mid-sequence) and
 // every strategy, fp32 and bf16, both layouts, four layers sharing one batch, against the
 // float64 reference; with 4 ranks or more, WORLD split into two communicators that run
-// different batches at the same time. Every rank reaches the same verdict.
+// different batches at the same time; and one rank whose planning fails (its own environment)
+// stops every rank at the plan agreement, after which the ranks are still in step. Every rank
+// reaches the same verdict.
 //
 // Terms. A *case* is a batch, a caller split and settings. Every rank makes the whole batch's
 // inputs from one seed, runs its slice through FCP over the communicator it was given, and
@@ -12,7 +14,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -224,6 +228,64 @@ bool runAll(MPI_Comm comm, const char* group, uint64_t seed) {
   return passed;
 }
 
+// Planning that fails on one rank only: the last rank's environment has FCP_PLAN_THREADS=3,
+// which only its planner reads. Every rank must throw at the plan agreement, in line and through
+// a PendingBatch, within seconds (not at the transport's timeout): the last rank its own error,
+// the others one naming it. Then the ranks are still in step: a case runs and passes.
+bool oneRanksPlanningFailureStopsEveryRank(MPI_Comm comm) {
+  std::unique_ptr<runtime::Transport> t = runtime::makeMpiTransport(
+      runtime::MpiCommHandle{MPI_Comm_c2f(comm)}, {.timeoutSeconds = 120});
+  const int rank = t->rank(), last = t->size() - 1;
+  const Case c = cases(t->size(), 11).front();
+  BatchOptions o;
+  o.cuSeqlens = cuOf(c.lengths);
+  o.localBegin = c.starts[static_cast<size_t>(rank)];
+  o.localEnd = c.starts[static_cast<size_t>(rank) + 1];
+  o.numHeadsQ = 4;
+  o.numHeadsKv = 2;
+  o.headDim = 16;
+  o.planConfig.blockSize = 128;
+  const std::string own = "invalid FCP_PLAN_THREADS '3': expected 1 or 2 planner threads",
+                    named = "rank " + std::to_string(rank) + ": rank " + std::to_string(last) +
+                            " could not plan this batch (its error there, of kind 'invalid "
+                            "argument', says why), so no rank starts it";
+  bool passed = true;
+  for (const bool ahead : {false, true}) {
+    if (rank == last) setenv("FCP_PLAN_THREADS", "3", 1);
+    const double start = MPI_Wtime();
+    std::string what = "(no error)";
+    try {
+      if (ahead) {
+        PendingBatch pending(*t, o);
+        AttentionBatch batch(std::move(pending));
+      } else {
+        AttentionBatch batch(*t, o);
+      }
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    unsetenv("FCP_PLAN_THREADS");
+    const double seconds = MPI_Wtime() - start;
+    const bool ok = what == (rank == last ? own : named) && seconds < 30;
+    if (!ok) {
+      std::fprintf(stderr, "rank %d, %s: after %.1f s: %s\n", rank,
+                   ahead ? "pending batch" : "in line", seconds, what.c_str());
+    }
+    passed = passed && ok;
+  }
+  const double worst = runCase(comm, *t, c);
+  passed = passed && worst <= 1e-5;
+  int all = passed ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm);
+  if (rank == 0) {
+    std::printf(
+        "one rank's planning fails: every rank threw, then a case ran (worst rel L2 "
+        "%.2e): %s\n",
+        worst, all ? "ok" : "FAILED");
+  }
+  return all == 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -235,6 +297,7 @@ int main(int argc, char** argv) {
   int passed = 1;
   try {
     passed = runAll(MPI_COMM_WORLD, "world", 2024) ? 1 : 0;
+    if (!oneRanksPlanningFailureStopsEveryRank(MPI_COMM_WORLD)) passed = 0;
     if (worldSize >= 4) {
       // Two context-parallel groups (even and odd ranks) running different batches at once,
       // while WORLD carries the caller's own traffic.

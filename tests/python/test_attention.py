@@ -216,3 +216,31 @@ def test_a_pending_batch_plans_while_the_step_before_runs(group):
     assert torch.equal(step(planned, cu1, b1, e1), direct.dispatch(torch.arange(b1, e1, dtype=torch.int64)))
     with pytest.raises(fcp.Error, match="already used"):
         pending.batch()
+
+
+def test_one_ranks_planning_failure_stops_every_rank(group, monkeypatch):
+    """Planning that fails on one rank only (FCP_PLAN_THREADS=3 in the last rank's environment,
+    which only its planner reads) raises on every rank, in Batch and in PendingBatch.batch(): the
+    last rank its own error, the others one naming it. The ranks stay in step: a batch after it
+    plans and runs."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160]
+    starts = split(160, ranks, 3)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=2, kv_heads=1, head_dim=16, block_size=64)
+    last = ranks - 1
+    expected = ("invalid FCP_PLAN_THREADS '3'" if rank == last else
+                "rank %d: rank %d could not plan this batch \\(its error there, of kind 'invalid argument'" % (rank, last))
+    for ahead in (False, True):
+        if rank == last:
+            monkeypatch.setenv("FCP_PLAN_THREADS", "3")
+        with pytest.raises(fcp.Error, match=expected):
+            if ahead:
+                ft.PendingBatch(cu, mine, comm, **options).batch()
+            else:
+                ft.Batch(cu, mine, comm, **options)
+        monkeypatch.delenv("FCP_PLAN_THREADS", raising=False)
+    batch = ft.Batch(cu, mine, comm, **options)
+    n = batch.num_call_tokens
+    q = torch.randn(n, 2, 16, generator=torch.Generator().manual_seed(rank))
+    assert ft.attention(q, q[:, :1].clone(), q[:, :1].clone(), batch).shape == (n, 2, 16)

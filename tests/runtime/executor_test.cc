@@ -5,6 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
@@ -49,6 +56,66 @@ TEST(PlanAgreementTest, IdenticalPlansPass) {
   testing::runRanks(3, [&](Transport& t) {
     checkPlanAgreement(makePlan("fcp", batch, 3, MaskKind::kCausal), t);
   });
+}
+
+// Ranks whose planning threw join the agreement through failPlanAgreement: each rethrows its
+// own exception, and every other rank throws one naming the lowest failed rank, with its code
+// (kInternal for an exception that is not an fcp::Error). Afterwards the ranks are still in
+// step: the next collective pairs up.
+TEST(PlanAgreementTest, ARankThatCouldNotPlanFailsEveryRank) {
+  const Batch batch{{300, 100}};
+  struct Case {
+    std::vector<int> failing;
+    bool fcpError;
+    ErrorCode expected;
+    int named;
+  };
+  const Case cases[] = {
+      {{1}, true, ErrorCode::kInvalidArgument, 1},
+      {{3, 2}, true, ErrorCode::kInvalidArgument, 2},
+      {{0}, false, ErrorCode::kInternal, 0},
+      {{0, 1, 2, 3}, true, ErrorCode::kInvalidArgument, -1},
+  };
+  for (const Case& c : cases) {
+    std::atomic<int> own = 0, named = 0;
+    testing::runRanks(4, [&](Transport& t) {
+      const bool fails = std::find(c.failing.begin(), c.failing.end(), t.rank()) != c.failing.end();
+      try {
+        if (fails) {
+          std::exception_ptr error = c.fcpError
+                                         ? std::make_exception_ptr(Error(
+                                               ErrorCode::kInvalidArgument,
+                                               "bad planner threads " + std::to_string(t.rank())))
+                                         : std::make_exception_ptr(std::bad_alloc());
+          failPlanAgreement(error, t);
+        } else {
+          checkPlanAgreement(makePlan("fcp", batch, 4, MaskKind::kCausal), t);
+        }
+        ADD_FAILURE() << "rank " << t.rank() << " did not throw";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        if (fails) {
+          EXPECT_EQ(what, "bad planner threads " + std::to_string(t.rank()));
+          ++own;
+        } else {
+          EXPECT_EQ(e.code(), c.expected) << what;
+          EXPECT_EQ(what, "rank " + std::to_string(t.rank()) + ": rank " + std::to_string(c.named) +
+                              " could not plan this batch (its error there, of kind '" +
+                              std::string(errorCodeName(c.expected)) +
+                              "', says why), so no rank starts it");
+          ++named;
+        }
+      } catch (const std::bad_alloc&) {
+        EXPECT_TRUE(fails && !c.fcpError);
+        ++own;
+      }
+      int64_t sum[1] = {t.rank()};
+      t.allreduce(sum, ReduceOp::kSum);
+      EXPECT_EQ(sum[0], 0 + 1 + 2 + 3);
+    });
+    EXPECT_EQ(own.load(), static_cast<int>(c.failing.size()));
+    EXPECT_EQ(named.load(), 4 - static_cast<int>(c.failing.size()));
+  }
 }
 
 TEST(ReferenceTest, RelativeL2IsZeroForEqualAndOneForZero) {

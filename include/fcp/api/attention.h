@@ -24,6 +24,10 @@
 ///
 /// Every call here is collective over the transport's ranks (all ranks call it, in the same
 /// order). Errors throw fcp::Error with one line naming the bad value and the expected one.
+/// Planning a batch fails on every rank or on none: a rank whose planning throws (a bad
+/// FCP_PLAN_THREADS in its environment, memory exhausted) says so in the plan agreement, and
+/// the other ranks throw there too, naming it, with its error code. The ranks then remain in
+/// step, so a training loop may catch the error and go on to the next batch.
 
 #include <cstddef>
 #include <cstdint>
@@ -99,8 +103,8 @@ struct BatchOptions {
 /// the planning thread then touches no transport, so the caller's calls on the same transport
 /// (this step's attention, its own collectives) go on meanwhile. AttentionBatch(PendingBatch&&)
 /// waits for the plan and checks that every rank reached the same one. The plan is the one
-/// AttentionBatch(transport, options) makes; an error in planning is thrown there (a
-/// deterministic one, such as a batch no plan can hold, on every rank alike). The constructor is
+/// AttentionBatch(transport, options) makes; an error in planning is thrown there, on every
+/// rank (each rank's own where its planning failed; elsewhere one naming it). The constructor is
 /// a collective like any other: every rank makes it at the same point of its sequence of calls
 /// on the transport, on the thread that makes the others (not on a prefetching thread). Destroying
 /// or assigning over a pending batch that was never used waits for its planning to end.

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <span>
 #include <vector>
@@ -115,7 +116,16 @@ class Executor {
 
 /// Compares this rank's plan digest (plan::planDigest) with every other rank's (one
 /// allreduce). Throws Error(kInvalidPlan) on every rank when any two differ, naming this rank's
-/// digest and the range seen, so that no rank starts a plan the others do not share.
+/// digest and the range seen, so that no rank starts a plan the others do not share. When a
+/// rank could not plan (failPlanAgreement), throws instead an Error with that rank's code that
+/// names the lowest such rank.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
+
+/// What a rank whose planning threw calls in place of checkPlanAgreement (the same single
+/// allreduce): the other ranks learn that it failed and throw too, so that every rank stops at
+/// the same collective rather than wait for one that will not come. Then rethrows `failure`
+/// (also when the allreduce itself fails: the planning error is the cause). An fcp::Error
+/// passes its code on; any other exception is reported to the others as kInternal.
+[[noreturn]] void failPlanAgreement(std::exception_ptr failure, Transport& transport);
 
 }  // namespace fcp::runtime
