@@ -923,22 +923,33 @@ void validateCommunication(const Plan& plan, Violations& v) {
       return static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block);
     };
     const size_t numT = plan.transfers.size();
-    std::vector<int64_t> sentAt(numT, -1), recvAt(numT, -1), releasedAt(numT, -1),
-        lastUse(numT, -1), gradSentAt(numT, -1), gradRecvAt(numT, -1);
-    std::vector<int64_t> computedAt(plan.pairs.size(), -1);
-    auto mark = [&](std::vector<int64_t>& at, int32_t id, size_t limit, int64_t stage,
-                    const char* what, int64_t worker) {
+    // The stage at which each transfer is sent, received, ... (-1: not yet), side by side: a
+    // pair's check reads three of them for one transfer, in one cache line.
+    struct When {
+      int32_t sent = -1, recv = -1, released = -1, lastUse = -1, gradSent = -1, gradRecv = -1;
+    };
+    std::vector<When> at(numT);
+    std::vector<int32_t> computedAt(plan.pairs.size(), -1);
+    // Records that `id` (of `limit`) happens at `stage` in `when`; false, with a sentence, when
+    // it is out of range or happened before.
+    auto mark = [&](int32_t* when, int32_t id, size_t limit, int64_t stage, const char* what,
+                    int64_t worker) {
       if (id < 0 || static_cast<size_t>(id) >= limit) {
         found.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id,
                   " out of range");
         return false;
       }
-      if (at[static_cast<size_t>(id)] >= 0) {
+      if (*when >= 0) {
         found.add(pass, ": ", what, " ", id, " happens twice");
         return false;
       }
-      at[static_cast<size_t>(id)] = stage;
+      *when = static_cast<int32_t>(stage);
       return true;
+    };
+    // The field of transfer t's When, or a dummy for an id out of range (mark refuses it).
+    When outOfRange;
+    const auto whenOf = [&](int32_t t) -> When& {
+      return t >= 0 && static_cast<size_t>(t) < numT ? at[static_cast<size_t>(t)] : outOfRange;
     };
     for (int64_t w = 0; w < n; ++w) {
       int64_t held = 0;
@@ -957,13 +968,13 @@ void validateCommunication(const Plan& plan, Violations& v) {
                     " blocks one way");
         }
         for (int32_t t : st.send) {
-          if (mark(sentAt, t, numT, s, "send of transfer", w) &&
+          if (mark(&whenOf(t).sent, t, numT, s, "send of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
             found.add(pass, ": worker ", w, " sends transfer ", t, " meant to come from another");
           }
         }
         for (int32_t t : st.recv) {
-          if (mark(recvAt, t, numT, s, "receive of transfer", w) &&
+          if (mark(&whenOf(t).recv, t, numT, s, "receive of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].receiver != w) {
             found.add(pass, ": worker ", w, " receives transfer ", t, " meant for another");
           }
@@ -976,7 +987,12 @@ void validateCommunication(const Plan& plan, Violations& v) {
                     plan.config.coalesce);
         }
         for (int32_t p : st.compute) {
-          if (!mark(computedAt, p, plan.pairs.size(), s, "pair", w)) continue;
+          int32_t unused = -1;
+          const bool inRange = p >= 0 && static_cast<size_t>(p) < plan.pairs.size();
+          if (!mark(inRange ? &computedAt[static_cast<size_t>(p)] : &unused, p, plan.pairs.size(),
+                    s, "pair", w)) {
+            continue;
+          }
           const BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
           if (plan.owner[static_cast<size_t>(pair.qBlock)] != w) {
             found.add(pass, ": worker ", w, " computes pair ", p, " whose Q block it does not own");
@@ -984,19 +1000,19 @@ void validateCommunication(const Plan& plan, Violations& v) {
           }
           if (plan.owner[static_cast<size_t>(pair.kvBlock)] == w) continue;
           const int32_t t = transferTo[static_cast<size_t>(pair.kvBlock)];
-          if (t < 0 || recvAt[static_cast<size_t>(t)] < 0 || recvAt[static_cast<size_t>(t)] >= s ||
-              releasedAt[static_cast<size_t>(t)] >= 0) {
+          When* const tw = t < 0 ? nullptr : &at[static_cast<size_t>(t)];
+          if (!tw || tw->recv < 0 || tw->recv >= s || tw->released >= 0) {
             found.add(pass, ": worker ", w, " computes pair ", p, " at stage ", s,
                       " before its KV block ", pair.kvBlock,
                       " arrived (or after its buffer was freed)");
             continue;
           }
-          lastUse[static_cast<size_t>(t)] = s;
+          tw->lastUse = static_cast<int32_t>(s);
         }
         for (int32_t t : st.release) {
-          if (!mark(releasedAt, t, numT, s, "release of transfer", w)) continue;
+          if (!mark(&whenOf(t).released, t, numT, s, "release of transfer", w)) continue;
           const auto ts = static_cast<size_t>(t);
-          if (plan.transfers[ts].receiver != w || recvAt[ts] < 0 || recvAt[ts] > s) {
+          if (plan.transfers[ts].receiver != w || at[ts].recv < 0 || at[ts].recv > s) {
             found.add(pass, ": worker ", w, " frees the buffer of transfer ", t,
                       " that it has not received");
             continue;
@@ -1004,15 +1020,15 @@ void validateCommunication(const Plan& plan, Violations& v) {
           --held;
         }
         for (int32_t t : st.sendGrad) {
-          if (mark(gradSentAt, t, numT, s, "dK/dV partial of transfer", w) &&
+          if (mark(&whenOf(t).gradSent, t, numT, s, "dK/dV partial of transfer", w) &&
               (plan.transfers[static_cast<size_t>(t)].receiver != w ||
-               lastUse[static_cast<size_t>(t)] < 0 || lastUse[static_cast<size_t>(t)] >= s)) {
+               at[static_cast<size_t>(t)].lastUse < 0 || at[static_cast<size_t>(t)].lastUse >= s)) {
             found.add(pass, ": worker ", w, " sends the dK/dV partial of transfer ", t,
                       " before computing with it, or it is not its to send");
           }
         }
         for (int32_t t : st.recvGrad) {
-          if (mark(gradRecvAt, t, numT, s, "dK/dV return of transfer", w) &&
+          if (mark(&whenOf(t).gradRecv, t, numT, s, "dK/dV return of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
             found.add(pass, ": worker ", w,
                       " receives a dK/dV partial of a transfer it did not send");
@@ -1022,28 +1038,27 @@ void validateCommunication(const Plan& plan, Violations& v) {
       for (const int32_t t : mine) transferTo[blockOf(t)] = -1;
     }
     for (size_t t = 0; t < numT; ++t) {
-      if (sentAt[t] < 0 || recvAt[t] < 0 || sentAt[t] != recvAt[t]) {
-        found.add(pass, ": transfer ", t, " is sent at stage ", sentAt[t],
-                  " and received at stage ", recvAt[t], ": expected once each, in the same stage");
+      const When& a = at[t];
+      if (a.sent < 0 || a.recv < 0 || a.sent != a.recv) {
+        found.add(pass, ": transfer ", t, " is sent at stage ", a.sent, " and received at stage ",
+                  a.recv, ": expected once each, in the same stage");
       }
-      if (releasedAt[t] < 0) found.add(pass, ": the buffer of transfer ", t, " is never freed");
-      if (backward && (gradSentAt[t] < 0 || gradSentAt[t] != gradRecvAt[t])) {
-        found.add(pass, ": the dK/dV partial of transfer ", t, " is sent at stage ", gradSentAt[t],
-                  " and received at stage ", gradRecvAt[t],
-                  ": expected once each, in the same stage");
+      if (a.released < 0) found.add(pass, ": the buffer of transfer ", t, " is never freed");
+      if (backward && (a.gradSent < 0 || a.gradSent != a.gradRecv)) {
+        found.add(pass, ": the dK/dV partial of transfer ", t, " is sent at stage ", a.gradSent,
+                  " and received at stage ", a.gradRecv, ": expected once each, in the same stage");
       }
-      if (!backward && gradSentAt[t] >= 0) found.add("forward stages send a dK/dV partial");
+      if (!backward && a.gradSent >= 0) found.add("forward stages send a dK/dV partial");
       // A relay must hold the block when it passes it on; backward, it returns its own partial
       // only after the partials of everything it relayed came back (it adds them in).
       const Transfer& tr = plan.transfers[t];
-      if (tr.sender == plan.owner[static_cast<size_t>(tr.block)] || sentAt[t] < 0) continue;
+      if (tr.sender == plan.owner[static_cast<size_t>(tr.block)] || a.sent < 0) continue;
       const int32_t in = transferOf(tr.block, tr.sender);
-      const auto i = static_cast<size_t>(in);
-      if (in < 0 || recvAt[i] < 0 || recvAt[i] >= sentAt[t] || releasedAt[i] < sentAt[t]) {
-        found.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", sentAt[t],
+      const When* const ia = in < 0 ? nullptr : &at[static_cast<size_t>(in)];
+      if (!ia || ia->recv < 0 || ia->recv >= a.sent || ia->released < a.sent) {
+        found.add(pass, ": worker ", tr.sender, " relays block ", tr.block, " at stage ", a.sent,
                   " without holding it then");
-      } else if (backward && gradSentAt[i] >= 0 && gradRecvAt[t] >= 0 &&
-                 gradSentAt[i] <= gradRecvAt[t]) {
+      } else if (backward && ia->gradSent >= 0 && a.gradRecv >= 0 && ia->gradSent <= a.gradRecv) {
         found.add(pass, ": worker ", tr.sender, " returns its dK/dV partial of block ", tr.block,
                   " before the partial it relayed came back");
       }

@@ -927,19 +927,26 @@ void checkPairs(const Plan& plan, Violations& v) {
   }
   std::vector<std::pair<int64_t, int64_t>> covered;
   covered.reserve(plan.pairs.size());
+  // Where each Q block's run of covered chunk pairs starts: with the pairs in (Q block, KV
+  // block) order, the runs follow each other in Q chunk order, so sorting each run sorts all.
+  std::vector<size_t> runStart{0};
+  bool pairsInOrder = true;
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const BlockPair& pair = plan.pairs[p];
     if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 ||
         pair.kvBlock >= numBlocks) {
       v.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..",
             numBlocks - 1);
+      pairsInOrder = false;
       continue;
     }
     if (p > 0 && std::tie(plan.pairs[p - 1].qBlock, plan.pairs[p - 1].kvBlock) >=
                      std::tie(pair.qBlock, pair.kvBlock)) {
       v.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ", pair.kvBlock,
             ")");
+      pairsInOrder = false;
     }
+    if (p > 0 && plan.pairs[p - 1].qBlock != pair.qBlock) runStart.push_back(covered.size());
     const auto& qChunks = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks;
     const auto& kChunks = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks;
     int64_t visible = 0;
@@ -961,7 +968,15 @@ void checkPairs(const Plan& plan, Violations& v) {
       v.add("pair ", p, " says ", pair.visible, " visible entries but its chunks give ", visible);
     }
   }
-  std::sort(covered.begin(), covered.end());
+  runStart.push_back(covered.size());
+  if (pairsInOrder) {
+    for (size_t r = 0; r + 1 < runStart.size(); ++r) {
+      std::sort(covered.begin() + static_cast<std::ptrdiff_t>(runStart[r]),
+                covered.begin() + static_cast<std::ptrdiff_t>(runStart[r + 1]));
+    }
+  } else {
+    std::sort(covered.begin(), covered.end());
+  }
   for (size_t i = 1; i < covered.size(); ++i) {
     if (covered[i] == covered[i - 1]) {
       v.add("chunk pair (", covered[i].first, ", ", covered[i].second, ") is computed twice");
