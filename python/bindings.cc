@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "fcp/api/attention.h"
@@ -110,6 +111,8 @@ class CallbackTransport final : public runtime::Transport {
     return false;
   }
 
+  bool abandoned() const { return withdrew_; }
+
   [[noreturn]] void abort(int exitCode) noexcept override {
     std::fflush(stdout);
     std::fflush(stderr);
@@ -119,13 +122,21 @@ class CallbackTransport final : public runtime::Transport {
  private:
   static constexpr runtime::RequestId kDone = ~runtime::RequestId{0};
 
-  // Runs a Python call; a Python exception becomes Error(kTransport) with its text.
+  // Runs a Python call; a Python exception becomes Error(kTransport) with its type and message
+  // (not its traceback: the error is one line).
   template <typename T, typename F>
   T call(F f) {
     try {
       return f();
     } catch (py::error_already_set& e) {
-      throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank_) + ": " + e.what());
+      std::string text;
+      try {
+        text = py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
+               py::str(e.value()).cast<std::string>();
+      } catch (...) {
+        text = e.what();
+      }
+      throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank_) + ": " + text);
     }
   }
   runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
@@ -196,6 +207,16 @@ PYBIND11_MODULE(_fcp, m) {
       },
       py::arg("rank"), py::arg("size"), py::arg("isend"), py::arg("irecv"), py::arg("test"),
       py::arg("wait"), py::arg("allreduce"), py::arg("timeout_seconds"));
+
+  // Whether a callback transport gave up on its messages after an error (it then refuses new
+  // ones, and fcp.torch makes a new transport for a new process group); false for others.
+  m.def(
+      "transport_abandoned",
+      [](const std::shared_ptr<runtime::Transport>& t) {
+        const auto* callback = dynamic_cast<const CallbackTransport*>(t.get());
+        return callback != nullptr && callback->abandoned();
+      },
+      py::arg("transport"));
 
   m.def(
       "mpi_transport",
@@ -294,6 +315,14 @@ PYBIND11_MODULE(_fcp, m) {
                          rowBytes);
           },
           py::arg("local"), py::arg("user"), py::arg("row_bytes"))
+      .def_property_readonly("failure",
+                             [](const AttentionBatch& b) -> std::optional<std::string> {
+                               if (b.failure().empty()) return std::nullopt;
+                               return b.failure();
+                             })
+      .def(
+          "fail", [](AttentionBatch& b, const std::string& message) { b.fail(message); },
+          py::arg("message"))
       .def("stats", [](const AttentionBatch& b) {
         auto d = [](const PassStats& s) {
           py::dict out;

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import math
+import operator
 import time
 from typing import Optional, Sequence, Tuple
 
@@ -47,6 +48,16 @@ from . import _fcp
 __all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _integer(name: str, x) -> int:
+    """x as an int when it is one (a Python, NumPy or 0-d integer tensor value), else fcp.Error."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise _fcp.Error(f"{name} is {x!r}: expected an integer")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise _fcp.Error(f"{name} is {x!r}: expected an integer") from None
 
 
 def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
@@ -96,19 +107,33 @@ _transports = {}
 
 def _transport(group, timeout_seconds: float):
     """One FCP transport per group or communicator, made on first use (an MPI one duplicates
-    the communicator, which is collective and not free)."""
-    cached = _transports.get(id(group))
-    if cached is not None and cached[0] is group:
-        return cached[1]
+    the communicator, which is collective and not free). A group's transport takes each new
+    batch's timeout; one that gave up on its messages after an error (torch.distributed cannot
+    cancel them) is replaced by a new one once the caller has a new process group."""
     if hasattr(group, "py2f"):  # an mpi4py communicator
-        impl, keep = _fcp.mpi_transport(group.py2f(), timeout_seconds), None
-    elif group is None and not dist.is_initialized():
-        return _single_process_transport()  # not cached: a process group may be initialised later
+        cached = _transports.get(id(group))
+        if cached is not None and cached[0] is group:
+            if cached[3] != timeout_seconds:
+                raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected {cached[3]!r}, the timeout this "
+                                 f"communicator's FCP transport was made with (for another timeout, pass a "
+                                 f"duplicate of the communicator: comm.Dup())")
+            return cached[1]
+        impl = _fcp.mpi_transport(group.py2f(), timeout_seconds)
+        _transports[id(group)] = (group, impl, None, timeout_seconds)
+        return impl
+    if group is None:
+        if not dist.is_initialized():
+            return _single_process_transport()  # not cached: a process group may be initialised later
+        key = dist.distributed_c10d._get_default_group()  # a new default group gets a new transport
     else:
-        keep = _GroupTransport(group, timeout_seconds)
-        impl = keep.impl
-    _transports[id(group)] = (group, impl, keep)
-    return impl
+        key = group
+    cached = _transports.get(id(key))
+    if cached is not None and cached[0] is key and not _fcp.transport_abandoned(cached[1]):
+        cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
+        return cached[1]
+    keep = _GroupTransport(group, timeout_seconds)
+    _transports[id(key)] = (key, keep.impl, keep, timeout_seconds)
+    return keep.impl
 
 
 def _single_process_transport():
@@ -120,7 +145,12 @@ def _single_process_transport():
 
 def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Tensor:
     """Each token's position inside its sequence, for tokens [begin, end) of the packed stream."""
-    cu = torch.as_tensor(list(cu_seqlens), dtype=torch.int64)
+    cu_list = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
+    begin, end = _integer("begin", begin), _integer("end", end)
+    total = cu_list[-1] if cu_list else 0
+    if not 0 <= begin <= end <= total:
+        raise _fcp.Error(f"tokens [{begin}, {end}): expected 0 <= begin <= end <= {total}, the batch's tokens")
+    cu = torch.as_tensor(cu_list, dtype=torch.int64)
     tokens = torch.arange(begin, end, dtype=torch.int64)
     seq = torch.searchsorted(cu, tokens, right=True) - 1
     return tokens - cu[seq]
@@ -137,19 +167,40 @@ class _Settings:
             raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         if layout not in ("transparent", "dispatched"):
             raise _fcp.Error(f"layout '{layout}' is not supported: expected transparent or dispatched")
-        self.cu_seqlens = [int(x) for x in cu_seqlens]
-        self.begin, self.end = int(local_range[0]), int(local_range[1])
-        self.heads, self.kv_heads, self.head_dim = int(heads), int(kv_heads), int(head_dim)
+        if not isinstance(causal, bool):
+            raise _fcp.Error(f"causal is {causal!r}: expected True or False")
+        self.cu_seqlens = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
+        if len(local_range) != 2:
+            raise _fcp.Error(f"local_range is {local_range!r}: expected (begin, end)")
+        self.begin, self.end = _integer("local_range[0]", local_range[0]), _integer("local_range[1]", local_range[1])
+        self.heads, self.kv_heads, self.head_dim = (_integer("heads", heads), _integer("kv_heads", kv_heads),
+                                                    _integer("head_dim", head_dim))
+        block_size, threads = _integer("block_size", block_size), _integer("threads", threads)
         self.dtype = dtype
         self.layout = layout
         self.transport = _transport(group, timeout_seconds)
         self.options = _fcp.batch_options(self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads,
                                           self.head_dim, causal, _DTYPES[dtype], layout == "dispatched",
-                                          strategy, int(block_size), int(threads), float(comm_ratio))
+                                          strategy, block_size, threads, float(comm_ratio))
 
 
 class Batch:
-    """One training step's batch, planned on every rank (collective). See the module docstring."""
+    """One training step's batch, planned on every rank (collective). See the module docstring.
+
+    ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
+    each rank may use). ``timeout_seconds`` bounds every wait for another rank; it applies to the
+    group's transport from this batch on (an mpi4py communicator keeps the one its transport was
+    made with).
+
+    dispatch, undispatch and attention (forward and backward) are collectives. One that raises on
+    this rank only (a tensor of the wrong shape here) leaves the other ranks inside it, waiting for
+    this rank until their timeout: so that no later call of this rank's is taken for that one, the
+    batch then refuses every call with an error naming the first (``failure``). The other ranks'
+    messages for that call may still arrive on the group, where a new batch's would match them:
+    continue on a new process group (or communicator) with a new batch. Where every rank raised
+    the same error in its checks (the same mistake everywhere), no message was sent, and a new
+    batch on the same group is safe.
+    """
 
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
@@ -187,16 +238,24 @@ class Batch:
         """Rows of the q, k, v that attention() takes: by layout, one of the two above."""
         return self._impl.num_call_tokens
 
+    def _fcp_layout_rows(self, name: str) -> None:
+        if self.layout != "dispatched":
+            raise _fcp.Error(f"batch.{name} describes the rows of FCP's layout, which a transparent batch keeps inside "
+                             f"attention(): expected a batch with layout='dispatched' (a transparent batch's rows are "
+                             f"the caller's own: user_positions(cu_seqlens, begin, end))")
+
     @property
     def sequence(self) -> torch.Tensor:
-        """For each row of FCP's layout, the index of its sequence in the batch."""
+        """For each row of FCP's layout, the index of its sequence in the batch (dispatched layout only)."""
+        self._fcp_layout_rows("sequence")
         if self._sequence is None:
             self._sequence = torch.tensor(self._impl.local_sequence(), dtype=torch.int64)
         return self._sequence
 
     @property
     def position(self) -> torch.Tensor:
-        """For each row of FCP's layout, its position inside its sequence (for RoPE)."""
+        """For each row of FCP's layout, its position inside its sequence, for RoPE (dispatched layout only)."""
+        self._fcp_layout_rows("position")
         if self._position is None:
             self._position = torch.tensor(self._impl.local_position(), dtype=torch.int64)
         return self._position
@@ -212,6 +271,11 @@ class Batch:
     def stats(self) -> dict:
         """The last forward's and backward's time, FLOPs and bytes on this rank."""
         return self._impl.stats()
+
+    @property
+    def failure(self) -> Optional[str]:
+        """None while no call on this batch has raised on this rank; else that call's error."""
+        return self._impl.failure
 
 
 class PendingBatch:
@@ -249,7 +313,8 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
     rows_in, rows_out = ((batch.num_user_tokens, batch.num_local_tokens) if into_fcp
                          else (batch.num_local_tokens, batch.num_user_tokens))
     if x.device.type != "cpu" or x.dim() < 1 or x.shape[0] != rows_in:
-        raise _fcp.Error(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
+        # fail() also makes the batch refuse later calls: the other ranks may be inside this one.
+        batch._impl.fail(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
                          f"{x.device}: expected {rows_in} rows on the CPU")
     x = x.contiguous()
     out = torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)
@@ -282,7 +347,7 @@ class _Attention(torch.autograd.Function):
         n = batch.num_call_tokens
         for name, t, heads in (("q", q, batch.heads), ("k", k, batch.kv_heads), ("v", v, batch.kv_heads)):
             if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
-                raise _fcp.Error(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = torch.empty_like(q)
@@ -293,12 +358,23 @@ class _Attention(torch.autograd.Function):
                       q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
         ctx.layer, ctx.batch = layer, batch
         batch.attention_seconds += time.perf_counter() - start
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused lse gives None, not zeros, in backward
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
         batch = ctx.batch
+        if ctx.layer is None:
+            batch._impl.fail("attention's backward ran twice for one forward (retain_graph): FCP frees a layer's "
+                             "saved state in its backward: expected one backward per forward")
+        # Whether lse is in the graph, not whether its gradient is zero: a rank with no rows must
+        # decide as the others do (backward is collective).
+        if dlse is not None:
+            batch._impl.fail("a gradient reached the lse that attention returned: FCP's backward takes gradients "
+                             "through o only: expected lse used without gradients (lse.detach())")
+        if do is None:
+            do = torch.zeros((batch.num_call_tokens, batch.heads, batch.head_dim), dtype=batch.dtype)
         start = time.perf_counter()
         n = batch.num_call_tokens
         do = do.contiguous().to(batch.dtype)
@@ -316,6 +392,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
               return_lse: bool = False):
     """Attention of every sequence of ``batch`` (causal or full, GQA when k, v have fewer heads),
     scaled by 1/sqrt(head_dim). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
-    with ``return_lse``). Differentiable in q, k, v."""
+    with ``return_lse``). Differentiable in q, k, v, once (no double backward, one backward per
+    forward), through o: a gradient that reaches lse raises fcp.Error rather than be dropped.
+    A call that raises on this rank (a tensor of the wrong shape) may leave the other ranks inside
+    it until their timeout; the batch then refuses every later call (see Batch)."""
     o, lse = _Attention.apply(q, k, v, batch)
     return (o, lse) if return_lse else o

@@ -269,22 +269,57 @@ plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
 }
 
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
-    : executor_(planNow(transport, options), transport, executorOptions(options)) {}
+    : executor_(planNow(transport, options), transport, executorOptions(options)),
+      rank_(transport.rank()) {}
 
 AttentionBatch::AttentionBatch(PendingBatch&& pending)
-    : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_) {}
+    : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_),
+      rank_(pending.transport_->rank()) {}
+
+template <typename Call>
+void AttentionBatch::collective(const char* name, Call&& call) {
+  if (!failure_.empty()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank_) + ": this batch refuses " + name +
+                    ": an earlier call on it threw on this rank (" + failure_ +
+                    "); the other ranks may still be inside that call, and their messages "
+                    "arrive on this transport: expected a new transport and batch");
+  }
+  try {
+    call();
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  } catch (...) {
+    failure_ = "an exception that is not a std::exception";
+    throw;
+  }
+}
+
+void AttentionBatch::fail(const std::string& message) {
+  if (failure_.empty()) failure_ = message.empty() ? "(no message)" : message;
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
 
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
                               int64_t rowBytes) {
-  executor_.dispatch(user, local, rowBytes);
+  collective("dispatch", [&] { executor_.dispatch(user, local, rowBytes); });
 }
 
 void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
                                 int64_t rowBytes) {
-  executor_.undispatch(local, user, rowBytes);
+  collective("undispatch", [&] { executor_.undispatch(local, user, rowBytes); });
 }
 
 void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
+  collective("dispatch", [&] { dispatchTensor(user, local); });
+}
+
+void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
+  collective("undispatch", [&] { undispatchTensor(local, user); });
+}
+
+void AttentionBatch::dispatchTensor(ConstTensorRef user, TensorRef local) {
   checkTensor("dispatch input", user, numUserTokens(), user.numHeads, user.headDim, user.dtype,
               "this rank's tokens in the caller's layout");
   checkTensor("dispatch output", local, numLocalTokens(), user.numHeads, user.headDim, user.dtype,
@@ -295,7 +330,7 @@ void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
       {static_cast<std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)}, row);
 }
 
-void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
+void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
   checkTensor("undispatch input", local, numLocalTokens(), local.numHeads, local.headDim,
               local.dtype, "this rank's tokens in FCP's layout");
   checkTensor("undispatch output", user, numUserTokens(), local.numHeads, local.headDim,
@@ -308,6 +343,16 @@ void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
 
 void AttentionLayer::forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
                              ConstTensorRef v, TensorRef o, TensorRef lse) {
+  batch.collective("forward", [&] { forwardChecked(batch, q, k, v, o, lse); });
+}
+
+void AttentionLayer::backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,
+                              TensorRef dv) {
+  batch.collective("backward", [&] { backwardChecked(batch, dO, dq, dk, dv); });
+}
+
+void AttentionLayer::forwardChecked(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
+                                    ConstTensorRef v, TensorRef o, TensorRef lse) {
   const auto& a = batch.plan().config.attention;
   const int64_t n = batch.numCallTokens();
   const DType dt = batch.dtype();
@@ -320,8 +365,8 @@ void AttentionLayer::forward(AttentionBatch& batch, ConstTensorRef q, ConstTenso
   batch.executor().forward(state_, q.data, k.data, v.data, o.data, static_cast<float*>(lse.data));
 }
 
-void AttentionLayer::backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,
-                              TensorRef dv) {
+void AttentionLayer::backwardChecked(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq,
+                                     TensorRef dk, TensorRef dv) {
   const auto& a = batch.plan().config.attention;
   const int64_t n = batch.numCallTokens();
   const DType dt = batch.dtype();

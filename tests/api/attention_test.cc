@@ -7,10 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <chrono>
 #include <functional>
+#include <optional>
 #include <span>
 #include <thread>
 
@@ -635,13 +636,15 @@ TEST(AttentionBatchErrorTest, BadCuSeqlens) {
   });
 }
 
+// Each bad call on a batch of its own: a batch refuses every call after one threw (below).
 TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
   runtime::testing::runRanks(2, [&](Transport& t) {
-    AttentionBatch batch(t, optionsFor(p, t.rank()));
-    const int64_t n = batch.numCallTokens();
+    std::optional<AttentionBatch> batch;
+    batch.emplace(t, optionsFor(p, t.rank()));
+    const int64_t n = batch->numCallTokens();
     std::vector<float> q(static_cast<size_t>(n * 4 * 16)), kv(static_cast<size_t>(n * 2 * 16)),
         o(q.size());
     AttentionLayer layer;
@@ -656,28 +659,31 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
     };
     expectError(
         [&] {
-          layer.forward(batch, {q.data(), DType::kFp32, n + 1, 4, 16},
+          layer.forward(*batch, {q.data(), DType::kFp32, n + 1, 4, 16},
                         {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
                         {o.data(), DType::kFp32, n, 4, 16});
         },
         "q is [" + std::to_string(n + 1) + ", 4, 16] fp32, expected [" + std::to_string(n) +
             ", 4, 16] fp32");
+    batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {
-          layer.forward(batch, {q.data(), DType::kFp32, n, 4, 16},
+          layer.forward(*batch, {q.data(), DType::kFp32, n, 4, 16},
                         {kv.data(), DType::kBf16, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
                         {o.data(), DType::kFp32, n, 4, 16});
         },
         "k is [" + std::to_string(n) + ", 2, 16] bf16, expected");
+    batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {
-          layer.backward(batch, {q.data(), DType::kFp32, n, 4, 16},
+          layer.backward(*batch, {q.data(), DType::kFp32, n, 4, 16},
                          {o.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
                          {kv.data(), DType::kFp32, n, 2, 16});
         },
         "last forward ran with no batch");
     // A forward with this batch, then a backward with the next batch's object.
-    layer.forward(batch, {q.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+    batch.emplace(t, optionsFor(p, t.rank()));
+    layer.forward(*batch, {q.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
                   {kv.data(), DType::kFp32, n, 2, 16}, {o.data(), DType::kFp32, n, 4, 16});
     AttentionBatch next(t, optionsFor(p, t.rank()));
     expectError(
@@ -688,6 +694,87 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
         },
         "expected a forward with this batch");
   });
+}
+
+// A call that throws on one rank only leaves the others inside it. The batch of the rank that
+// threw then refuses every call (forward, backward, dispatch, undispatch), naming the first
+// error, so that no later call of its own sends messages the others would take for the first
+// call's: the other rank's call fails with a transport error instead of returning what the
+// second call sent.
+TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  p.layout = Layout::kDispatched;
+  std::atomic<int> timedOut = 0;
+  runtime::testing::runRanks(
+      2,
+      [&](Transport& t) {
+        AttentionBatch batch(t, optionsFor(p, t.rank()));
+        const int64_t n = batch.numCallTokens(), u = batch.numUserTokens();
+        std::vector<float> q(static_cast<size_t>(n * 4 * 16)), kv(static_cast<size_t>(n * 2 * 16)),
+            o(q.size()), user(static_cast<size_t>(u * 4 * 16));
+        AttentionLayer layer;
+        const auto forward = [&](int64_t rows) {
+          layer.forward(batch, {q.data(), DType::kFp32, rows, 4, 16},
+                        {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                        {o.data(), DType::kFp32, n, 4, 16});
+        };
+        EXPECT_EQ(batch.failure(), "");
+        if (t.rank() == 1) {
+          const std::string first =
+              "q is [" + std::to_string(n + 1) + ", 4, 16] fp32, expected [" + std::to_string(n);
+          EXPECT_THROW(forward(n + 1), Error);  // this rank's mistake: rank 0 is inside forward
+          EXPECT_EQ(batch.failure().find(first), 0u) << batch.failure();
+          const std::vector<std::pair<std::string, std::function<void()>>> calls = {
+              {"forward", [&] { forward(n); }},
+              {"backward",
+               [&] {
+                 layer.backward(
+                     batch, {q.data(), DType::kFp32, n, 4, 16}, {o.data(), DType::kFp32, n, 4, 16},
+                     {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16});
+               }},
+              {"dispatch",
+               [&] {
+                 batch.dispatch({user.data(), DType::kFp32, u, 4, 16},
+                                {q.data(), DType::kFp32, n, 4, 16});
+               }},
+              {"undispatch",
+               [&] {
+                 batch.undispatch({q.data(), DType::kFp32, n, 4, 16},
+                                  {user.data(), DType::kFp32, u, 4, 16});
+               }},
+          };
+          for (const auto& [name, call] : calls) {
+            try {
+              call();
+              ADD_FAILURE() << name << " was not refused";
+            } catch (const Error& e) {
+              EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+              EXPECT_EQ(std::string(e.what()).find("rank 1: this batch refuses " + name +
+                                                   ": an earlier call on it threw on this rank (" +
+                                                   first),
+                        0u)
+                  << e.what();
+            }
+          }
+          EXPECT_EQ(batch.failure().find(first), 0u)
+              << "the first error stays: " << batch.failure();
+        } else {
+          // Waits for rank 1's forward messages, which never come: a transport error, not the
+          // messages of rank 1's second forward (refused before it sent any).
+          try {
+            forward(n);
+            ADD_FAILURE() << "rank 0's forward returned";
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kTransport) << e.what();
+            ++timedOut;
+          }
+          EXPECT_NE(batch.failure(), "");
+        }
+      },
+      std::chrono::seconds(2));
+  EXPECT_EQ(timedOut.load(), 1);
 }
 
 }  // namespace

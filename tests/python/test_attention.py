@@ -244,3 +244,124 @@ def test_one_ranks_planning_failure_stops_every_rank(group, monkeypatch):
     n = batch.num_call_tokens
     q = torch.randn(n, 2, 16, generator=torch.Generator().manual_seed(rank))
     assert ft.attention(q, q[:, :1].clone(), q[:, :1].clone(), batch).shape == (n, 2, 16)
+
+
+def test_a_batch_refuses_calls_after_one_raised(group):
+    """A call that raises (here on every rank: the same mistake everywhere, so no rank is left
+    inside it) makes the batch refuse every later call, naming the first error; a new batch on
+    the same group works. The failure-free batch says None."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160, 300]
+    starts = split(300, ranks, 5)
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64, layout="dispatched")
+    batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, **options)
+    assert batch.failure is None
+    n, u = batch.num_call_tokens, batch.num_user_tokens
+    good = [torch.randn(n, h, 16) for h in (4, 2, 2)]
+    with pytest.raises(fcp.Error, match=r"^q is \(%d, 4, 16\)" % (n + 1)):
+        ft.attention(torch.randn(n + 1, 4, 16), good[1], good[2], batch)
+    assert batch.failure.startswith("q is (%d, 4, 16)" % (n + 1))
+    refused = r"^rank %d: this batch refuses %s: an earlier call on it threw on this rank \(q is \(%d, 4, 16\)"
+    with pytest.raises(fcp.Error, match=refused % (rank, "forward", n + 1)):
+        ft.attention(*good, batch)
+    with pytest.raises(fcp.Error, match=refused % (rank, "dispatch", n + 1)):
+        batch.dispatch(torch.zeros(u, 3))
+    with pytest.raises(fcp.Error, match=refused % (rank, "undispatch", n + 1)):
+        batch.undispatch(torch.zeros(n, 3))
+    # A dispatch input of the wrong shape is a failure of its own.
+    other = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, **options)
+    with pytest.raises(fcp.Error, match=r"^dispatch input has shape \(%d, 3\)" % (u + 1)):
+        other.dispatch(torch.zeros(u + 1, 3))
+    assert other.failure.startswith("dispatch input")
+    fresh = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, **options)
+    assert ft.attention(*good, fresh).shape == (n, 4, 16) and fresh.failure is None
+
+
+def test_gradients_go_through_o_only_once(group):
+    """lse comes back without a gradient path: a gradient reaching it raises rather than being
+    dropped, and lse used detached is fine (the gradients are o's, against the reference). A
+    second backward of one forward, and a backward of the backward, raise."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160, 300]
+    starts = split(300, ranks, 4)
+    begin, end = starts[rank], starts[rank + 1]
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64)
+    whole = [torch.randn(300, h, 16, generator=torch.Generator().manual_seed(h)).double() for h in (4, 2, 2)]
+
+    def mine():
+        return [t[begin:end].float().clone().requires_grad_() for t in whole]
+
+    batch = ft.Batch(cu, (begin, end), comm, **options)
+    q, k, v = mine()
+    o, lse = ft.attention(q, k, v, batch, return_lse=True)
+    with pytest.raises(fcp.Error, match="a gradient reached the lse that attention returned"):
+        (o.sum() + lse.sum()).backward()
+    batch = ft.Batch(cu, (begin, end), comm, **options)
+    q, k, v = mine()
+    o, lse = ft.attention(q, k, v, batch, return_lse=True)
+    (o.sum() + 0 * lse.detach().sum()).backward()
+    ref_in = [t.clone().requires_grad_() for t in whole]
+    reference(*ref_in, cu, True).sum().backward()
+    if end > begin:
+        for mine_t, ref_t in zip((q, k, v), ref_in):
+            assert rel(mine_t.grad, ref_t.grad[begin:end]) <= 1e-5
+    batch = ft.Batch(cu, (begin, end), comm, **options)
+    q, k, v = mine()
+    o = ft.attention(q, k, v, batch)
+    o.sum().backward(retain_graph=True)
+    with pytest.raises(fcp.Error, match="backward ran twice for one forward"):
+        o.sum().backward()
+    batch = ft.Batch(cu, (begin, end), comm, **options)
+    q, k, v = mine()
+    (gq,) = torch.autograd.grad(ft.attention(q, k, v, batch).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(gq.sum(), q)
+
+
+def test_arguments_are_integers_and_positions_are_the_layouts(group):
+    comm, rank, ranks = group
+    cu = [0, 100, 160, 300]
+    starts = split(300, ranks, 6)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64)
+    for bad, message in [(dict(cu_seqlens=[0, 100.7, 160, 300]), r"cu_seqlens\[1\] is 100.7: expected an integer"),
+                         (dict(heads=4.9), "heads is 4.9: expected an integer"),
+                         (dict(block_size="64"), "block_size is '64': expected an integer"),
+                         (dict(causal="no"), "causal is 'no': expected True or False")]:
+        arguments = dict(options, cu_seqlens=cu)
+        arguments.update(bad)
+        with pytest.raises(fcp.Error, match=message):
+            ft.Batch(arguments.pop("cu_seqlens"), mine, comm, **arguments)
+    # Integer tensors and NumPy integers are integers.
+    assert ft.Batch(torch.tensor(cu, dtype=torch.int32), mine, comm, **options).num_user_tokens == mine[1] - mine[0]
+    with pytest.raises(fcp.Error, match=r"tokens \[250, 320\): expected 0 <= begin <= end <= 300"):
+        ft.user_positions(cu, 250, 320)
+    with pytest.raises(fcp.Error, match=r"tokens \[-3, 2\)"):
+        ft.user_positions(cu, -3, 2)
+    assert ft.user_positions(cu, 95, 105).tolist() == [95, 96, 97, 98, 99, 0, 1, 2, 3, 4]
+    transparent = ft.Batch(cu, mine, comm, **options)
+    for name in ("position", "sequence"):
+        with pytest.raises(fcp.Error, match=f"batch.{name} describes the rows of FCP's layout"):
+            getattr(transparent, name)
+
+
+def test_a_groups_transport_takes_each_batchs_timeout(group):
+    """A later batch's timeout_seconds reaches the group's transport (a torch.distributed group);
+    an mpi4py communicator's transport keeps its own, and another is refused in one line."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160, 300]
+    starts = split(300, ranks, 7)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64)
+    if USE_MPI:
+        ft.Batch(cu, mine, comm, **options)
+        with pytest.raises(fcp.Error, match=r"timeout_seconds 123: expected 300.0, the timeout this communicator"):
+            ft.Batch(cu, mine, comm, timeout_seconds=123, **options)
+        return
+    ft.Batch(cu, mine, comm, timeout_seconds=123, **options)
+    (keep,) = [entry[2] for entry in ft._transports.values() if entry[2] is not None and entry[2].group is comm]
+    assert keep.timeout.total_seconds() == 123
+    ft.Batch(cu, mine, comm, timeout_seconds=45, **options)
+    assert keep.timeout.total_seconds() == 45
+    ft.Batch(cu, mine, comm, **options)
+    assert keep.timeout.total_seconds() == 300

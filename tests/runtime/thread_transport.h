@@ -4,6 +4,7 @@
 // (complete at once); a receive completes when a message from its peer with its tag is there,
 // in posting order.
 #include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -20,8 +21,12 @@ namespace fcp::runtime::testing {
 
 class ThreadWorld {
  public:
-  explicit ThreadWorld(int size) : size_(size) {}
+  explicit ThreadWorld(int size,
+                       std::chrono::milliseconds receiveTimeout = std::chrono::seconds(30))
+      : timeout(receiveTimeout), size_(size) {}
   int size() const { return size_; }
+
+  const std::chrono::milliseconds timeout;  ///< how long a wait for a receive lasts
 
   std::mutex mu;
   std::condition_variable cv;
@@ -68,7 +73,7 @@ class ThreadTransport final : public Transport {
   void wait(RequestId request) override {
     if (request == 0) return;
     std::unique_lock<std::mutex> lock(world_.mu);
-    if (!world_.cv.wait_for(lock, std::chrono::seconds(30), [&] { return tryComplete(request); })) {
+    if (!world_.cv.wait_for(lock, world_.timeout, [&] { return tryComplete(request); })) {
       throw Error(ErrorCode::kTransport, "thread transport: receive timed out");
     }
   }
@@ -140,10 +145,11 @@ class ThreadTransport final : public Transport {
   std::map<std::pair<int, int>, std::deque<RequestId>> order_;
 };
 
-/// Runs `body(transport)` on `size` thread ranks; rethrows the first exception of any rank.
+/// Runs `body(transport)` on `size` thread ranks; rethrows the first exception of any rank. A
+/// receive waits at most `timeout`, then throws Error(kTransport).
 template <typename Body>
-void runRanks(int size, Body body) {
-  ThreadWorld world(size);
+void runRanks(int size, Body body, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  ThreadWorld world(size, timeout);
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {

@@ -167,9 +167,36 @@ class AttentionBatch {
   /// The executor (for callers that need more than the checked calls above).
   runtime::Executor& executor() { return executor_; }
 
+  /// Empty while no call on this batch has thrown on this rank; else the first one's error.
+  /// Dispatch, undispatch and the layers' forward and backward are collectives: one that throws
+  /// on this rank only (a tensor of the wrong shape here) leaves the other ranks inside it,
+  /// waiting for this rank's messages until their timeout. A later call's messages would carry
+  /// the same tags, and be taken for the first call's: so once a call has thrown, the batch
+  /// refuses every call on this rank, naming that error. Messages the other ranks sent for the
+  /// failed call may still arrive on this transport, where a new batch's would match them
+  /// (FCP's tags are the same from batch to batch): continue on a new transport (a new
+  /// communicator or process group) and a new batch. Where every rank failed the same call in
+  /// its checks, before any message (the same mistake on every rank), a new batch on the same
+  /// transport is safe.
+  const std::string& failure() const { return failure_; }
+  /// Records `message` as the batch's failure (unless it has one) and throws it as
+  /// Error(kInvalidArgument): for a binding's own checks of a call, made before the call
+  /// reaches the batch.
+  [[noreturn]] void fail(const std::string& message);
+
  private:
+  friend class AttentionLayer;
   static plan::Plan takePlan(PendingBatch& pending);
+  /// Runs `call`, a collective on this batch named `name`: refused once a call has thrown, and
+  /// its own error recorded if it throws.
+  template <typename Call>
+  void collective(const char* name, Call&& call);
+  void dispatchTensor(ConstTensorRef user, TensorRef local);
+  void undispatchTensor(ConstTensorRef local, TensorRef user);
+
   runtime::Executor executor_;
+  int rank_;
+  std::string failure_;
 };
 
 /// One attention layer: what its backward needs from its forward. Reusable across batches.
@@ -182,6 +209,11 @@ class AttentionLayer {
   void backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk, TensorRef dv);
 
  private:
+  void forwardChecked(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k, ConstTensorRef v,
+                      TensorRef o, TensorRef lse);
+  void backwardChecked(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,
+                       TensorRef dv);
+
   runtime::LayerState state_;
 };
 
