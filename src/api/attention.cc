@@ -3,6 +3,7 @@
 #include "fcp/api/attention.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -88,36 +89,48 @@ class OptionsHash {
   uint64_t hash_ = 14695981039346656037ull;
 };
 
-int64_t optionsHash(const BatchOptions& o) {
-  OptionsHash h;
-  h.add(static_cast<int64_t>(o.cuSeqlens.size()));
-  for (const int64_t x : o.cuSeqlens) h.add(x);
-  for (const int64_t x : {o.numHeadsQ, o.numHeadsKv, o.headDim, static_cast<int64_t>(o.mask),
-                          static_cast<int64_t>(o.dtype), static_cast<int64_t>(o.layout)}) {
-    h.add(x);
-  }
-  for (const char c : o.strategy) h.add(int64_t{c});
+/// What every rank must pass alike, one hash per setting (named in kSettingNames), so that
+/// ranks that differ fail together before planning, with the settings that differ named.
+constexpr std::array<const char*, 10> kSettingNames = {
+    "cu_seqlens", "heads",    "head dim",         "mask",       "dtype",
+    "layout",     "strategy", "planner settings", "cost model", "first tag"};
+/// The thread count may differ between ranks, but one rank refusing its own would leave the
+/// others waiting, so its validity is agreed on too (after the named settings).
+constexpr size_t kSettings = kSettingNames.size() + 1;
+
+std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
+  std::array<OptionsHash, kSettings> h;
+  h[0].add(static_cast<int64_t>(o.cuSeqlens.size()));
+  for (const int64_t x : o.cuSeqlens) h[0].add(x);
+  h[1].add(o.numHeadsQ);
+  h[1].add(o.numHeadsKv);
+  h[2].add(o.headDim);
+  h[3].add(static_cast<int64_t>(o.mask));
+  h[4].add(static_cast<int64_t>(o.dtype));
+  h[5].add(static_cast<int64_t>(o.layout));
+  h[6].add(static_cast<int64_t>(o.strategy.size()));
+  for (const char c : o.strategy) h[6].add(int64_t{c});
   const plan::PlanConfig& c = o.planConfig;
   for (const int64_t x : {c.blockSize, c.memoryLimitTokens, c.coalesce, c.bufferDepth,
                           c.improveStepsPerBlock, int64_t{c.locality},
                           static_cast<int64_t>(c.placement)}) {
-    h.add(x);
+    h[7].add(x);
   }
   for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack,
-                         c.localitySlack})
-    h.add(x);
-  // The planner's costs and the message tags must match too; the thread count may differ
-  // between ranks, but one rank refusing its own would leave the others waiting, so its
-  // validity is part of what ranks agree on.
+                         c.localitySlack, c.commRatio})
+    h[7].add(x);
   for (const EfficiencyCurve* curve : {&o.costModel.forward, &o.costModel.backward}) {
+    h[8].add(static_cast<int64_t>(curve->points().size()));
     for (const auto& [tokens, fraction] : curve->points()) {
-      h.add(tokens);
-      h.add(fraction);
+      h[8].add(tokens);
+      h[8].add(fraction);
     }
   }
-  h.add(int64_t{o.firstTag});
-  h.add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
-  return h.value();
+  h[9].add(int64_t{o.firstTag});
+  h[10].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
+  std::array<int64_t, kSettings> out;
+  for (size_t i = 0; i < kSettings; ++i) out[i] = h[i].value();
+  return out;
 }
 
 /// What every rank has agreed on before planning: the inputs of the planning itself, which
@@ -136,20 +149,29 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   const int ranks = transport.size(), rank = transport.rank();
   // Two collectives before any check, so that every rank learns the same facts and a bad
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
-  const int64_t hash = optionsHash(o);
-  int64_t same[2] = {hash, -hash};
+  const std::array<int64_t, kSettings> hashes = settingHashes(o);
+  std::array<int64_t, 2 * kSettings> same;  // each hash and its negation: max and -min at once
+  for (size_t i = 0; i < kSettings; ++i) {
+    same[i] = hashes[i];
+    same[kSettings + i] = -hashes[i];
+  }
   transport.allreduce(same, runtime::ReduceOp::kMax);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
   transport.allreduce(ranges, runtime::ReduceOp::kSum);
-  if (same[0] != -same[1]) {
-    throwInvalidArgument(
-        "rank ", rank,
-        ": the ranks passed different batches or settings (cu_seqlens, heads, "
-        "head dim, mask, dtype, layout, strategy, planner settings, cost model or first tag; or a "
-        "thread count outside 1 to ", runtime::kMaxKernelThreads, ", here ",
-        o.numThreads, "): expected the same on every rank");
+  std::string differ;
+  for (size_t i = 0; i < kSettings; ++i) {
+    if (same[i] == -same[kSettings + i]) continue;
+    if (!differ.empty()) differ += ", ";
+    differ += i < kSettingNames.size()
+                  ? std::string(kSettingNames[i])
+                  : "a thread count outside 1 to " + std::to_string(runtime::kMaxKernelThreads) +
+                        " on some rank, here " + std::to_string(o.numThreads);
+  }
+  if (!differ.empty()) {
+    throwInvalidArgument("rank ", rank, ": the ranks passed different batches or settings (",
+                         differ, "): expected the same on every rank");
   }
   const Batch batch = batchOf(o.cuSeqlens);
   const int64_t total = batch.numTokens();

@@ -578,15 +578,54 @@ TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
   for (const bool ahead : {false, true}) {
-    expectErrorOnEveryRank(2, "different batches or settings", [&](Transport& t) {
-      BatchOptions o = optionsFor(p, t.rank());
-      if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
-      if (ahead) {
-        PendingBatch pending(t, o);
-      } else {
-        AttentionBatch batch(t, o);
-      }
-    });
+    expectErrorOnEveryRank(2, "different batches or settings (cu_seqlens): expected the same",
+                           [&](Transport& t) {
+                             BatchOptions o = optionsFor(p, t.rank());
+                             if (t.rank() == 1) o.cuSeqlens = {0, 90, 160};
+                             if (ahead) {
+                               PendingBatch pending(t, o);
+                             } else {
+                               AttentionBatch batch(t, o);
+                             }
+                           });
+  }
+}
+
+// The settings that differ are named, in a fixed order, whichever rank's differ.
+TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 50, 100, 160};
+  const std::vector<std::pair<std::function<void(BatchOptions&)>, std::string>> cases = {
+      {[](BatchOptions& o) { o.dtype = DType::kBf16; }, "(dtype)"},
+      {[](BatchOptions& o) {
+         o.strategy = "ring";
+         o.numHeadsKv = 4;
+       },
+       "(heads, strategy)"},
+      {[](BatchOptions& o) { o.planConfig.commRatio = 1700; }, "(planner settings)"},
+      {[](BatchOptions& o) {
+         o.headDim = 32;
+         o.mask = MaskKind::kFull;
+       },
+       "(head dim, mask)"},
+      {[](BatchOptions& o) {
+         o.costModel.forward = EfficiencyCurve({{512, 0.5}});
+       },
+       "(cost model)"},
+      {[](BatchOptions& o) { o.firstTag += 2; }, "(first tag)"},
+  };
+  for (const auto& [change, named] : cases) {
+    for (const int odd : {1, 2}) {
+      expectErrorOnEveryRank(3,
+                             "the ranks passed different batches or settings " + named +
+                                 ": expected the same on every rank",
+                             [&](Transport& t) {
+                               BatchOptions o = optionsFor(p, t.rank());
+                               if (t.rank() == odd) change(o);
+                               AttentionBatch batch(t, o);
+                             });
+    }
   }
 }
 
