@@ -184,6 +184,7 @@ PYBIND11_MODULE(_fcp, m) {
   using namespace fcp::python;
   m.doc() = "FCP's C++ library (use the fcp and fcp.torch modules instead)";
 
+  m.attr("max_kernel_threads") = runtime::kMaxKernelThreads;
   static py::exception<Error> error(m, "Error");
   py::register_exception_translator([](std::exception_ptr p) {
     try {

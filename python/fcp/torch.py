@@ -50,14 +50,30 @@ __all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
-def _integer(name: str, x) -> int:
-    """x as an int when it is one (a Python, NumPy or 0-d integer tensor value), else fcp.Error."""
-    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        raise _fcp.Error(f"{name} is {x!r}: expected an integer")
+def _describe(x) -> str:
+    """A value for a one-line message: its repr when short and on one line, else its type (and
+    shape)."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return f"a {type(x).__name__} of shape {tuple(shape)}"
+    text = repr(x)
+    return text if len(text) <= 60 and "\n" not in text else f"a {type(x).__name__}"
+
+
+def _integer(name: str, x, low: int = -2 ** 63, high: int = 2 ** 63 - 1) -> int:
+    """x as an int when it is one (a Python, NumPy or 0-d integer tensor value) in [low, high],
+    else fcp.Error."""
+    is_bool = isinstance(x, bool) or type(x).__name__ == "bool_" or (
+        isinstance(x, torch.Tensor) and x.dtype == torch.bool)
     try:
-        return operator.index(x)
+        value = None if is_bool else operator.index(x)
     except TypeError:
-        raise _fcp.Error(f"{name} is {x!r}: expected an integer") from None
+        value = None
+    if value is None:
+        raise _fcp.Error(f"{name} is {_describe(x)}: expected an integer")
+    if not low <= value <= high:
+        raise _fcp.Error(f"{name} is {value}: expected {low} to {high}")
+    return value
 
 
 def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
@@ -80,8 +96,13 @@ class _GroupTransport:
         else:
             get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
             self.peers = [get(group, r) for r in range(size)]
-        self.impl = _fcp.callback_transport(rank, size, self._isend, self._irecv, self._test, self._wait,
-                                            self._allreduce, timeout_seconds)
+        self._rank, self._size = rank, size
+
+    def make_impl(self, timeout_seconds: float):
+        """The C++ transport over this object's methods. It holds them (and so this object); this
+        object does not hold it, so dropping the transport frees both."""
+        return _fcp.callback_transport(self._rank, self._size, self._isend, self._irecv, self._test, self._wait,
+                                       self._allreduce, timeout_seconds)
 
     def _isend(self, peer, tag, address, nbytes):
         return dist.isend(_bytes_at(address, nbytes), dst=self.peers[peer], group=self.group, tag=tag)
@@ -108,8 +129,10 @@ _transports = {}
 def _transport(group, timeout_seconds: float):
     """One FCP transport per group or communicator, made on first use (an MPI one duplicates
     the communicator, which is collective and not free). A group's transport takes each new
-    batch's timeout; one that gave up on its messages after an error (torch.distributed cannot
-    cancel them) is replaced by a new one once the caller has a new process group."""
+    batch's timeout. One that gave up on its messages after an error (torch.distributed cannot
+    cancel them) refuses further use until the caller makes a new process group: with the
+    default group (group None), a new default group gets a new transport and the old one is
+    dropped."""
     if hasattr(group, "py2f"):  # an mpi4py communicator
         cached = _transports.get(id(group))
         if cached is not None and cached[0] is group:
@@ -124,16 +147,17 @@ def _transport(group, timeout_seconds: float):
     if group is None:
         if not dist.is_initialized():
             return _single_process_transport()  # not cached: a process group may be initialised later
-        key = dist.distributed_c10d._get_default_group()  # a new default group gets a new transport
+        key, slot = dist.distributed_c10d._get_default_group(), "default"
     else:
-        key = group
-    cached = _transports.get(id(key))
-    if cached is not None and cached[0] is key and not _fcp.transport_abandoned(cached[1]):
+        key, slot = group, id(group)
+    cached = _transports.get(slot)
+    if cached is not None and cached[0] is key:
         cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
         return cached[1]
     keep = _GroupTransport(group, timeout_seconds)
-    _transports[id(key)] = (key, keep.impl, keep, timeout_seconds)
-    return keep.impl
+    impl = keep.make_impl(timeout_seconds)
+    _transports[slot] = (key, impl, keep, timeout_seconds)
+    return impl
 
 
 def _single_process_transport():
@@ -146,8 +170,14 @@ def _single_process_transport():
 def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Tensor:
     """Each token's position inside its sequence, for tokens [begin, end) of the packed stream."""
     cu_list = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
+    if not cu_list or cu_list[0] != 0:
+        raise _fcp.Error(f"cu_seqlens starts {cu_list[:1]}: expected [0, ...]")
+    for i in range(1, len(cu_list)):
+        if cu_list[i] <= cu_list[i - 1]:
+            raise _fcp.Error(f"cu_seqlens[{i}] is {cu_list[i]}: expected more than cu_seqlens[{i - 1}] = "
+                             f"{cu_list[i - 1]} (every sequence at least one token)")
     begin, end = _integer("begin", begin), _integer("end", end)
-    total = cu_list[-1] if cu_list else 0
+    total = cu_list[-1]
     if not 0 <= begin <= end <= total:
         raise _fcp.Error(f"tokens [{begin}, {end}): expected 0 <= begin <= end <= {total}, the batch's tokens")
     cu = torch.as_tensor(cu_list, dtype=torch.int64)
@@ -167,15 +197,20 @@ class _Settings:
             raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         if layout not in ("transparent", "dispatched"):
             raise _fcp.Error(f"layout '{layout}' is not supported: expected transparent or dispatched")
+        if type(causal).__name__ == "bool_":  # a NumPy bool
+            causal = bool(causal)
         if not isinstance(causal, bool):
-            raise _fcp.Error(f"causal is {causal!r}: expected True or False")
+            raise _fcp.Error(f"causal is {_describe(causal)}: expected True or False")
         self.cu_seqlens = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
         if len(local_range) != 2:
-            raise _fcp.Error(f"local_range is {local_range!r}: expected (begin, end)")
+            raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
         self.begin, self.end = _integer("local_range[0]", local_range[0]), _integer("local_range[1]", local_range[1])
         self.heads, self.kv_heads, self.head_dim = (_integer("heads", heads), _integer("kv_heads", kv_heads),
                                                     _integer("head_dim", head_dim))
         block_size, threads = _integer("block_size", block_size), _integer("threads", threads)
+        # FCP checks the thread count on every rank alike; here only that it fits in a C int.
+        if not -2 ** 31 <= threads < 2 ** 31:
+            raise _fcp.Error(f"thread count {threads}: expected 1 to {_fcp.max_kernel_threads}")
         self.dtype = dtype
         self.layout = layout
         self.transport = _transport(group, timeout_seconds)
@@ -394,6 +429,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
     scaled by 1/sqrt(head_dim). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
     with ``return_lse``). Differentiable in q, k, v, once (no double backward, one backward per
     forward), through o: a gradient that reaches lse raises fcp.Error rather than be dropped.
+    lse is in the graph for that reason: use ``lse.detach()`` to log or keep it (``.numpy()``).
     A call that raises on this rank (a tensor of the wrong shape) may leave the other ranks inside
     it until their timeout; the batch then refuses every later call (see Batch)."""
     o, lse = _Attention.apply(q, k, v, batch)

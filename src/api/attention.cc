@@ -111,9 +111,9 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
   h[6].add(static_cast<int64_t>(o.strategy.size()));
   for (const char c : o.strategy) h[6].add(int64_t{c});
   const plan::PlanConfig& c = o.planConfig;
-  for (const int64_t x : {c.blockSize, c.memoryLimitTokens, c.coalesce, c.bufferDepth,
-                          c.improveStepsPerBlock, int64_t{c.locality},
-                          static_cast<int64_t>(c.placement)}) {
+  for (const int64_t x :
+       {c.blockSize, c.memoryLimitTokens, c.coalesce, c.bufferDepth, c.improveStepsPerBlock,
+        int64_t{c.locality}, int64_t{c.costAwareBlocks}, static_cast<int64_t>(c.placement)}) {
     h[7].add(x);
   }
   for (const double x : {c.memorySlack, c.alpha, c.beta, c.improveTarget, c.commBalanceSlack,
@@ -301,25 +301,31 @@ AttentionBatch::AttentionBatch(PendingBatch&& pending)
 template <typename Call>
 void AttentionBatch::collective(const char* name, Call&& call) {
   if (!failure_.empty()) {
+    // The first error last: a long one is cut at the message limit, not what to do.
     throw Error(ErrorCode::kInvalidArgument,
                 "rank " + std::to_string(rank_) + ": this batch refuses " + name +
-                    ": an earlier call on it threw on this rank (" + failure_ +
-                    "); the other ranks may still be inside that call, and their messages "
-                    "arrive on this transport: expected a new transport and batch");
+                    ": expected a new transport and batch, since an earlier call on it threw on "
+                    "this rank and the other ranks may still be inside that call, their "
+                    "messages arriving on this transport; that call's error: " +
+                    failure_);
   }
   try {
     call();
   } catch (const std::exception& e) {
-    failure_ = e.what();
+    recordFailure(e.what());
     throw;
   } catch (...) {
-    failure_ = "an exception that is not a std::exception";
+    recordFailure("an exception that is not a std::exception");
     throw;
   }
 }
 
+void AttentionBatch::recordFailure(const std::string& message) {
+  if (failure_.empty()) failure_ = message.empty() ? "(an error with no message)" : message;
+}
+
 void AttentionBatch::fail(const std::string& message) {
-  if (failure_.empty()) failure_ = message.empty() ? "(no message)" : message;
+  recordFailure(message);
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 

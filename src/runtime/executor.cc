@@ -1052,7 +1052,8 @@ void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
     throw Error(code, "rank " + std::to_string(transport.rank()) + ": rank " +
                           std::to_string(failed) +
                           " could not plan this batch (its error there, of kind '" +
-                          std::string(errorCodeName(code)) + "', says why), so no rank starts it");
+                          std::string(errorCodeName(code)) +
+                          "', says why): expected a batch every rank can plan");
   }
   const auto largest = static_cast<uint64_t>(values[0]);
   const auto smallest = static_cast<uint64_t>(~values[1]);

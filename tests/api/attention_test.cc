@@ -615,6 +615,32 @@ TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
        "(cost model)"},
       {[](BatchOptions& o) { o.firstTag += 2; }, "(first tag)"},
   };
+  // Every planner setting the planning reads (the rest of PlanConfig is set from the batch).
+  const std::vector<std::function<void(plan::PlanConfig&)>> planner = {
+      [](plan::PlanConfig& c) { c.blockSize = 32; },
+      [](plan::PlanConfig& c) { c.memoryLimitTokens = 1000; },
+      [](plan::PlanConfig& c) { c.memorySlack = 0.2; },
+      [](plan::PlanConfig& c) { c.alpha = 2; },
+      [](plan::PlanConfig& c) { c.beta = 2; },
+      [](plan::PlanConfig& c) { c.improveTarget = 0.01; },
+      [](plan::PlanConfig& c) { c.improveStepsPerBlock = 5; },
+      [](plan::PlanConfig& c) { c.coalesce = 4; },
+      [](plan::PlanConfig& c) { c.bufferDepth = 4; },
+      [](plan::PlanConfig& c) { c.placement = plan::Placement::kLpt; },
+      [](plan::PlanConfig& c) { c.localitySlack = 0.05; },
+      [](plan::PlanConfig& c) { c.commRatio = 1700; },
+      [](plan::PlanConfig& c) { c.locality = false; },
+      [](plan::PlanConfig& c) { c.commBalanceSlack = 0.01; },
+      [](plan::PlanConfig& c) { c.costAwareBlocks = false; },
+  };
+  for (size_t i = 0; i < planner.size(); ++i) {
+    expectErrorOnEveryRank(3, "different batches or settings (planner settings): expected",
+                           [&](Transport& t) {
+                             BatchOptions o = optionsFor(p, t.rank());
+                             if (t.rank() == 2) planner[i](o.planConfig);
+                             AttentionBatch batch(t, o);
+                           });
+  }
   for (const auto& [change, named] : cases) {
     for (const int odd : {1, 2}) {
       expectErrorOnEveryRank(3,
@@ -790,11 +816,12 @@ TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
               ADD_FAILURE() << name << " was not refused";
             } catch (const Error& e) {
               EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-              EXPECT_EQ(std::string(e.what()).find("rank 1: this batch refuses " + name +
-                                                   ": an earlier call on it threw on this rank (" +
-                                                   first),
+              const std::string what = e.what();
+              EXPECT_EQ(what.find("rank 1: this batch refuses " + name +
+                                  ": expected a new transport and batch, since an earlier call"),
                         0u)
-                  << e.what();
+                  << what;
+              EXPECT_NE(what.find("; that call's error: " + first), std::string::npos) << what;
             }
           }
           EXPECT_EQ(batch.failure().find(first), 0u)

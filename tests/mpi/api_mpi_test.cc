@@ -248,7 +248,7 @@ bool oneRanksPlanningFailureStopsEveryRank(MPI_Comm comm) {
   const std::string own = "invalid FCP_PLAN_THREADS '3': expected 1 or 2 planner threads",
                     named = "rank " + std::to_string(rank) + ": rank " + std::to_string(last) +
                             " could not plan this batch (its error there, of kind 'invalid "
-                            "argument', says why), so no rank starts it";
+                            "argument', says why): expected a batch every rank can plan";
   bool passed = true;
   for (const bool ahead : {false, true}) {
     if (rank == last) setenv("FCP_PLAN_THREADS", "3", 1);

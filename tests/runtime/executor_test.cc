@@ -102,7 +102,7 @@ TEST(PlanAgreementTest, ARankThatCouldNotPlanFailsEveryRank) {
           EXPECT_EQ(what, "rank " + std::to_string(t.rank()) + ": rank " + std::to_string(c.named) +
                               " could not plan this batch (its error there, of kind '" +
                               std::string(errorCodeName(c.expected)) +
-                              "', says why), so no rank starts it");
+                              "', says why): expected a batch every rank can plan");
           ++named;
         }
       } catch (const std::bad_alloc&) {

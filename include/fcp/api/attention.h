@@ -191,6 +191,8 @@ class AttentionBatch {
   /// its own error recorded if it throws.
   template <typename Call>
   void collective(const char* name, Call&& call);
+  /// Keeps `message` (or a placeholder for an empty one) as failure() unless there is one.
+  void recordFailure(const std::string& message);
   void dispatchTensor(ConstTensorRef user, TensorRef local);
   void undispatchTensor(ConstTensorRef local, TensorRef user);
 
