@@ -60,6 +60,18 @@ def _describe(x) -> str:
     return text if len(text) <= 60 and "\n" not in text else f"a {type(x).__name__}"
 
 
+def _integers(name: str, xs) -> list:
+    """xs (a sequence, an integer tensor or NumPy array) as a list of ints, else fcp.Error naming
+    the first value that is not one. A tensor or array of an integer dtype converts at once."""
+    if isinstance(xs, torch.Tensor) and xs.dim() == 1 and not xs.dtype.is_floating_point \
+            and not xs.dtype.is_complex and xs.dtype != torch.bool:
+        return xs.tolist()
+    kind = getattr(getattr(xs, "dtype", None), "kind", None)  # a NumPy array's: 'i', 'u', 'f', ...
+    if kind in ("i", "u") and getattr(xs, "ndim", 0) == 1:
+        return [int(x) for x in xs.tolist()]
+    return [_integer(f"{name}[{i}]", x) for i, x in enumerate(xs)]
+
+
 def _integer(name: str, x, low: int = -2 ** 63, high: int = 2 ** 63 - 1) -> int:
     """x as an int when it is one (a Python, NumPy or 0-d integer tensor value) in [low, high],
     else fcp.Error."""
@@ -169,7 +181,7 @@ def _single_process_transport():
 
 def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Tensor:
     """Each token's position inside its sequence, for tokens [begin, end) of the packed stream."""
-    cu_list = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
+    cu_list = _integers("cu_seqlens", cu_seqlens)
     if not cu_list or cu_list[0] != 0:
         raise _fcp.Error(f"cu_seqlens starts {cu_list[:1]}: expected [0, ...]")
     for i in range(1, len(cu_list)):
@@ -201,7 +213,7 @@ class _Settings:
             causal = bool(causal)
         if not isinstance(causal, bool):
             raise _fcp.Error(f"causal is {_describe(causal)}: expected True or False")
-        self.cu_seqlens = [_integer(f"cu_seqlens[{i}]", x) for i, x in enumerate(cu_seqlens)]
+        self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
         if len(local_range) != 2:
             raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
         self.begin, self.end = _integer("local_range[0]", local_range[0]), _integer("local_range[1]", local_range[1])

@@ -337,7 +337,11 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
         with pytest.raises(fcp.Error, match=message):
             ft.Batch(arguments.pop("cu_seqlens"), mine, comm, **arguments)
     # Integer tensors and NumPy integers are integers.
-    assert ft.Batch(torch.tensor(cu, dtype=torch.int32), mine, comm, **options).num_user_tokens == mine[1] - mine[0]
+    import numpy as np
+    for as_given in (torch.tensor(cu, dtype=torch.int32), np.array(cu, dtype=np.int64), np.array(cu, dtype=np.uint32)):
+        assert ft.Batch(as_given, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
+    with pytest.raises(fcp.Error, match=r"cu_seqlens\[0\] is tensor\(0.\): expected an integer"):  # a float tensor
+        ft.Batch(torch.tensor([0, 100.5, 160, 300]), mine, comm, **options)
     with pytest.raises(fcp.Error, match=r"tokens \[250, 320\): expected 0 <= begin <= end <= 300"):
         ft.user_positions(cu, 250, 320)
     with pytest.raises(fcp.Error, match=r"tokens \[-3, 2\)"):
