@@ -234,8 +234,10 @@ PYBIND11_MODULE(_fcp, m) {
       "batch_options",
       [](std::vector<int64_t> cuSeqlens, int64_t begin, int64_t end, int64_t heads, int64_t kvHeads,
          int64_t headDim, bool causal, const std::string& dtype, bool dispatched,
-         const std::string& strategy, int64_t blockSize, int threads, double commRatio) {
+         const std::string& strategy, int64_t blockSize, int threads, double commRatio,
+         const std::string& localError) {
         BatchOptions o;
+        o.localError = localError;
         o.cuSeqlens = std::move(cuSeqlens);
         o.localBegin = begin;
         o.localEnd = end;
@@ -254,7 +256,7 @@ PYBIND11_MODULE(_fcp, m) {
       py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"), py::arg("heads"),
       py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"), py::arg("dtype"),
       py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"), py::arg("threads"),
-      py::arg("comm_ratio"));
+      py::arg("comm_ratio"), py::arg("local_error") = "");
 
   // Planned on a thread of its own (collective checks first); AttentionBatch(pending) waits.
   py::class_<PendingBatch>(m, "PendingBatch")

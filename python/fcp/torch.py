@@ -199,20 +199,38 @@ def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Ten
 
 
 class _Settings:
-    """A batch's arguments, checked, and the options FCP plans it from."""
+    """A batch's arguments, checked, and the options FCP plans it from. A check that fails here
+    fails on this rank only, while the others go on into the batch's agreement: so its message
+    goes into the options (local_error), and the agreement makes every rank raise together,
+    this one with its own message. Only a timeout FCP cannot make a transport with raises here."""
 
     def __init__(self, cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
                  strategy, block_size, threads, comm_ratio, timeout_seconds):
-        if dtype not in _DTYPES:
-            raise _fcp.Error(f"dtype {dtype} is not supported: expected torch.float32 or torch.bfloat16")
         if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds <= 86400):
             raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
+        self.transport = _transport(group, timeout_seconds)
+        try:
+            options = self._check(cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
+                                  block_size, threads, comm_ratio)
+            local_error = ""
+        except _fcp.Error as e:
+            # Anything valid: the agreement fails on every rank before it is read.
+            options, local_error = ([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0), str(e)
+        self.options = _fcp.batch_options(*options, local_error=local_error)
+
+    def _check(self, cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
+               block_size, threads, comm_ratio):
+        """The arguments checked, as batch_options takes them; sets this object's fields."""
+        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+            raise _fcp.Error(f"dtype {_describe(dtype)} is not supported: expected torch.float32 or torch.bfloat16")
         if layout not in ("transparent", "dispatched"):
-            raise _fcp.Error(f"layout '{layout}' is not supported: expected transparent or dispatched")
+            raise _fcp.Error(f"layout {_describe(layout)} is not supported: expected transparent or dispatched")
         if type(causal).__name__ == "bool_":  # a NumPy bool
             causal = bool(causal)
         if not isinstance(causal, bool):
             raise _fcp.Error(f"causal is {_describe(causal)}: expected True or False")
+        if not isinstance(strategy, str):
+            raise _fcp.Error(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
         self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
         if len(local_range) != 2:
             raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
@@ -223,12 +241,14 @@ class _Settings:
         # FCP checks the thread count on every rank alike; here only that it fits in a C int.
         if not -2 ** 31 <= threads < 2 ** 31:
             raise _fcp.Error(f"thread count {threads}: expected 1 to {_fcp.max_kernel_threads}")
+        try:
+            comm_ratio = float(comm_ratio)
+        except (TypeError, ValueError):
+            raise _fcp.Error(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
         self.dtype = dtype
         self.layout = layout
-        self.transport = _transport(group, timeout_seconds)
-        self.options = _fcp.batch_options(self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads,
-                                          self.head_dim, causal, _DTYPES[dtype], layout == "dispatched",
-                                          strategy, block_size, threads, float(comm_ratio))
+        return (self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads, self.head_dim, causal,
+                _DTYPES[dtype], layout == "dispatched", strategy, block_size, threads, comm_ratio)
 
 
 class Batch:

@@ -150,16 +150,25 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // Two collectives before any check, so that every rank learns the same facts and a bad
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
   const std::array<int64_t, kSettings> hashes = settingHashes(o);
-  std::array<int64_t, 2 * kSettings> same;  // each hash and its negation: max and -min at once
+  // Each hash and its negation (max and -min at once), then the lowest rank whose binding
+  // refused its arguments (as ranks - rank; 0 for none).
+  std::array<int64_t, 2 * kSettings + 1> same;
   for (size_t i = 0; i < kSettings; ++i) {
     same[i] = hashes[i];
     same[kSettings + i] = -hashes[i];
   }
+  same[2 * kSettings] = o.localError.empty() ? 0 : ranks - rank;
   transport.allreduce(same, runtime::ReduceOp::kMax);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
   transport.allreduce(ranges, runtime::ReduceOp::kSum);
+  if (!o.localError.empty()) throw Error(ErrorCode::kInvalidArgument, o.localError);
+  if (same[2 * kSettings] > 0) {
+    throwInvalidArgument("rank ", rank, ": rank ", ranks - same[2 * kSettings],
+                         "'s arguments were refused there (its own error says why): expected "
+                         "valid arguments on every rank");
+  }
   std::string differ;
   for (size_t i = 0; i < kSettings; ++i) {
     if (same[i] == -same[kSettings + i]) continue;

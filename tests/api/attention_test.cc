@@ -591,6 +591,45 @@ TEST(AttentionBatchErrorTest, RanksWithDifferentBatches) {
   }
 }
 
+// A binding that refused this rank's arguments (BatchOptions::localError) fails every rank in
+// the agreement: that rank with its own message, the others naming the lowest such rank.
+TEST(AttentionBatchErrorTest, ArgumentsABindingRefusedOnOneRankFailEveryRank) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 50, 100, 160};
+  for (const bool ahead : {false, true}) {
+    std::atomic<int> own = 0, named = 0;
+    runtime::testing::runRanks(3, [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      if (t.rank() >= 1) {
+        o.localError = "heads is 4.9: expected an integer (rank " + std::to_string(t.rank()) + ")";
+        o.numHeadsQ = 1;  // what a binding may leave in the other fields
+      }
+      try {
+        if (ahead) {
+          PendingBatch pending(t, o);
+        } else {
+          AttentionBatch batch(t, o);
+        }
+        ADD_FAILURE() << "rank " << t.rank() << " did not throw";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        if (t.rank() >= 1) {
+          EXPECT_EQ(std::string(e.what()), o.localError);
+          ++own;
+        } else {
+          EXPECT_EQ(std::string(e.what()),
+                    "rank 0: rank 1's arguments were refused there (its own error says why): "
+                    "expected valid arguments on every rank");
+          ++named;
+        }
+      }
+    });
+    EXPECT_EQ(own.load(), 2);
+    EXPECT_EQ(named.load(), 1);
+  }
+}
+
 // The settings that differ are named, in a fixed order, whichever rank's differ.
 TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
   Problem p;

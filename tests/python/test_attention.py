@@ -10,6 +10,7 @@ Run under a launcher, every rank running pytest in step (each test is collective
         -> an mpi4py communicator
 """
 import os
+import time
 
 import pytest
 import torch
@@ -377,3 +378,26 @@ def test_a_groups_transport_takes_each_batchs_timeout(group):
     assert keep.timeout.total_seconds() == 45
     ft.Batch(cu, mine, comm, **options)
     assert keep.timeout.total_seconds() == 300
+
+
+def test_one_ranks_bad_argument_fails_every_rank(group):
+    """An argument fcp.torch refuses on one rank only (heads=4.9, dtype float16) raises on every
+    rank, in Batch and PendingBatch, within seconds (not at the timeout): that rank its own
+    error, the others one naming it. A good batch follows on the same group."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160, 300]
+    starts = split(300, ranks, 8)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64)
+    last = ranks - 1
+    for bad, own in ((dict(heads=4.9), "heads is 4.9: expected an integer"),
+                     (dict(dtype=torch.float16), "dtype torch.float16 is not supported")):
+        for make in (ft.Batch, lambda *a, **k: ft.PendingBatch(*a, **k).batch()):
+            arguments = dict(options, **bad) if rank == last else options
+            expected = own if rank == last else (
+                r"rank %d: rank %d's arguments were refused there \(its own error says why\)" % (rank, last))
+            start = time.perf_counter()
+            with pytest.raises(fcp.Error, match=expected):
+                make(cu, mine, comm, **arguments)
+            assert time.perf_counter() - start < 30
+    assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]

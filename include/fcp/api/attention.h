@@ -95,6 +95,11 @@ struct BatchOptions {
   runtime::Timeline* timeline = nullptr;
   /// First tag of FCP's messages (runtime::kFirstFcpTag; see transport.h).
   int firstTag = runtime::kFirstFcpTag;
+  /// Set by a binding whose own checks of this rank's arguments failed, to their one-line
+  /// message (the other fields may then hold anything valid). The batch then fails on every
+  /// rank in the agreement, this rank with this message and the others naming it, rather than
+  /// on this rank alone before it, which would leave the others waiting in the agreement.
+  std::string localError;
 };
 
 /// A batch whose plan is being made on a thread of its own, so that a training loop can plan
