@@ -38,6 +38,7 @@ import datetime
 import math
 import operator
 import time
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -159,11 +160,13 @@ def _transport(group, timeout_seconds: float):
     if group is None:
         if not dist.is_initialized():
             return _single_process_transport()  # not cached: a process group may be initialised later
-        key, slot = dist.distributed_c10d._get_default_group(), "default"
+        # Held weakly: destroy_process_group must be able to free the group (a default group kept
+        # alive here until the interpreter's exit was freed there, and the process could abort).
+        key, slot = weakref.ref(dist.distributed_c10d._get_default_group()), "default"
     else:
         key, slot = group, id(group)
     cached = _transports.get(slot)
-    if cached is not None and cached[0] is key:
+    if cached is not None and (cached[0]() is key() if slot == "default" else cached[0] is key):
         cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
         return cached[1]
     keep = _GroupTransport(group, timeout_seconds)
