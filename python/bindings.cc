@@ -111,8 +111,6 @@ class CallbackTransport final : public runtime::Transport {
     return false;
   }
 
-  bool abandoned() const { return withdrew_; }
-
   [[noreturn]] void abort(int exitCode) noexcept override {
     std::fflush(stdout);
     std::fflush(stderr);
@@ -208,16 +206,6 @@ PYBIND11_MODULE(_fcp, m) {
       },
       py::arg("rank"), py::arg("size"), py::arg("isend"), py::arg("irecv"), py::arg("test"),
       py::arg("wait"), py::arg("allreduce"), py::arg("timeout_seconds"));
-
-  // Whether a callback transport gave up on its messages after an error (it then refuses new
-  // ones, and fcp.torch makes a new transport for a new process group); false for others.
-  m.def(
-      "transport_abandoned",
-      [](const std::shared_ptr<runtime::Transport>& t) {
-        const auto* callback = dynamic_cast<const CallbackTransport*>(t.get());
-        return callback != nullptr && callback->abandoned();
-      },
-      py::arg("transport"));
 
   m.def(
       "mpi_transport",

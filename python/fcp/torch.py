@@ -73,9 +73,9 @@ def _integers(name: str, xs) -> list:
     return [_integer(f"{name}[{i}]", x) for i, x in enumerate(xs)]
 
 
-def _integer(name: str, x, low: int = -2 ** 63, high: int = 2 ** 63 - 1) -> int:
-    """x as an int when it is one (a Python, NumPy or 0-d integer tensor value) in [low, high],
-    else fcp.Error."""
+def _integer(name: str, x) -> int:
+    """x as an int when it is one (a Python, NumPy or 0-d integer tensor value) that fits in 64
+    bits, else fcp.Error."""
     is_bool = isinstance(x, bool) or type(x).__name__ == "bool_" or (
         isinstance(x, torch.Tensor) and x.dtype == torch.bool)
     try:
@@ -84,8 +84,8 @@ def _integer(name: str, x, low: int = -2 ** 63, high: int = 2 ** 63 - 1) -> int:
         value = None
     if value is None:
         raise _fcp.Error(f"{name} is {_describe(x)}: expected an integer")
-    if not low <= value <= high:
-        raise _fcp.Error(f"{name} is {value}: expected {low} to {high}")
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise _fcp.Error(f"{name} is {value}: expected {-2 ** 63} to {2 ** 63 - 1}")
     return value
 
 
@@ -111,11 +111,11 @@ class _GroupTransport:
             self.peers = [get(group, r) for r in range(size)]
         self._rank, self._size = rank, size
 
-    def make_impl(self, timeout_seconds: float):
+    def make_impl(self):
         """The C++ transport over this object's methods. It holds them (and so this object); this
         object does not hold it, so dropping the transport frees both."""
         return _fcp.callback_transport(self._rank, self._size, self._isend, self._irecv, self._test, self._wait,
-                                       self._allreduce, timeout_seconds)
+                                       self._allreduce, self.timeout.total_seconds())
 
     def _isend(self, peer, tag, address, nbytes):
         return dist.isend(_bytes_at(address, nbytes), dst=self.peers[peer], group=self.group, tag=tag)
@@ -170,7 +170,7 @@ def _transport(group, timeout_seconds: float):
         cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
         return cached[1]
     keep = _GroupTransport(group, timeout_seconds)
-    impl = keep.make_impl(timeout_seconds)
+    impl = keep.make_impl()
     _transports[slot] = (key, impl, keep, timeout_seconds)
     return impl
 

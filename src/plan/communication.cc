@@ -930,26 +930,31 @@ void validateCommunication(const Plan& plan, Violations& v) {
     };
     std::vector<When> at(numT);
     std::vector<int32_t> computedAt(plan.pairs.size(), -1);
-    // Records that `id` (of `limit`) happens at `stage` in `when`; false, with a sentence, when
-    // it is out of range or happened before.
-    auto mark = [&](int32_t* when, int32_t id, size_t limit, int64_t stage, const char* what,
+    // Records that `id`, of `limit` ids, happens at `stage` in the slot `slotOf(id)` gives;
+    // false, with a sentence, when the id is out of range (no slot is read) or happened before.
+    auto mark = [&](auto&& slotOf, int32_t id, size_t limit, int64_t stage, const char* what,
                     int64_t worker) {
       if (id < 0 || static_cast<size_t>(id) >= limit) {
         found.add(pass, " worker ", worker, " stage ", stage, " names ", what, " ", id,
                   " out of range");
         return false;
       }
-      if (*when >= 0) {
+      int32_t& when = slotOf(static_cast<size_t>(id));
+      if (when >= 0) {
         found.add(pass, ": ", what, " ", id, " happens twice");
         return false;
       }
-      *when = static_cast<int32_t>(stage);
+      when = static_cast<int32_t>(stage);
       return true;
     };
-    // The field of transfer t's When, or a dummy for an id out of range (mark refuses it).
-    When outOfRange;
-    const auto whenOf = [&](int32_t t) -> When& {
-      return t >= 0 && static_cast<size_t>(t) < numT ? at[static_cast<size_t>(t)] : outOfRange;
+    // mark() of a transfer's field of When, and of a pair's computedAt.
+    const auto markTransfer = [&](int32_t When::*field, int32_t t, int64_t stage, const char* what,
+                                  int64_t worker) {
+      return mark([&](size_t i) -> int32_t& { return at[i].*field; }, t, numT, stage, what, worker);
+    };
+    const auto markPair = [&](int32_t p, int64_t stage, int64_t worker) {
+      return mark([&](size_t i) -> int32_t& { return computedAt[i]; }, p, plan.pairs.size(), stage,
+                  "pair", worker);
     };
     for (int64_t w = 0; w < n; ++w) {
       int64_t held = 0;
@@ -968,13 +973,13 @@ void validateCommunication(const Plan& plan, Violations& v) {
                     " blocks one way");
         }
         for (int32_t t : st.send) {
-          if (mark(&whenOf(t).sent, t, numT, s, "send of transfer", w) &&
+          if (markTransfer(&When::sent, t, s, "send of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
             found.add(pass, ": worker ", w, " sends transfer ", t, " meant to come from another");
           }
         }
         for (int32_t t : st.recv) {
-          if (mark(&whenOf(t).recv, t, numT, s, "receive of transfer", w) &&
+          if (markTransfer(&When::recv, t, s, "receive of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].receiver != w) {
             found.add(pass, ": worker ", w, " receives transfer ", t, " meant for another");
           }
@@ -987,12 +992,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
                     plan.config.coalesce);
         }
         for (int32_t p : st.compute) {
-          int32_t unused = -1;
-          const bool inRange = p >= 0 && static_cast<size_t>(p) < plan.pairs.size();
-          if (!mark(inRange ? &computedAt[static_cast<size_t>(p)] : &unused, p, plan.pairs.size(),
-                    s, "pair", w)) {
-            continue;
-          }
+          if (!markPair(p, s, w)) continue;
           const BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
           if (plan.owner[static_cast<size_t>(pair.qBlock)] != w) {
             found.add(pass, ": worker ", w, " computes pair ", p, " whose Q block it does not own");
@@ -1010,7 +1010,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
           tw->lastUse = static_cast<int32_t>(s);
         }
         for (int32_t t : st.release) {
-          if (!mark(&whenOf(t).released, t, numT, s, "release of transfer", w)) continue;
+          if (!markTransfer(&When::released, t, s, "release of transfer", w)) continue;
           const auto ts = static_cast<size_t>(t);
           if (plan.transfers[ts].receiver != w || at[ts].recv < 0 || at[ts].recv > s) {
             found.add(pass, ": worker ", w, " frees the buffer of transfer ", t,
@@ -1020,7 +1020,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
           --held;
         }
         for (int32_t t : st.sendGrad) {
-          if (mark(&whenOf(t).gradSent, t, numT, s, "dK/dV partial of transfer", w) &&
+          if (markTransfer(&When::gradSent, t, s, "dK/dV partial of transfer", w) &&
               (plan.transfers[static_cast<size_t>(t)].receiver != w ||
                at[static_cast<size_t>(t)].lastUse < 0 || at[static_cast<size_t>(t)].lastUse >= s)) {
             found.add(pass, ": worker ", w, " sends the dK/dV partial of transfer ", t,
@@ -1028,7 +1028,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
           }
         }
         for (int32_t t : st.recvGrad) {
-          if (mark(&whenOf(t).gradRecv, t, numT, s, "dK/dV return of transfer", w) &&
+          if (markTransfer(&When::gradRecv, t, s, "dK/dV return of transfer", w) &&
               plan.transfers[static_cast<size_t>(t)].sender != w) {
             found.add(pass, ": worker ", w,
                       " receives a dK/dV partial of a transfer it did not send");
