@@ -12,6 +12,7 @@ namespace fcp::baselines::detail {
 
 using plan::Plan;
 using plan::Stage;
+using plan::StageIds;
 using plan::Transfer;
 
 void checkBaselineConfig(const Batch& batch, const plan::PlanConfig& config) {
@@ -121,7 +122,7 @@ PairsByTransfer groupPairs(const Plan& p) {
   return g;
 }
 
-Stage& stageAt(std::vector<Stage>& stages, int64_t s) {
+StageIds& stageAt(std::vector<StageIds>& stages, int64_t s) {
   if (static_cast<int64_t>(stages.size()) <= s) stages.resize(static_cast<size_t>(s) + 1);
   return stages[static_cast<size_t>(s)];
 }
@@ -177,7 +178,8 @@ void scheduleRings(Plan& p, const std::vector<std::vector<int32_t>>& rings) {
   // Forward: transfer t moves in stage round(t), is used in round(t) + 1 and freed once it
   // has also been relayed.
   const PairsByTransfer need = groupPairs(p);
-  std::vector<std::vector<Stage>> forward(n, std::vector<Stage>(static_cast<size_t>(numRounds) + 1));
+  std::vector<std::vector<StageIds>> forward(
+      n, std::vector<StageIds>(static_cast<size_t>(numRounds) + 1));
   for (size_t w = 0; w < n; ++w) forward[w][0].compute = need.local[w];
   for (size_t t = 0; t < p.transfers.size(); ++t) {
     const Transfer& tr = p.transfers[t];
@@ -192,7 +194,7 @@ void scheduleRings(Plan& p, const std::vector<std::vector<int32_t>>& rings) {
     mine[static_cast<size_t>(freeAt)].release.push_back(id);
   }
   for (auto& stages : forward) {
-    for (Stage& s : stages) std::sort(s.compute.begin(), s.compute.end());
+    for (StageIds& s : stages) std::sort(s.compute.begin(), s.compute.end());
   }
 
   // Backward: partials unwind the chain from its end.
@@ -212,7 +214,7 @@ void scheduleRings(Plan& p, const std::vector<std::vector<int32_t>>& rings) {
                                     after >= 0 ? gradAt[static_cast<size_t>(after)] + 1 : 0);
     }
   }
-  std::vector<std::vector<Stage>> backward = forward;
+  std::vector<std::vector<StageIds>> backward = forward;
   for (size_t t = 0; t < p.transfers.size(); ++t) {
     const Transfer& tr = p.transfers[t];
     const auto id = static_cast<int32_t>(t);
@@ -223,8 +225,8 @@ void scheduleRings(Plan& p, const std::vector<std::vector<int32_t>>& rings) {
   for (const auto& s : backward) stages = std::max(stages, s.size());
   for (auto& s : backward) s.resize(stages);
 
-  p.forward = std::move(forward);
-  p.backward = std::move(backward);
+  p.forward = plan::Stages(forward);
+  p.backward = plan::Stages(backward);
   finishLayout(p);
   fitLimits(p);
 }

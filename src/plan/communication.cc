@@ -104,15 +104,6 @@ PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
   return g;
 }
 
-/// Local pairs: the first half opens the pipeline, the second closes it.
-void placeLocalPairs(const int32_t* first, const int32_t* last, std::vector<Stage>& stages) {
-  const auto firstHalf = (last - first + 1) / 2;
-  auto& open = stages.front().compute;
-  open.insert(open.begin(), first, first + firstHalf);
-  auto& close = stages.back().compute;
-  close.insert(close.end(), first + firstHalf, last);
-}
-
 }  // namespace
 
 std::vector<int64_t> userLayoutStarts(int64_t numTokens, int64_t numWorkers) {
@@ -381,72 +372,96 @@ struct StageInputs {
   size_t needs(size_t key) const { return static_cast<size_t>(need.end(key) - need.begin(key)); }
 };
 
-/// Worker w's forward stages: each list sized first, so each is allocated once, then filled
-/// in transfer order (ascending ids within each list).
-std::vector<Stage> forwardStages(const StageInputs& in, size_t w) {
-  const auto n = static_cast<size_t>(in.plan.config.numWorkers);
-  const size_t numStages = in.fwdStages;
-  const TransfersByWorker& out = in.sent;
-  const TransfersByWorker& into = in.received;
-  std::vector<size_t> sends(numStages, 0), recvs(numStages, 0), computes(numStages, 0);
-  for (size_t i = out.begin(w); i < out.end(w); ++i) ++sends[static_cast<size_t>(out.group[i])];
-  for (size_t i = into.begin(w); i < into.end(w); ++i) {
-    const auto g = static_cast<size_t>(into.group[i]);
-    ++recvs[g];
-    computes[g + in.lag] += in.needs(n + i);
-  }
-  const size_t local = in.needs(w);
-  computes[0] += (local + 1) / 2;
-  computes[numStages - 1] += local / 2;
-  std::vector<Stage> stages(numStages);
-  for (size_t st = 0; st < numStages; ++st) {
-    Stage& stage = stages[st];
-    stage.send.reserve(sends[st]);
-    stage.recv.reserve(recvs[st]);
-    stage.release.reserve(st >= in.lag ? recvs[st - in.lag] : 0);
-    stage.compute.reserve(computes[st]);
-  }
-  for (size_t i = out.begin(w); i < out.end(w); ++i)
-    stages[static_cast<size_t>(out.group[i])].send.push_back(out.ids[i]);
-  for (size_t i = into.begin(w); i < into.end(w); ++i) {
-    const auto g = static_cast<size_t>(into.group[i]);
-    stages[g].recv.push_back(into.ids[i]);
-    Stage& use = stages[g + in.lag];
-    use.compute.insert(use.compute.end(), in.need.begin(n + i), in.need.end(n + i));
-    use.release.push_back(into.ids[i]);
-  }
-  placeLocalPairs(in.need.begin(w), in.need.end(w), stages);
-  return stages;
-}
+/// Sizes and fills one worker's lists in both passes (Stages' second constructor).
+/// Forward: a transfer is sent and received in its group's stage; its pairs are computed, and
+/// its buffer released, `lag` stages later; the local pairs are split, the first half opening
+/// stage 0 (which receives nothing to compute, lag >= 1) and the second closing the last
+/// stage. Backward: the forward stages plus one, in which the last group's dK/dV partials go
+/// home; the local pairs that closed the forward pipeline move to that last stage, to hide
+/// those returns; a partial goes back `lag + 1` stages after its transfer. Every list is in
+/// transfer order (ascending ids), the local pairs in their order.
+struct WorkerLists {
+  const StageInputs& in;
+  size_t bwdStages;
 
-/// Worker w's backward stages: the forward ones plus one, in which the last group's dK/dV
-/// partials go home; the local pairs that close the pipeline move to that last stage, to hide
-/// those returns.
-std::vector<Stage> backwardStages(const StageInputs& in, size_t w,
-                                  const std::vector<Stage>& forward) {
-  if (in.groups == 0) return forward;
-  std::vector<Stage> stages;
-  stages.reserve(forward.size() + 1);
-  stages.assign(forward.begin(), forward.end());
-  stages.emplace_back();
-  const size_t local = in.needs(w);
-  auto& closing = stages[in.fwdStages - 1].compute;
-  closing.resize(closing.size() - local / 2);
-  stages.back().compute.assign(in.need.begin(w) + (local + 1) / 2, in.need.end(w));
-  // A partial goes back `lag + 1` stages after its transfer: the lists are sized from the
-  // forward stages' receives and sends.
-  for (size_t st = in.lag + 1; st < stages.size(); ++st) {
-    stages[st].sendGrad.reserve(forward[st - in.lag - 1].recv.size());
-    stages[st].recvGrad.reserve(forward[st - in.lag - 1].send.size());
+  /// Worker w's list sizes: forward at fwd[s * kStageLists + list], backward likewise.
+  void size(size_t w, int64_t* fwd, int64_t* bwd) const {
+    const auto n = static_cast<size_t>(in.plan.config.numWorkers);
+    const auto at = [](int64_t* base, size_t s, StageList list) -> int64_t& {
+      return base[s * kStageLists + static_cast<size_t>(list)];
+    };
+    const TransfersByWorker& out = in.sent;
+    const TransfersByWorker& into = in.received;
+    for (size_t i = out.begin(w); i < out.end(w); ++i)
+      ++at(fwd, static_cast<size_t>(out.group[i]), StageList::kSend);
+    for (size_t i = into.begin(w); i < into.end(w); ++i) {
+      const auto g = static_cast<size_t>(into.group[i]);
+      ++at(fwd, g, StageList::kRecv);
+      at(fwd, g + in.lag, StageList::kCompute) += static_cast<int64_t>(in.needs(n + i));
+      ++at(fwd, g + in.lag, StageList::kRelease);
+    }
+    const auto local = static_cast<int64_t>(in.needs(w));
+    at(fwd, 0, StageList::kCompute) += (local + 1) / 2;
+    at(fwd, in.fwdStages - 1, StageList::kCompute) += local / 2;
+    std::copy(fwd, fwd + in.fwdStages * kStageLists, bwd);
+    if (in.groups == 0) return;  // nothing received: the backward stages are the forward ones
+    at(bwd, in.fwdStages - 1, StageList::kCompute) -= local / 2;
+    at(bwd, in.fwdStages, StageList::kCompute) = local / 2;
+    for (size_t i = into.begin(w); i < into.end(w); ++i)
+      ++at(bwd, static_cast<size_t>(into.group[i]) + in.lag + 1, StageList::kSendGrad);
+    for (size_t i = out.begin(w); i < out.end(w); ++i)
+      ++at(bwd, static_cast<size_t>(out.group[i]) + in.lag + 1, StageList::kRecvGrad);
   }
-  const TransfersByWorker& out = in.sent;
-  const TransfersByWorker& into = in.received;
-  for (size_t i = into.begin(w); i < into.end(w); ++i)
-    stages[static_cast<size_t>(into.group[i]) + in.lag + 1].sendGrad.push_back(into.ids[i]);
-  for (size_t i = out.begin(w); i < out.end(w); ++i)
-    stages[static_cast<size_t>(out.group[i]) + in.lag + 1].recvGrad.push_back(out.ids[i]);
-  return stages;
-}
+
+  /// Fills worker w's lists, sized by size(); `cursor` is scratch of bwdStages * kStageLists.
+  void fill(size_t w, Stages& forward, Stages& backward, std::vector<int32_t*>& cursor) const {
+    const auto n = static_cast<size_t>(in.plan.config.numWorkers);
+    const auto listAt = [&](size_t s, StageList list) -> int32_t*& {
+      return cursor[s * kStageLists + static_cast<size_t>(list)];
+    };
+    for (size_t s = 0; s < in.fwdStages; ++s)
+      for (size_t l = 0; l < kStageLists; ++l)
+        listAt(s, StageList(l)) = forward.fill(w, s, StageList(l)).data();
+    const TransfersByWorker& out = in.sent;
+    const TransfersByWorker& into = in.received;
+    const int32_t* local = in.need.begin(w);
+    const auto numLocal = static_cast<size_t>(in.need.end(w) - local);
+    const size_t opening = (numLocal + 1) / 2;
+    int32_t*& open = listAt(0, StageList::kCompute);
+    open = std::copy(local, local + opening, open);
+    for (size_t i = out.begin(w); i < out.end(w); ++i)
+      *listAt(static_cast<size_t>(out.group[i]), StageList::kSend)++ = out.ids[i];
+    for (size_t i = into.begin(w); i < into.end(w); ++i) {
+      const auto g = static_cast<size_t>(into.group[i]);
+      *listAt(g, StageList::kRecv)++ = into.ids[i];
+      int32_t*& use = listAt(g + in.lag, StageList::kCompute);
+      use = std::copy(in.need.begin(n + i), in.need.end(n + i), use);
+      *listAt(g + in.lag, StageList::kRelease)++ = into.ids[i];
+    }
+    int32_t*& close = listAt(in.fwdStages - 1, StageList::kCompute);
+    close = std::copy(local + opening, local + numLocal, close);
+    // Backward: each forward list's first part (all of it but the closing stage's local pairs).
+    for (size_t s = 0; s < in.fwdStages; ++s) {
+      for (size_t l = 0; l < kStageLists; ++l) {
+        const std::span<int32_t> to = backward.fill(w, s, StageList(l));
+        const std::span<int32_t> from = forward.fill(w, s, StageList(l));
+        std::copy(from.begin(), from.begin() + static_cast<std::ptrdiff_t>(to.size()), to.begin());
+      }
+    }
+    if (in.groups == 0) return;
+    const std::span<int32_t> last = backward.fill(w, in.fwdStages, StageList::kCompute);
+    std::copy(local + opening, local + numLocal, last.begin());
+    for (size_t s = in.lag + 1; s < bwdStages; ++s) {
+      listAt(s, StageList::kSendGrad) = backward.fill(w, s, StageList::kSendGrad).data();
+      listAt(s, StageList::kRecvGrad) = backward.fill(w, s, StageList::kRecvGrad).data();
+    }
+    for (size_t i = into.begin(w); i < into.end(w); ++i)
+      *listAt(static_cast<size_t>(into.group[i]) + in.lag + 1, StageList::kSendGrad)++ =
+          into.ids[i];
+    for (size_t i = out.begin(w); i < out.end(w); ++i)
+      *listAt(static_cast<size_t>(out.group[i]) + in.lag + 1, StageList::kRecvGrad)++ = out.ids[i];
+  }
+};
 
 }  // namespace
 
@@ -476,17 +491,30 @@ void buildStages(Plan& plan, StagePrep prep) {
                        std::move(prep.sent),
                        std::move(prep.received),
                        std::move(prep.need)};
-  std::vector<std::vector<Stage>> forward(n), backward(n);
-  const auto fill = [&](size_t first, size_t last) {
-    for (size_t w = first; w < last; ++w) {
-      forward[w] = forwardStages(in, w);
-      backward[w] = backwardStages(in, w, forward[w]);
-    }
-  };
-  // Workers' stages are independent: two halves on two threads for large plans.
+  const size_t fwd = in.fwdStages, bwd = groups > 0 ? fwd + 1 : fwd;
+  const WorkerLists lists{in, bwd};
+  // All lists sized first, then filled in place: one allocation per pass.
+  std::vector<int64_t> fwdSizes(n * fwd * kStageLists, 0), bwdSizes(n * bwd * kStageLists, 0);
+  const bool parallel = detail::worthParallel(static_cast<int64_t>(plan.pairs.size()));
   detail::runBoth(
-      detail::worthParallel(static_cast<int64_t>(plan.pairs.size())), [&] { fill(0, n / 2); },
-      [&] { fill(n / 2, n); });
+      parallel,
+      [&] {
+        for (size_t w = 0; w < n / 2; ++w)
+          lists.size(w, &fwdSizes[w * fwd * kStageLists], &bwdSizes[w * bwd * kStageLists]);
+      },
+      [&] {
+        for (size_t w = n / 2; w < n; ++w)
+          lists.size(w, &fwdSizes[w * fwd * kStageLists], &bwdSizes[w * bwd * kStageLists]);
+      });
+  Stages forward(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), fwdSizes);
+  Stages backward(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), bwdSizes);
+  // Workers' lists are independent: two halves on two threads for large plans.
+  const auto fill = [&](size_t first, size_t last) {
+    std::vector<int32_t*> cursor(bwd * kStageLists);
+    for (size_t w = first; w < last; ++w) lists.fill(w, forward, backward, cursor);
+  };
+  detail::runBoth(
+      parallel, [&] { fill(0, n / 2); }, [&] { fill(n / 2, n); });
   plan.forward = std::move(forward);
   plan.backward = std::move(backward);
 }
@@ -559,8 +587,7 @@ namespace {
 /// ends. A node's entry is the end of the node before it at its worker, or 0 for a first
 /// stage: node `zero` (= count), a sentinel whose end stays 0.
 struct StageNodes {
-  explicit StageNodes(const std::vector<std::vector<Stage>>& stages)
-      : first(stages.size() + 1, 0) {
+  explicit StageNodes(const Stages& stages) : first(stages.size() + 1, 0) {
     for (size_t w = 0; w < stages.size(); ++w) first[w + 1] = first[w] + stages[w].size();
     count = zero = first.back();
   }
@@ -581,8 +608,8 @@ struct StageEnd {
 
 namespace detail {
 
-double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& stages,
-                      double computeFactor, double costPerByte, double gradPerKvByte) {
+double linkedPassSpan(const Plan& plan, const Stages& stages, double computeFactor,
+                      double costPerByte, double gradPerKvByte) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   FCP_CHECK_EQ(stages.size(), n);
   const StageNodes nodes(stages);
@@ -607,7 +634,7 @@ double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& s
                   s, " names pair ", p, " of ", plan.pairs.size());
         compute += plan.pairs[static_cast<size_t>(p)].cost;
       }
-      const auto note = [&](const std::vector<int32_t>& ids, size_t kind, double scale,
+      const auto note = [&](std::span<const int32_t> ids, size_t kind, double scale,
                             double& bytes) {
         for (int32_t t : ids) {
           FCP_CHECK(t >= 0 && static_cast<size_t>(t) < numTransfers, "worker ", w, " stage ", s,
@@ -647,7 +674,7 @@ double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& s
       const Stage& st = stages[w][s];
       const size_t x = first[w] + s;
       double e = end[s == 0 ? zero : x - 1] + duration[x];
-      const auto wait = [&](const std::vector<int32_t>& ids, size_t otherKind) {
+      const auto wait = [&](std::span<const int32_t> ids, size_t otherKind) {
         for (int32_t t : ids)
           e = std::max(e, end[ends[otherKind * numTransfers + static_cast<size_t>(t)].entry]);
       };

@@ -136,8 +136,8 @@ double linkedStepTime(const Plan& plan, double costPerByte);
 /// `costPerByte` times the bytes it sends or receives, the partials at `gradPerKvByte` times
 /// their transfer's bytes; a stage waits for the stage before it and for the other end of
 /// each transfer it holds to be entered, as pipelineSpan. The last stage's end.
-double linkedPassSpan(const Plan& plan, const std::vector<std::vector<Stage>>& stages,
-                      double computeFactor, double costPerByte, double gradPerKvByte);
+double linkedPassSpan(const Plan& plan, const Stages& stages, double computeFactor,
+                      double costPerByte, double gradPerKvByte);
 
 /// Appends the communication invariants' violations (see validate).
 void validateCommunication(const Plan& plan, Violations& v);

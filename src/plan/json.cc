@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <type_traits>
 
 #include "fcp/core/error.h"
@@ -127,22 +128,26 @@ PlanConfig configFromJson(const json& j) {
 }
 
 /// A pass's stages: [worker][stage] -> [send, recv, compute, release, sendGrad, recvGrad].
-json stagesToJson(const std::vector<std::vector<Stage>>& stages) {
+json stagesToJson(const Stages& stages) {
   json workers = json::array();
   for (const auto& ws : stages) {
     json list = json::array();
-    for (const Stage& st : ws) {
-      list.push_back({st.send, st.recv, st.compute, st.release, st.sendGrad, st.recvGrad});
+    for (const Stage st : ws) {
+      const auto ids = [](std::span<const int32_t> v) {
+        return json(std::vector<int32_t>(v.begin(), v.end()));
+      };
+      list.push_back({ids(st.send), ids(st.recv), ids(st.compute), ids(st.release),
+                      ids(st.sendGrad), ids(st.recvGrad)});
     }
     workers.push_back(std::move(list));
   }
   return workers;
 }
 
-std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
-  std::vector<std::vector<Stage>> stages;
+Stages stagesFromJson(const json& j) {
+  std::vector<std::vector<StageIds>> stages;
   for (const json& ws : j) {
-    std::vector<Stage> list;
+    std::vector<StageIds> list;
     for (const json& st : ws) {
       const char* what = "stage id";
       list.push_back({integers<int32_t>(st.at(0), what), integers<int32_t>(st.at(1), what),
@@ -151,7 +156,7 @@ std::vector<std::vector<Stage>> stagesFromJson(const json& j) {
     }
     stages.push_back(std::move(list));
   }
-  return stages;
+  return Stages(stages);
 }
 
 /// Everything planToJson writes but the arrays that grow with the batch (its sequences, blocks,
@@ -201,12 +206,12 @@ class WordHash {
     for (const char c : text) add(static_cast<uint64_t>(static_cast<unsigned char>(c)));
   }
   /// A list: its length, then each item as `each` adds it (lengths keep lists apart).
-  template <typename T, typename Each>
-  void list(const std::vector<T>& items, const Each& each) {
+  template <typename List, typename Each>
+  void list(const List& items, const Each& each) {
     add(static_cast<uint64_t>(items.size()));
-    for (const T& item : items) each(item);
+    for (const auto& item : items) each(item);
   }
-  void ids(const std::vector<int32_t>& v) {
+  void ids(std::span<const int32_t> v) {
     list(v, [&](int32_t x) { add(x); });
   }
   uint64_t value() const { return h_; }
@@ -280,7 +285,7 @@ uint64_t planDigest(const Plan& plan) {
     h.add(t.round);
   });
   for (const auto* pass : {&plan.forward, &plan.backward}) {
-    h.list(*pass, [&](const std::vector<Stage>& stages) {
+    h.list(*pass, [&](const WorkerStages& stages) {
       h.list(stages, [&](const Stage& st) {
         for (const auto* ids : {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad,
                                 &st.recvGrad}) {

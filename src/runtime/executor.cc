@@ -203,7 +203,7 @@ struct Executor::State {
   void setup();
   void indexTransparent();
   std::vector<int64_t> remainingPerBlock(bool backward, bool kvSide) const;
-  const std::vector<plan::Stage>& stagesOf(int worker) const {
+  plan::WorkerStages stagesOf(int worker) const {
     return (inBackward ? plan.backward : plan.forward)[static_cast<size_t>(worker)];
   }
   std::vector<int32_t> pairOrder(const plan::Stage& st) const;

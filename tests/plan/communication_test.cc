@@ -183,8 +183,8 @@ TEST(CommunicationTest, RelabellingRenamesTransfersAndReshuffleBuiltBeforeIt) {
     c.placement = Placement::kLpt;
     const Plan built = buildPlan(sampleBatch(w, 64 * 32768, 4), c, CostModel{c.attention});
     Plan p = built;
-    p.forward.clear();
-    p.backward.clear();
+    p.forward = {};
+    p.backward = {};
     // Owners scrambled by a fixed permutation, so the relabelling has renaming to do.
     for (int32_t& o : p.owner) o = (o * 37 + 11) % 64;
     p.transfers = buildTransfers(p);
@@ -426,58 +426,69 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   // A remote pair moved to the first stage: computed before its KV arrives.
   p = good;
   bool moved = false;
-  for (auto& stages : p.forward) {
-    for (size_t s = 1; s < stages.size() && !moved; ++s) {
-      for (size_t i = 0; i < stages[s].compute.size() && !moved; ++i) {
-        const int32_t pair = stages[s].compute[i];
-        const BlockPair& bp = p.pairs[static_cast<size_t>(pair)];
-        if (p.owner[static_cast<size_t>(bp.kvBlock)] == p.owner[static_cast<size_t>(bp.qBlock)]) continue;
-        stages[s].compute.erase(stages[s].compute.begin() + static_cast<std::ptrdiff_t>(i));
-        stages[0].compute.push_back(pair);
-        moved = true;
+  p.forward.edit([&](auto& forward) {
+    for (auto& stages : forward) {
+      for (size_t s = 1; s < stages.size() && !moved; ++s) {
+        for (size_t i = 0; i < stages[s].compute.size() && !moved; ++i) {
+          const int32_t pair = stages[s].compute[i];
+          const BlockPair& bp = p.pairs[static_cast<size_t>(pair)];
+          if (p.owner[static_cast<size_t>(bp.kvBlock)] == p.owner[static_cast<size_t>(bp.qBlock)])
+            continue;
+          stages[s].compute.erase(stages[s].compute.begin() + static_cast<std::ptrdiff_t>(i));
+          stages[0].compute.push_back(pair);
+          moved = true;
+        }
       }
     }
-  }
+  });
   ASSERT_TRUE(moved);
   EXPECT_TRUE(mentions(validate(p), "before its KV block"));
 
   p = good;  // a pair computed twice
-  for (auto& stages : p.backward) {
-    if (!stages.back().compute.empty()) {
-      stages.back().compute.push_back(stages.back().compute.front());
-      break;
-    }
-  }
-  EXPECT_TRUE(mentions(validate(p), "happens twice"));
-
-  p = good;  // buffers never freed
-  for (auto& stages : p.forward) {
-    for (auto& st : stages) st.release.clear();
-  }
-  EXPECT_TRUE(mentions(validate(p), "never freed"));
-
-  p = good;  // a dK/dV partial sent in the same stage as the KV's pairs are computed
-  for (int64_t w = 0; w < 16 && p.backward.size() == 16; ++w) {
-    auto& stages = p.backward[static_cast<size_t>(w)];
-    for (size_t s = 1; s < stages.size(); ++s) {
-      if (!stages[s].sendGrad.empty()) {
-        stages[s - 1].sendGrad.push_back(stages[s].sendGrad.back());
-        stages[s].sendGrad.pop_back();
-        w = 16;
+  p.backward.edit([](auto& backward) {
+    for (auto& stages : backward) {
+      if (!stages.back().compute.empty()) {
+        stages.back().compute.push_back(stages.back().compute.front());
         break;
       }
     }
-  }
+  });
+  EXPECT_TRUE(mentions(validate(p), "happens twice"));
+
+  p = good;  // buffers never freed
+  p.forward.edit([](auto& forward) {
+    for (auto& stages : forward) {
+      for (auto& st : stages) st.release.clear();
+    }
+  });
+  EXPECT_TRUE(mentions(validate(p), "never freed"));
+
+  p = good;  // a dK/dV partial sent in the same stage as the KV's pairs are computed
+  p.backward.edit([](auto& backward) {
+    for (int64_t w = 0; w < 16 && backward.size() == 16; ++w) {
+      auto& stages = backward[static_cast<size_t>(w)];
+      for (size_t s = 1; s < stages.size(); ++s) {
+        if (!stages[s].sendGrad.empty()) {
+          stages[s - 1].sendGrad.push_back(stages[s].sendGrad.back());
+          stages[s].sendGrad.pop_back();
+          w = 16;
+          break;
+        }
+      }
+    }
+  });
   EXPECT_TRUE(mentions(validate(p), "dK/dV partial"));
 
   p = good;  // more blocks held than the buffer depth allows: releases pushed to the end
-  for (auto& stages : p.forward) {
-    for (size_t st = 0; st + 1 < stages.size(); ++st) {
-      auto& last = stages.back().release;
-      last.insert(last.end(), stages[st].release.begin(), stages[st].release.end());
-      stages[st].release.clear();
+  p.forward.edit([](auto& forward) {
+    for (auto& stages : forward) {
+      for (size_t st = 0; st + 1 < stages.size(); ++st) {
+        auto& last = stages.back().release;
+        last.insert(last.end(), stages[st].release.begin(), stages[st].release.end());
+        stages[st].release.clear();
+      }
     }
-  }
+  });
   EXPECT_TRUE(mentions(validate(p), "over buffer depth"));
 
   p = good;  // more than `coalesce` receives in one stage
@@ -485,13 +496,15 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   EXPECT_TRUE(mentions(validate(p), "moves more than 1 blocks"));
 
   p = good;  // a worker frees a buffer it never received
-  for (size_t w = 0; w < p.forward.size(); ++w) {
-    auto& releases = p.forward[w].back().release;
-    if (releases.empty()) continue;
-    p.forward[(w + 1) % p.forward.size()].back().release.push_back(releases.front());
-    releases.erase(releases.begin());
-    break;
-  }
+  p.forward.edit([](auto& forward) {
+    for (size_t w = 0; w < forward.size(); ++w) {
+      auto& releases = forward[w].back().release;
+      if (releases.empty()) continue;
+      forward[(w + 1) % forward.size()].back().release.push_back(releases.front());
+      releases.erase(releases.begin());
+      break;
+    }
+  });
   EXPECT_TRUE(mentions(validate(p), "that it has not received"));
 
   p = good;  // a relay that never received the block it passes on
@@ -514,13 +527,17 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
     const int32_t owner = t.sender;
     const auto tid = static_cast<int32_t>(id);
     for (auto* pass : {&p.forward, &p.backward}) {
-      for (auto& st : (*pass)[static_cast<size_t>(owner)]) {
-        auto it = std::find(st.send.begin(), st.send.end(), tid);
-        if (it == st.send.end()) continue;
-        st.send.erase(it);
-        (*pass)[static_cast<size_t>(relay)][static_cast<size_t>(&st - (*pass)[static_cast<size_t>(owner)].data())].send.push_back(tid);
-        break;
-      }
+      pass->edit([&](auto& workers) {
+        for (auto& st : workers[static_cast<size_t>(owner)]) {
+          auto it = std::find(st.send.begin(), st.send.end(), tid);
+          if (it == st.send.end()) continue;
+          st.send.erase(it);
+          workers[static_cast<size_t>(relay)]
+                 [static_cast<size_t>(&st - workers[static_cast<size_t>(owner)].data())]
+                     .send.push_back(tid);
+          break;
+        }
+      });
     }
     t.sender = relay;
   }

@@ -26,18 +26,18 @@ Plan handPlan() {
   p.config.numWorkers = 2;
   p.pairs = {{0, 0, 1, 5.0}, {1, 0, 1, 1.0}, {1, 1, 1, 3.0}};
   p.transfers = {{0, 0, 1, 10, 0}};
-  Stage send, recv, last;
+  StageIds send, recv, last;
   send.send = {0};
   send.compute = {0};
   recv.recv = {0};
   recv.compute = {1};
   last.compute = {2};
-  p.forward = {{send}, {recv, last}};
-  Stage back0 = send, back1;  // worker 0: the same stage 0, then the partial comes back
+  p.forward = Stages({{send}, {recv, last}});
+  StageIds back0 = send, back1;  // worker 0: the same stage 0, then the partial comes back
   back1.recvGrad = {0};
-  Stage grad = last;
+  StageIds grad = last;
   grad.sendGrad = {0};
-  p.backward = {{back0, back1}, {recv, grad}};
+  p.backward = Stages({{back0, back1}, {recv, grad}});
   return p;
 }
 
@@ -63,22 +63,22 @@ TEST(LinkedStepTest, AStageWaitsForTheOtherEndOfWhatItHolds) {
   p.config.numWorkers = 2;
   p.pairs = {{0, 1, 1, 5.0}, {1, 1, 1, 10.0}, {1, 1, 1, 3.0}, {0, 0, 1, 8.0}};
   p.transfers = {{1, 1, 0, 10, 0}};
-  Stage idle, take, tail, first, give;
+  StageIds idle, take, tail, first, give;
   take.recv = {0};
   take.compute = {0};
   tail.compute = {3};
   first.compute = {1};
   give.send = {0};
   give.compute = {2};
-  p.forward = {{idle, take, tail}, {first, give}};
+  p.forward = Stages({{idle, take, tail}, {first, give}});
   EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.forward, 1.0, 0.0, 0.0), 18.0);
   EXPECT_DOUBLE_EQ(pipelineSpan(p), 18.0);
-  Stage sendPartial, recvPartial;
+  StageIds sendPartial, recvPartial;
   sendPartial.sendGrad = {0};
   sendPartial.compute = {0};
   recvPartial.recvGrad = {0};
   recvPartial.compute = {2};
-  p.backward = {{idle, sendPartial, tail}, {first, recvPartial}};
+  p.backward = Stages({{idle, sendPartial, tail}, {first, recvPartial}});
   EXPECT_DOUBLE_EQ(detail::linkedPassSpan(p, p.backward, 2.5, 0.0, 0.0), 45.0);
 }
 

@@ -112,15 +112,17 @@ TEST(PlanTest, ValidateSaysTheSameOnOneThreadAndOnTwo) {
   // 20 workers' forward pairs and 60 workers' backward pairs never computed.
   for (const auto& [pass, workers] : {std::pair{&p.forward, 20}, std::pair{&p.backward, 60}}) {
     int dropped = 0;
-    for (auto& stages : *pass) {
-      for (auto& st : stages) {
-        if (dropped < workers && !st.compute.empty()) {
-          st.compute.pop_back();
-          ++dropped;
-          break;
+    pass->edit([&](auto& lists) {
+      for (auto& stages : lists) {
+        for (auto& st : stages) {
+          if (dropped < workers && !st.compute.empty()) {
+            st.compute.pop_back();
+            ++dropped;
+            break;
+          }
         }
       }
-    }
+    });
     ASSERT_EQ(dropped, workers);
   }
   std::vector<std::string> one, two, bad;

@@ -36,8 +36,8 @@ TEST(StagePrepTest, ListsPreparedBeforeTheColouringGiveThePlansStages) {
     const Plan built = plannedBatch(workload, workers, seed, true);
     ASSERT_FALSE(built.transfers.empty());
     Plan p = built;
-    p.forward.clear();
-    p.backward.clear();
+    p.forward = {};
+    p.backward = {};
     for (Transfer& t : p.transfers) t.round = -7;
     p.numRounds = 0;
     detail::StagePrep prep = detail::prepareStages(p);
@@ -58,8 +58,8 @@ TEST(StagePrepTest, RelabelledReceiversGiveTheRelabelledPlansTransfers) {
     const std::vector<int32_t> before = p.owner;
     p.transfers.clear();
     p.reshuffle.clear();
-    p.forward.clear();
-    p.backward.clear();
+    p.forward = {};
+    p.backward = {};
     Plan q = p;
     detail::BlockReceivers r = detail::blockReceivers(p);
     const int64_t moved = detail::relabelForLocality(p, &r);

@@ -151,10 +151,14 @@ TEST(PlanDigestTest, EveryChangeToThePlansJsonChangesTheDigest) {
   std::vector<plan::Plan> reshaped(5, base);
   for (size_t w = 0; w + 1 < base.forward.size(); ++w) {
     if (base.forward[w].size() < 2 || base.forward[w][0].compute.empty()) continue;
-    moveLast(reshaped[0].forward[w][0].compute, reshaped[0].forward[w][0].release);
-    moveLast(reshaped[1].forward[w][0].compute, reshaped[1].forward[w][1].compute);
-    moveLast(reshaped[2].forward[w][0].compute, reshaped[2].forward[w + 1][0].compute);
-    moveLast(reshaped[3].forward[w][0].compute, reshaped[3].backward[w][0].compute);
+    std::vector<std::vector<std::vector<plan::StageIds>>> f(4, base.forward.ids());
+    std::vector<std::vector<plan::StageIds>> back = base.backward.ids();
+    moveLast(f[0][w][0].compute, f[0][w][0].release);
+    moveLast(f[1][w][0].compute, f[1][w][1].compute);
+    moveLast(f[2][w][0].compute, f[2][w + 1][0].compute);
+    moveLast(f[3][w][0].compute, back[w][0].compute);
+    for (size_t k = 0; k < 4; ++k) reshaped[k].forward = plan::Stages(f[k]);
+    reshaped[3].backward = plan::Stages(back);
     break;
   }
   for (size_t b = 0; b + 1 < base.blocks.size(); ++b) {

@@ -83,45 +83,52 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   p.config.numWorkers = 2;
   p.pairs = {{0, 0, 1, 5.0}, {1, 1, 1, 1.0}, {2, 2, 1, 2.0}};
   p.transfers = {{0, 0, 1, 64, 0}};
-  p.forward.assign(2, std::vector<plan::Stage>(2));
-  p.forward[0][0].compute = {0};  // 5
-  p.forward[0][1].send = {0};
-  p.forward[1][0].compute = {1};  // 1
-  p.forward[1][1].recv = {0};
-  p.forward[1][1].compute = {2};  // 2: done at 1 + 2 = 3 without the wait, at 5 with it
-  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 5.0);
-  p.forward[0][0].compute.clear();  // worker 0 enters stage 1 at once: worker 1 never waits
-  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 3.0);
+  // The plan with forward stages f.
+  std::vector<std::vector<plan::StageIds>> f;
+  const auto with =
+      [&](const std::vector<std::vector<plan::StageIds>>& stages) -> const plan::Plan& {
+    p.forward = plan::Stages(stages);
+    return p;
+  };
+  f.assign(2, std::vector<plan::StageIds>(2));
+  f[0][0].compute = {0};  // 5
+  f[0][1].send = {0};
+  f[1][0].compute = {1};  // 1
+  f[1][1].recv = {0};
+  f[1][1].compute = {2};  // 2: done at 1 + 2 = 3 without the wait, at 5 with it
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(with(f)), 5.0);
+  f[0][0].compute.clear();  // worker 0 enters stage 1 at once: worker 1 never waits
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(with(f)), 3.0);
   // Held in different stages at its two ends (not as buildStages places transfers): worker
   // 1's first stage now waits for worker 0 to enter its second, after 5 units.
-  p.forward[0][0].compute = {0};
-  p.forward[1][1].recv.clear();
-  p.forward[1][0].recv = {0};
-  EXPECT_DOUBLE_EQ(plan::pipelineSpan(p), 7.0);  // 5, then worker 1's 2
+  f[0][0].compute = {0};
+  f[1][1].recv.clear();
+  f[1][0].recv = {0};
+  EXPECT_DOUBLE_EQ(plan::pipelineSpan(with(f)), 7.0);  // 5, then worker 1's 2
   // Each first stage waiting for the other worker's second: worker 1 receives in its stage 0
   // what worker 0 sends in its stage 1, and worker 0 in its stage 0 what worker 1 sends in its
   // stage 1. No order of the stages lets either start: a cycle.
   p.transfers = {{0, 0, 1, 64, 0}, {1, 1, 0, 64, 0}};
-  p.forward.assign(2, std::vector<plan::Stage>(2));
-  p.forward[0][1].send = {0};
-  p.forward[1][0].recv = {0};
-  p.forward[1][1].send = {1};
-  p.forward[0][0].recv = {1};
+  f.assign(2, std::vector<plan::StageIds>(2));
+  f[0][1].send = {0};
+  f[1][0].recv = {0};
+  f[1][1].send = {1};
+  f[0][0].recv = {1};
   try {
-    plan::pipelineSpan(p);
+    plan::pipelineSpan(with(f));
     ADD_FAILURE() << "a cycle gave a span";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
   }
-  p.forward[1][1].send = {};
-  p.forward[1][0].send = {1, 1};  // sent twice by one end
-  EXPECT_THROW(plan::pipelineSpan(p), Error);
-  p.forward[1][0].send = {};  // never sent
-  EXPECT_THROW(plan::pipelineSpan(p), Error);
-  p.forward[1][0].send = {2};  // no such transfer
-  EXPECT_THROW(plan::pipelineSpan(p), Error);
-  p.forward.pop_back();  // stages of one worker of two
-  EXPECT_THROW(plan::pipelineSpan(p), Error);
+  f[1][1].send = {};
+  f[1][0].send = {1, 1};  // sent twice by one end
+  EXPECT_THROW(plan::pipelineSpan(with(f)), Error);
+  f[1][0].send = {};  // never sent
+  EXPECT_THROW(plan::pipelineSpan(with(f)), Error);
+  f[1][0].send = {2};  // no such transfer
+  EXPECT_THROW(plan::pipelineSpan(with(f)), Error);
+  f.pop_back();  // stages of one worker of two
+  EXPECT_THROW(plan::pipelineSpan(with(f)), Error);
 }
 
 }  // namespace

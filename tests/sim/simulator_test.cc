@@ -38,7 +38,8 @@ plan::Plan barePlan(int64_t workers, size_t stages) {
   p.config.attention.numHeadsQ = p.config.attention.numHeadsKv = 1;
   p.config.attention.headDim = 1;
   p.config.attention.mask = MaskKind::kFull;
-  p.forward.assign(static_cast<size_t>(workers), std::vector<plan::Stage>(stages));
+  p.forward = plan::Stages(std::vector<std::vector<plan::StageIds>>(
+      static_cast<size_t>(workers), std::vector<plan::StageIds>(stages)));
   p.backward = p.forward;
   return p;
 }
@@ -47,8 +48,10 @@ plan::Plan barePlan(int64_t workers, size_t stages) {
 void addTransfer(plan::Plan& p, int32_t from, int32_t to, int64_t bytes, size_t stage) {
   const auto id = static_cast<int32_t>(p.transfers.size());
   p.transfers.push_back({0, from, to, bytes, 0});
-  p.forward[static_cast<size_t>(from)][stage].send.push_back(id);
-  p.forward[static_cast<size_t>(to)][stage].recv.push_back(id);
+  p.forward.edit([&](auto& forward) {
+    forward[static_cast<size_t>(from)][stage].send.push_back(id);
+    forward[static_cast<size_t>(to)][stage].recv.push_back(id);
+  });
 }
 
 /// Adds a pair of `qTokens` x `kvTokens` visible entries, two new blocks of a new sequence,
@@ -61,8 +64,9 @@ double addPair(plan::Plan& p, int32_t worker, int64_t qTokens, int64_t kvTokens,
   const double flops = forwardFlops(p.config.attention, qTokens * kvTokens);
   p.pairs.push_back({q, q + 1, qTokens * kvTokens, flops});
   const auto id = static_cast<int32_t>(p.pairs.size() - 1);
-  p.forward[static_cast<size_t>(worker)][stage].compute.push_back(id);
-  p.backward[static_cast<size_t>(worker)][stage].compute.push_back(id);
+  for (plan::Stages* pass : {&p.forward, &p.backward})
+    pass->edit(
+        [&](auto& stages) { stages[static_cast<size_t>(worker)][stage].compute.push_back(id); });
   return flops;
 }
 
@@ -314,7 +318,7 @@ TEST(SimulatorTest, ReshuffleCostsItsBytes) {
 TEST(SimulatorTest, StalledPlanIsReported) {
   plan::Plan p = barePlan(2, 1);
   addTransfer(p, 0, 1, 1000, 0);
-  p.forward[1][0].recv.clear();  // the receiver never posts it
+  p.forward.edit([](auto& forward) { forward[1][0].recv.clear(); });  // the receiver never posts it
   EXPECT_THROW(simulate(p, unitHardware(), forwardOnly()), Error);
 }
 

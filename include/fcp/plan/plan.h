@@ -154,8 +154,8 @@ struct Plan {
 
   std::vector<Transfer> transfers;           ///< sorted by (block, receiver)
   int32_t numRounds = 0;                     ///< Δ of the transfer graph
-  std::vector<std::vector<Stage>> forward;   ///< [worker][stage]
-  std::vector<std::vector<Stage>> backward;  ///< [worker][stage]
+  Stages forward;                            ///< [worker][stage]
+  Stages backward;                           ///< [worker][stage]
   /// Inward reshuffle, sorted by begin; the outward one is the same pieces reversed.
   std::vector<ReshufflePiece> reshuffle;
 

@@ -14,7 +14,11 @@
 /// partial goes back to its owner in the stage after the block's pairs were recomputed; a
 /// reversed matching is a matching, so those returns are congestion-free too.
 
+#include <compare>
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <span>
 #include <vector>
 
 namespace fcp::plan {
@@ -32,8 +36,14 @@ struct Transfer {
   friend bool operator==(const Transfer&, const Transfer&) = default;
 };
 
-/// What one worker does in one pipeline stage. Ids index Plan::transfers and Plan::pairs.
-struct Stage {
+/// The six lists of a stage, in the order Stages stores them.
+enum class StageList : uint8_t { kSend, kRecv, kCompute, kRelease, kSendGrad, kRecvGrad };
+inline constexpr size_t kStageLists = 6;
+
+/// What one worker does in one pipeline stage, as lists it owns: how stages are written by
+/// hand (the ring baseline, a plan file, tests) before Stages stores them. Ids index
+/// Plan::transfers and Plan::pairs.
+struct StageIds {
   std::vector<int32_t> send;     ///< transfers this worker sends
   std::vector<int32_t> recv;     ///< transfers this worker receives
   std::vector<int32_t> compute;  ///< pairs computed (this worker owns their Q block)
@@ -42,8 +52,136 @@ struct Stage {
   /// those this worker receives for its own blocks (and adds in).
   std::vector<int32_t> sendGrad;
   std::vector<int32_t> recvGrad;
-  friend bool operator==(const Stage&, const Stage&) = default;
+  friend bool operator==(const StageIds&, const StageIds&) = default;
 };
+
+/// What one worker does in one pipeline stage: the lists of StageIds, seen in the Stages that
+/// holds them (valid while it lives and is not assigned to).
+struct Stage {
+  std::span<const int32_t> send;
+  std::span<const int32_t> recv;
+  std::span<const int32_t> compute;
+  std::span<const int32_t> release;
+  std::span<const int32_t> sendGrad;
+  std::span<const int32_t> recvGrad;
+  /// The same lists, owned.
+  StageIds ids() const;
+};
+
+/// Positions of `Owner`, read by value through `get`. It holds the owner itself (Stages), not
+/// a view, so it stays valid after the view it came from is gone.
+template <typename Owner, typename Value, Value (Owner::*get)(size_t) const>
+class IndexIterator {
+ public:
+  using iterator_category = std::random_access_iterator_tag;
+  using value_type = Value;
+  using difference_type = std::ptrdiff_t;
+  using pointer = void;
+  using reference = Value;
+  IndexIterator() = default;
+  IndexIterator(const Owner* owner, size_t i) : owner_(owner), i_(i) {}
+  Value operator*() const { return (owner_->*get)(i_); }
+  Value operator[](difference_type k) const { return (owner_->*get)(i_ + static_cast<size_t>(k)); }
+  IndexIterator& operator++() { return ++i_, *this; }
+  IndexIterator operator++(int) { return {owner_, i_++}; }
+  IndexIterator& operator--() { return --i_, *this; }
+  IndexIterator operator--(int) { return {owner_, i_--}; }
+  IndexIterator& operator+=(difference_type k) { return i_ += static_cast<size_t>(k), *this; }
+  IndexIterator& operator-=(difference_type k) { return i_ -= static_cast<size_t>(k), *this; }
+  friend IndexIterator operator+(IndexIterator it, difference_type k) { return it += k; }
+  friend IndexIterator operator+(difference_type k, IndexIterator it) { return it += k; }
+  friend IndexIterator operator-(IndexIterator it, difference_type k) { return it -= k; }
+  friend difference_type operator-(const IndexIterator& a, const IndexIterator& b) {
+    return static_cast<difference_type>(a.i_) - static_cast<difference_type>(b.i_);
+  }
+  friend bool operator==(const IndexIterator& a, const IndexIterator& b) { return a.i_ == b.i_; }
+  friend auto operator<=>(const IndexIterator& a, const IndexIterator& b) { return a.i_ <=> b.i_; }
+
+ private:
+  const Owner* owner_ = nullptr;
+  size_t i_ = 0;
+};
+
+class WorkerStages;
+
+/// Every worker's stages of one pass, [worker][stage], with all their lists stored back to
+/// back in one array: a plan of 4096 workers has some 380,000 non-empty lists, which as
+/// vectors of their own took 20-30 ms to allocate and 30-40 ms to free.
+class Stages {
+ public:
+  Stages() = default;
+  /// Stores `workers[w][s]`'s lists.
+  explicit Stages(const std::vector<std::vector<StageIds>>& workers);
+  /// For a builder that fills every list in place: `stagesOf[w]` stages for worker w, and
+  /// `sizes[(stage index) * kStageLists + list]` the size of each list, stage index counting
+  /// the workers' stages in order. The lists hold zeros until written through fill().
+  Stages(const std::vector<int64_t>& stagesOf, const std::vector<int64_t>& sizes);
+
+  size_t size() const { return firstStage_.empty() ? 0 : firstStage_.size() - 1; }
+  bool empty() const { return size() == 0; }
+  WorkerStages operator[](size_t w) const;
+  WorkerStages front() const;
+  using Iterator = IndexIterator < Stages, WorkerStages, &Stages::operator[]>;
+  Iterator begin() const { return {this, 0}; }
+  Iterator end() const { return {this, size()}; }
+  /// The `index`-th stage of all workers' stages in order (worker 0's first).
+  Stage stage(size_t index) const {
+    return {list(index, 0), list(index, 1), list(index, 2),
+            list(index, 3), list(index, 4), list(index, 5)};
+  }
+
+  /// Worker w's stage s, list `list`, to write (for the builders of the second constructor).
+  std::span<int32_t> fill(size_t w, size_t s, StageList list);
+  /// The lists, owned: to change a plan's stages, change these and store them again (edit).
+  std::vector<std::vector<StageIds>> ids() const;
+  /// Changes the lists: `change` gets them owned, [worker][stage], and they are stored again
+  /// (for tools and tests: the planner fills its lists in place).
+  template <typename Change>
+  void edit(Change&& change) {
+    std::vector<std::vector<StageIds>> lists = ids();
+    change(lists);
+    *this = Stages(lists);
+  }
+  /// Every id of every list, in storage order (worker, stage, list).
+  std::span<const int32_t> allIds() const { return ids_; }
+
+  friend bool operator==(const Stages&, const Stages&) = default;
+
+ private:
+  std::span<const int32_t> list(size_t stage, size_t list) const {
+    const size_t k = stage * kStageLists + list;
+    return {ids_.data() + firstId_[k], static_cast<size_t>(firstId_[k + 1] - firstId_[k])};
+  }
+
+  std::vector<int64_t> firstStage_;  ///< worker w's stages: [firstStage_[w], firstStage_[w + 1])
+  std::vector<int64_t> firstId_;     ///< list k of all stages: ids_[firstId_[k], firstId_[k + 1])
+  std::vector<int32_t> ids_;
+};
+
+/// One worker's stages of one pass, in order: a view into the Stages that holds them.
+class WorkerStages {
+ public:
+  WorkerStages(const Stages* stages, size_t first, size_t count)
+      : stages_(stages), first_(first), count_(count) {}
+  size_t size() const { return count_; }
+  bool empty() const { return count_ == 0; }
+  Stage operator[](size_t s) const { return stages_->stage(first_ + s); }
+  Stage front() const { return (*this)[0]; }
+  Stage back() const { return (*this)[count_ - 1]; }
+  using Iterator = IndexIterator<Stages, Stage, &Stages::stage>;
+  Iterator begin() const { return {stages_, first_}; }
+  Iterator end() const { return {stages_, first_ + count_}; }
+
+ private:
+  const Stages* stages_;
+  size_t first_, count_;
+};
+
+inline WorkerStages Stages::operator[](size_t w) const {
+  return {this, static_cast<size_t>(firstStage_[w]),
+          static_cast<size_t>(firstStage_[w + 1] - firstStage_[w])};
+}
+inline WorkerStages Stages::front() const { return (*this)[0]; }
 
 /// One piece of the reshuffle: tokens [begin, end) of the packed batch stream move between the
 /// user layout's holder and the block's owner (inward: user -> FCP; outward: the reverse).
