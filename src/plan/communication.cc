@@ -494,7 +494,11 @@ void buildStages(Plan& plan, StagePrep prep) {
   const size_t fwd = in.fwdStages, bwd = groups > 0 ? fwd + 1 : fwd;
   const WorkerLists lists{in, bwd};
   // All lists sized first, then filled in place: one allocation per pass.
-  std::vector<int64_t> fwdSizes(n * fwd * kStageLists, 0), bwdSizes(n * bwd * kStageLists, 0);
+  std::vector<int64_t> fwdSizes, bwdSizes;  // one entry more, for Stages' list starts
+  detail::reserveHuge(fwdSizes, n * fwd * kStageLists + 1);
+  detail::reserveHuge(bwdSizes, n * bwd * kStageLists + 1);
+  fwdSizes.resize(n * fwd * kStageLists, 0);
+  bwdSizes.resize(n * bwd * kStageLists, 0);
   const bool parallel = detail::worthParallel(static_cast<int64_t>(plan.pairs.size()));
   detail::runBoth(
       parallel,
@@ -506,8 +510,8 @@ void buildStages(Plan& plan, StagePrep prep) {
         for (size_t w = n / 2; w < n; ++w)
           lists.size(w, &fwdSizes[w * fwd * kStageLists], &bwdSizes[w * bwd * kStageLists]);
       });
-  Stages forward(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), fwdSizes);
-  Stages backward(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), bwdSizes);
+  Stages forward(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes));
+  Stages backward(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), std::move(bwdSizes));
   // Workers' lists are independent: two halves on two threads for large plans.
   const auto fill = [&](size_t first, size_t last) {
     std::vector<int32_t*> cursor(bwd * kStageLists);

@@ -1,8 +1,10 @@
 #include "fcp/plan/schedule.h"
 
 #include <array>
+#include <utility>
 
 #include "fcp/core/error.h"
+#include "huge_pages.h"
 
 namespace fcp::plan {
 namespace {
@@ -43,7 +45,7 @@ Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
   }
 }
 
-Stages::Stages(const std::vector<int64_t>& stagesOf, const std::vector<int64_t>& sizes) {
+Stages::Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
   firstStage_.reserve(stagesOf.size() + 1);
   firstStage_.push_back(0);
   for (const int64_t count : stagesOf) {
@@ -52,13 +54,15 @@ Stages::Stages(const std::vector<int64_t>& stagesOf, const std::vector<int64_t>&
   }
   FCP_CHECK(sizes.size() == static_cast<size_t>(firstStage_.back()) * kStageLists,
             "list sizes for ", sizes.size(), " lists of ", firstStage_.back(), " stages");
-  firstId_.resize(sizes.size() + 1);
-  firstId_[0] = 0;
-  for (size_t k = 0; k < sizes.size(); ++k) {
-    FCP_CHECK(sizes[k] >= 0, "a list of ", sizes[k], " ids");
-    firstId_[k + 1] = firstId_[k] + sizes[k];
+  // The sizes become the lists' starts in place: each entry the sum of those before it.
+  firstId_ = std::move(sizes);
+  firstId_.push_back(0);
+  int64_t sum = 0;
+  for (int64_t& first : firstId_) {
+    FCP_CHECK(first >= 0, "a list of ", first, " ids");
+    sum += std::exchange(first, sum);
   }
-  ids_.resize(static_cast<size_t>(firstId_.back()));
+  detail::resizeHuge(ids_, static_cast<size_t>(firstId_.back()));
 }
 
 std::span<int32_t> Stages::fill(size_t w, size_t s, StageList list) {

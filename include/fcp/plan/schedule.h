@@ -114,8 +114,9 @@ class Stages {
   explicit Stages(const std::vector<std::vector<StageIds>>& workers);
   /// For a builder that fills every list in place: `stagesOf[w]` stages for worker w, and
   /// `sizes[(stage index) * kStageLists + list]` the size of each list, stage index counting
-  /// the workers' stages in order. The lists hold zeros until written through fill().
-  Stages(const std::vector<int64_t>& stagesOf, const std::vector<int64_t>& sizes);
+  /// the workers' stages in order (its storage is reused: reserve one more entry). The lists
+  /// hold zeros until written through fill().
+  Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes);
 
   size_t size() const { return firstStage_.empty() ? 0 : firstStage_.size() - 1; }
   bool empty() const { return size() == 0; }

@@ -1,0 +1,226 @@
+// Stages: a pass's lists stored back to back, read through Stage views; and the stages
+// buildPlan fills in place, against the schedule's rules written out list by list.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <iterator>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "fcp/core/error.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/plan.h"
+#include "fcp/plan/schedule.h"
+
+namespace fcp::plan {
+namespace {
+
+std::vector<int32_t> owned(std::span<const int32_t> ids) { return {ids.begin(), ids.end()}; }
+
+/// Three workers with 2, 0 and 3 stages, lists of every kind and length 0 to 3.
+std::vector<std::vector<StageIds>> handLists() {
+  StageIds a{{1, 2}, {3}, {4, 5, 6}, {}, {7}, {}};
+  StageIds b{{}, {}, {}, {8}, {}, {9, 10}};
+  StageIds c{{11}, {12, 13}, {}, {}, {}, {}};
+  return {{a, b}, {}, {c, StageIds{}, a}};
+}
+
+TEST(StagesTest, ViewsReadTheListsTheyWereGiven) {
+  const std::vector<std::vector<StageIds>> lists = handLists();
+  const Stages stages(lists);
+  ASSERT_EQ(stages.size(), 3u);
+  EXPECT_FALSE(stages.empty());
+  EXPECT_TRUE(Stages().empty());
+  EXPECT_EQ(stages.ids(), lists);
+  for (size_t w = 0; w < lists.size(); ++w) {
+    const WorkerStages mine = stages[w];
+    ASSERT_EQ(mine.size(), lists[w].size()) << w;
+    EXPECT_EQ(mine.empty(), lists[w].empty());
+    for (size_t s = 0; s < mine.size(); ++s) {
+      const Stage st = mine[s];
+      const StageIds& want = lists[w][s];
+      EXPECT_EQ(owned(st.send), want.send);
+      EXPECT_EQ(owned(st.recv), want.recv);
+      EXPECT_EQ(owned(st.compute), want.compute);
+      EXPECT_EQ(owned(st.release), want.release);
+      EXPECT_EQ(owned(st.sendGrad), want.sendGrad);
+      EXPECT_EQ(owned(st.recvGrad), want.recvGrad);
+      EXPECT_EQ(st.ids(), want);
+    }
+  }
+  EXPECT_EQ(stages.front().back().ids(), lists[0][1]);
+  EXPECT_EQ(stages[2].front().ids(), lists[2][0]);
+  // Iterators: over workers and over one worker's stages, kept after the view is gone.
+  EXPECT_EQ(std::distance(stages.begin(), stages.end()), 3);
+  size_t workers = 0, seen = 0;
+  for (const WorkerStages mine : stages) {
+    for (const Stage& st : mine) EXPECT_EQ(st.ids(), lists[workers][seen++]);
+    ++workers;
+    seen = 0;
+  }
+  EXPECT_EQ(workers, 3u);
+  auto it = stages[2].begin();
+  const auto end = stages[2].end();
+  EXPECT_EQ(end - it, 3);
+  EXPECT_EQ((*(it + 2)).ids(), lists[2][2]);
+  EXPECT_EQ(it[1].ids(), StageIds{});
+  std::vector<int32_t> all;
+  for (const auto& worker : lists)
+    for (const StageIds& st : worker)
+      for (const auto* list :
+           {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
+        all.insert(all.end(), list->begin(), list->end());
+  EXPECT_EQ(owned(stages.allIds()), all);
+}
+
+TEST(StagesTest, EqualOnlyWithTheSameListsInTheSamePlaces) {
+  const Stages stages(handLists());
+  EXPECT_EQ(stages, Stages(handLists()));
+  // The same ids in the same order, one moved to the next list of its stage, to the next
+  // stage, or to the next worker: each differs.
+  std::vector<std::vector<StageIds>> lists = handLists();
+  lists[0][0].send.pop_back();
+  lists[0][0].recv.insert(lists[0][0].recv.begin(), 2);
+  EXPECT_NE(stages, Stages(lists));
+  lists = handLists();
+  lists[0][0].recvGrad.push_back(8);  // b's release is its first id
+  lists[0][1].release.clear();
+  EXPECT_NE(stages, Stages(lists));
+  lists = handLists();
+  lists[1].push_back(lists[2].front());
+  lists[2].erase(lists[2].begin());
+  EXPECT_NE(stages, Stages(lists));
+  EXPECT_EQ(owned(Stages(lists).allIds()), owned(stages.allIds()));
+}
+
+TEST(StagesTest, FilledInPlaceAsSized) {
+  const std::vector<std::vector<StageIds>> lists = handLists();
+  std::vector<int64_t> stagesOf, sizes;
+  for (const auto& worker : lists) {
+    stagesOf.push_back(static_cast<int64_t>(worker.size()));
+    for (const StageIds& st : worker)
+      for (const auto* list :
+           {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
+        sizes.push_back(static_cast<int64_t>(list->size()));
+  }
+  Stages filled(stagesOf, sizes);
+  EXPECT_EQ(filled[0][0].compute.size(), 3u);
+  for (const int32_t id : filled.allIds()) EXPECT_EQ(id, 0);
+  for (size_t w = 0; w < lists.size(); ++w) {
+    for (size_t s = 0; s < lists[w].size(); ++s) {
+      const StageIds& st = lists[w][s];
+      const std::vector<int32_t>* by[] = {&st.send,    &st.recv,     &st.compute,
+                                          &st.release, &st.sendGrad, &st.recvGrad};
+      for (size_t l = 0; l < kStageLists; ++l) {
+        const std::span<int32_t> to = filled.fill(w, s, StageList(l));
+        ASSERT_EQ(to.size(), by[l]->size());
+        std::copy(by[l]->begin(), by[l]->end(), to.begin());
+      }
+    }
+  }
+  EXPECT_EQ(filled, Stages(lists));
+  sizes.pop_back();
+  EXPECT_THROW(Stages(stagesOf, sizes), Error);
+  sizes.push_back(-1);
+  EXPECT_THROW(Stages(stagesOf, sizes), Error);
+}
+
+TEST(StagesTest, EditChangesTheOwnedLists) {
+  Stages stages(handLists());
+  stages.edit([](std::vector<std::vector<StageIds>>& lists) { lists[1].push_back({{42}}); });
+  std::vector<std::vector<StageIds>> want = handLists();
+  want[1].push_back({{42}});
+  EXPECT_EQ(stages, Stages(want));
+  EXPECT_EQ(owned(stages[1][0].send), std::vector<int32_t>{42});
+}
+
+/// The stages of `p` by the schedule's rules (fcp/plan/schedule.h), list by list: a transfer
+/// of round r is sent and received in stage r / coalesce; its pairs are computed, and its
+/// buffer freed, buffer depth - 1 stages later; the pairs of blocks a worker holds both of are
+/// split, the first half opening stage 0 and the rest closing the last stage. Backward, one
+/// more stage: a received block's partial goes back in the stage after its pairs, and the
+/// closing pairs move to the added stage. Lists in ascending ids.
+std::pair<std::vector<std::vector<StageIds>>, std::vector<std::vector<StageIds>>> byTheRules(
+    const Plan& p) {
+  const auto n = static_cast<size_t>(p.config.numWorkers);
+  const int64_t c = p.config.coalesce;
+  const auto lag = static_cast<size_t>(p.config.bufferDepth - 1);
+  const auto groups = static_cast<size_t>((p.numRounds + c - 1) / c);
+  const size_t fwd = groups > 0 ? groups + lag : 1;
+  std::vector<std::vector<StageIds>> forward(n, std::vector<StageIds>(fwd));
+  std::map<std::pair<int32_t, int32_t>, int32_t> transferOf;  // (block, receiver)
+  for (size_t t = 0; t < p.transfers.size(); ++t)
+    transferOf[{p.transfers[t].block, p.transfers[t].receiver}] = static_cast<int32_t>(t);
+  std::vector<std::vector<int32_t>> local(n), pairsOf(p.transfers.size());
+  for (size_t i = 0; i < p.pairs.size(); ++i) {
+    const int32_t q = p.owner[static_cast<size_t>(p.pairs[i].qBlock)];
+    const int32_t kv = p.owner[static_cast<size_t>(p.pairs[i].kvBlock)];
+    if (q == kv) {
+      local[static_cast<size_t>(q)].push_back(static_cast<int32_t>(i));
+    } else {
+      pairsOf[static_cast<size_t>(transferOf.at({p.pairs[i].kvBlock, q}))].push_back(
+          static_cast<int32_t>(i));
+    }
+  }
+  const auto groupOf = [&](size_t t) { return static_cast<size_t>(p.transfers[t].round / c); };
+  for (size_t w = 0; w < n; ++w) {
+    const size_t opening = (local[w].size() + 1) / 2;
+    forward[w][0].compute.assign(local[w].begin(), local[w].begin() + opening);
+  }
+  for (size_t t = 0; t < p.transfers.size(); ++t) {
+    const auto id = static_cast<int32_t>(t);
+    auto& mine = forward[static_cast<size_t>(p.transfers[t].receiver)];
+    forward[static_cast<size_t>(p.transfers[t].sender)][groupOf(t)].send.push_back(id);
+    mine[groupOf(t)].recv.push_back(id);
+    auto& use = mine[groupOf(t) + lag];
+    use.compute.insert(use.compute.end(), pairsOf[t].begin(), pairsOf[t].end());
+    use.release.push_back(id);
+  }
+  std::vector<std::vector<StageIds>> backward = forward;
+  for (size_t w = 0; w < n; ++w) {
+    const size_t opening = (local[w].size() + 1) / 2;
+    auto& close = forward[w].back().compute;
+    close.insert(close.end(), local[w].begin() + opening, local[w].end());
+    if (groups == 0) {
+      backward[w] = forward[w];
+      continue;
+    }
+    backward[w].emplace_back();
+    backward[w].back().compute.assign(local[w].begin() + opening, local[w].end());
+  }
+  for (size_t t = 0; groups > 0 && t < p.transfers.size(); ++t) {
+    const auto id = static_cast<int32_t>(t);
+    const size_t back = groupOf(t) + lag + 1;
+    backward[static_cast<size_t>(p.transfers[t].receiver)][back].sendGrad.push_back(id);
+    backward[static_cast<size_t>(p.transfers[t].sender)][back].recvGrad.push_back(id);
+  }
+  return {forward, backward};
+}
+
+TEST(StagesTest, BuildPlanFillsTheListsTheRulesGive) {
+  int compared = 0;
+  for (const char* workload : {"lognormal", "bimodal"}) {
+    for (const int64_t workers : {1, 3, 16, 512}) {
+      for (const int64_t buffers : {2, 4}) {
+        PlanConfig c;
+        c.numWorkers = workers;
+        c.tokensPerWorker = 16384;
+        c.blockSize = 2048;
+        c.bufferDepth = buffers;
+        c.coalesce = workers == 16 ? 1 : 16;
+        const Plan p =
+            buildPlan(sampleBatch(findWorkload(workload), workers * c.tokensPerWorker, 5), c,
+                      CostModel{c.attention});
+        const auto [forward, backward] = byTheRules(p);
+        EXPECT_EQ(p.forward, Stages(forward)) << workload << " on " << workers;
+        EXPECT_EQ(p.backward, Stages(backward)) << workload << " on " << workers;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 16);
+}
+
+}  // namespace
+}  // namespace fcp::plan
