@@ -440,11 +440,15 @@ struct WorkerLists {
     }
     int32_t*& close = listAt(in.fwdStages - 1, StageList::kCompute);
     close = std::copy(local + opening, local + numLocal, close);
-    // Backward: each forward list's first part (all of it but the closing stage's local pairs).
+    // Backward: the forward lists (forward has no dK/dV lists), the closing stage's compute
+    // without its local pairs (a prefix).
     for (size_t s = 0; s < in.fwdStages; ++s) {
-      for (size_t l = 0; l < kStageLists; ++l) {
-        const std::span<int32_t> to = backward.fill(w, s, StageList(l));
-        const std::span<int32_t> from = forward.fill(w, s, StageList(l));
+      for (const StageList l :
+           {StageList::kSend, StageList::kRecv, StageList::kCompute, StageList::kRelease}) {
+        const std::span<int32_t> to = backward.fill(w, s, l);
+        const std::span<const int32_t> from = forward.list(w, s, l);
+        FCP_DCHECK(to.size() <= from.size(), "backward list ", to.size(), " of forward's ",
+                   from.size());
         std::copy(from.begin(), from.begin() + static_cast<std::ptrdiff_t>(to.size()), to.begin());
       }
     }

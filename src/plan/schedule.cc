@@ -1,5 +1,6 @@
 #include "fcp/plan/schedule.h"
 
+#include <algorithm>
 #include <array>
 #include <utility>
 
@@ -57,11 +58,12 @@ Stages::Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes)
   // The sizes become the lists' starts in place: each entry the sum of those before it.
   firstId_ = std::move(sizes);
   firstId_.push_back(0);
-  int64_t sum = 0;
+  int64_t sum = 0, least = 0;
   for (int64_t& first : firstId_) {
-    FCP_CHECK(first >= 0, "a list of ", first, " ids");
+    least = std::min(least, first);
     sum += std::exchange(first, sum);
   }
+  FCP_CHECK(least >= 0, "a list of ", least, " ids");
   detail::resizeHuge(ids_, static_cast<size_t>(firstId_.back()));
 }
 

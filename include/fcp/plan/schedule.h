@@ -56,7 +56,7 @@ struct StageIds {
 };
 
 /// What one worker does in one pipeline stage: the lists of StageIds, seen in the Stages that
-/// holds them (valid while it lives and is not assigned to).
+/// holds them (valid while that Stages object lives, unmoved and not assigned to).
 struct Stage {
   std::span<const int32_t> send;
   std::span<const int32_t> recv;
@@ -69,11 +69,14 @@ struct Stage {
 };
 
 /// Positions of `Owner`, read by value through `get`. It holds the owner itself (Stages), not
-/// a view, so it stays valid after the view it came from is gone.
+/// a view, so it outlives the view it came from (not a move of the Stages). Its values are
+/// made on reading, so it is a C++20 random-access iterator and, to older algorithms, an input
+/// iterator.
 template <typename Owner, typename Value, Value (Owner::*get)(size_t) const>
 class IndexIterator {
  public:
-  using iterator_category = std::random_access_iterator_tag;
+  using iterator_concept = std::random_access_iterator_tag;
+  using iterator_category = std::input_iterator_tag;
   using value_type = Value;
   using difference_type = std::ptrdiff_t;
   using pointer = void;
@@ -82,12 +85,24 @@ class IndexIterator {
   IndexIterator(const Owner* owner, size_t i) : owner_(owner), i_(i) {}
   Value operator*() const { return (owner_->*get)(i_); }
   Value operator[](difference_type k) const { return (owner_->*get)(i_ + static_cast<size_t>(k)); }
-  IndexIterator& operator++() { return ++i_, *this; }
+  IndexIterator& operator++() {
+    ++i_;
+    return *this;
+  }
   IndexIterator operator++(int) { return {owner_, i_++}; }
-  IndexIterator& operator--() { return --i_, *this; }
+  IndexIterator& operator--() {
+    --i_;
+    return *this;
+  }
   IndexIterator operator--(int) { return {owner_, i_--}; }
-  IndexIterator& operator+=(difference_type k) { return i_ += static_cast<size_t>(k), *this; }
-  IndexIterator& operator-=(difference_type k) { return i_ -= static_cast<size_t>(k), *this; }
+  IndexIterator& operator+=(difference_type k) {
+    i_ += static_cast<size_t>(k);
+    return *this;
+  }
+  IndexIterator& operator-=(difference_type k) {
+    i_ -= static_cast<size_t>(k);
+    return *this;
+  }
   friend IndexIterator operator+(IndexIterator it, difference_type k) { return it += k; }
   friend IndexIterator operator+(difference_type k, IndexIterator it) { return it += k; }
   friend IndexIterator operator-(IndexIterator it, difference_type k) { return it -= k; }
@@ -122,13 +137,19 @@ class Stages {
   bool empty() const { return size() == 0; }
   WorkerStages operator[](size_t w) const;
   WorkerStages front() const;
-  using Iterator = IndexIterator < Stages, WorkerStages, &Stages::operator[]>;
+  WorkerStages worker(size_t w) const;  ///< the same as [w]
+  using Iterator = IndexIterator<Stages, WorkerStages, &Stages::worker>;
   Iterator begin() const { return {this, 0}; }
   Iterator end() const { return {this, size()}; }
   /// The `index`-th stage of all workers' stages in order (worker 0's first).
   Stage stage(size_t index) const {
-    return {list(index, 0), list(index, 1), list(index, 2),
-            list(index, 3), list(index, 4), list(index, 5)};
+    return {list(index, StageList::kSend),     list(index, StageList::kRecv),
+            list(index, StageList::kCompute),  list(index, StageList::kRelease),
+            list(index, StageList::kSendGrad), list(index, StageList::kRecvGrad)};
+  }
+  /// Worker w's stage s, list `list`.
+  std::span<const int32_t> list(size_t w, size_t s, StageList list) const {
+    return this->list(static_cast<size_t>(firstStage_[w]) + s, list);
   }
 
   /// Worker w's stage s, list `list`, to write (for the builders of the second constructor).
@@ -146,11 +167,15 @@ class Stages {
   /// Every id of every list, in storage order (worker, stage, list).
   std::span<const int32_t> allIds() const { return ids_; }
 
-  friend bool operator==(const Stages&, const Stages&) = default;
+  /// The same workers' stages with the same lists (no workers: equal however made).
+  friend bool operator==(const Stages& a, const Stages& b) {
+    if (a.empty() || b.empty()) return a.empty() == b.empty();
+    return a.firstStage_ == b.firstStage_ && a.firstId_ == b.firstId_ && a.ids_ == b.ids_;
+  }
 
  private:
-  std::span<const int32_t> list(size_t stage, size_t list) const {
-    const size_t k = stage * kStageLists + list;
+  std::span<const int32_t> list(size_t stage, StageList list) const {
+    const size_t k = stage * kStageLists + static_cast<size_t>(list);
     return {ids_.data() + firstId_[k], static_cast<size_t>(firstId_[k + 1] - firstId_[k])};
   }
 
@@ -182,6 +207,7 @@ inline WorkerStages Stages::operator[](size_t w) const {
   return {this, static_cast<size_t>(firstStage_[w]),
           static_cast<size_t>(firstStage_[w + 1] - firstStage_[w])};
 }
+inline WorkerStages Stages::worker(size_t w) const { return (*this)[w]; }
 inline WorkerStages Stages::front() const { return (*this)[0]; }
 
 /// One piece of the reshuffle: tokens [begin, end) of the packed batch stream move between the
