@@ -29,6 +29,9 @@ std::vector<std::vector<StageIds>> handLists() {
   return {{a, b}, {}, {c, StageIds{}, a}};
 }
 
+static_assert(std::random_access_iterator<Stages::Iterator>);
+static_assert(std::random_access_iterator<WorkerStages::Iterator>);
+
 TEST(StagesTest, ViewsReadTheListsTheyWereGiven) {
   const std::vector<std::vector<StageIds>> lists = handLists();
   const Stages stages(lists);
@@ -84,6 +87,9 @@ TEST(StagesTest, EqualOnlyWithTheSameListsInTheSamePlaces) {
   EXPECT_EQ(Stages(), Stages(std::vector<int64_t>{}, {}));
   EXPECT_NE(Stages(), Stages(std::vector<std::vector<StageIds>>(1)));  // a worker, no stages
   EXPECT_NE(stages, Stages());
+  Stages moved(handLists());
+  const Stages taken = std::move(moved);
+  EXPECT_EQ(taken, stages);
   // The same ids in the same order, one moved to the next list of its stage, to the next
   // stage, or to the next worker: each differs.
   std::vector<std::vector<StageIds>> lists = handLists();
