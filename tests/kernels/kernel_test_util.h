@@ -11,21 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "../test_seed.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/kernels/cpu_dispatch.h"
 
 namespace fcp::kernels::testing {
 
-/// Seed of this test run: FCP_TEST_SEED if set (to replay a failure), else fresh.
-inline uint64_t testSeed() {
-  static const uint64_t seed = [] {
-    if (const char* env = std::getenv("FCP_TEST_SEED"))
-      return static_cast<uint64_t>(std::strtoull(env, nullptr, 10));
-    return (static_cast<uint64_t>(std::random_device{}()) << 32) ^
-           static_cast<uint64_t>(std::random_device{}());
-  }();
-  return seed;
-}
+using fcp::testing::testSeed;
 
 /// The bf16 GEMM paths a test of `dtype` runs: for bf16, the widened (fp32 sgemm) path always
 /// and oneDNN's bf16 GEMM where this CPU runs it; for fp32, just kAuto (the setting is unused).

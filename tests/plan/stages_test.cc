@@ -3,14 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <iterator>
 #include <map>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "../test_seed.h"
 #include "fcp/core/error.h"
 #include "fcp/core/workload.h"
 #include "fcp/plan/plan.h"
@@ -213,24 +212,14 @@ std::pair<std::vector<std::vector<StageIds>>, std::vector<std::vector<StageIds>>
   return {forward, backward};
 }
 
-/// Seed of this run's fresh batches: FCP_TEST_SEED if set (to replay a failure), else fresh.
-uint64_t testSeed() {
-  static const uint64_t seed = [] {
-    if (const char* env = std::getenv("FCP_TEST_SEED"))
-      return static_cast<uint64_t>(std::strtoull(env, nullptr, 10));
-    return static_cast<uint64_t>(std::random_device{}());
-  }();
-  return seed;
-}
-
 TEST(StagesTest, BuildPlanFillsTheListsTheRulesGive) {
-  SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(testSeed()));
+  SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(testing::testSeed()));
   int compared = 0;
   for (const char* workload : {"lognormal", "bimodal"}) {
     for (const int64_t workers : {1, 3, 16, 512}) {
       for (const int64_t buffers : {2, 4}) {
         // A fixed batch, and a fresh one on the larger sizes.
-        const uint64_t seed = workers >= 16 && buffers == 4 ? testSeed() : 5;
+        const uint64_t seed = workers >= 16 && buffers == 4 ? testing::testSeed() : 5;
         PlanConfig c;
         c.numWorkers = workers;
         c.tokensPerWorker = 16384;
