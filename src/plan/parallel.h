@@ -11,10 +11,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "fcp/core/error.h"
@@ -44,15 +46,27 @@ inline bool worthParallel(int64_t pairs) {
 }
 
 /// The second thread of one piece of planning (a top-level runBoth, and every runBoth under
-/// it): `free` is 1 while no helper runs. A runBoth nested in one on two threads runs in order
-/// while the helper is busy, so the planner never uses more than two threads; once the helper's
-/// side is done, its thread is free for the runBoths still to come under the calling thread's
-/// side (buildPlan's first side, the paper's placement, refines its cuttings for a second or
-/// more on long-tailed batches at 4096 workers, long after the local placement beside it is
-/// done). The calling thread, when its side ends first, waits for the helper's without lending
-/// its thread.
+/// it). A runBoth nested in one on two threads runs in order while the helper is busy, so the
+/// planner never uses more than two threads; once the helper's side is done, its thread is
+/// free for the runBoths still to come under the calling thread's side (buildPlan's first
+/// side, the paper's placement, refines its cuttings for a second or more on long-tailed
+/// batches at 4096 workers, long after the local placement beside it is done). The calling
+/// thread, when its side ends first, waits for the helper's without lending its thread; a
+/// thread that sleeps until the other side offers a value lends itself while it sleeps
+/// (whileLent). `free` counts the threads a runBoth may start: 1 while no helper runs.
 struct ThreadBudget {
   std::atomic<int> free{1};
+  /// Takes a free thread, if there is one.
+  bool take() {
+    for (int n = free.load(); n > 0;)
+      if (free.compare_exchange_weak(n, n - 1)) return true;
+    return false;
+  }
+  /// Gives a thread back, waking a thread waiting to take one.
+  void give() {
+    free.fetch_add(1);
+    free.notify_all();
+  }
 };
 
 /// The budget this thread's runBoths draw on: the innermost runBoth on two threads around it,
@@ -72,8 +86,7 @@ template <typename First, typename Second>
 void runBoth(bool parallel, First&& first, Second&& second) {
   ThreadBudget own;
   ThreadBudget* const budget = tBudget != nullptr ? tBudget : &own;
-  int one = 1;
-  if (!parallel || !budget->free.compare_exchange_strong(one, 0)) {
+  if (!parallel || !budget->take()) {
     first();
     second();
     return;
@@ -102,15 +115,15 @@ void runBoth(bool parallel, First&& first, Second&& second) {
     helper = std::thread([&runSecond, budget] {
       tBudget = budget;
       runSecond();
-      budget->free.fetch_add(1);  // done: a runBoth still running under `first` may use it
+      budget->give();  // done: a runBoth still running under `first` may use it
     });
   } catch (const std::system_error&) {  // no thread to be had (a process limit): in order
-    budget->free.fetch_add(1);
+    budget->give();
     first();
     second();
     return;
   } catch (...) {
-    budget->free.fetch_add(1);
+    budget->give();
     throw;
   }
   try {
@@ -124,5 +137,137 @@ void runBoth(bool parallel, First&& first, Second&& second) {
   helper.join();
   if (secondError) std::rethrow_exception(secondError);
 }
+
+/// Runs `wait()`, which must block this thread without using a core (a condition variable's
+/// wait), with the thread lent to the budget it draws on: a runBoth under the same budget may
+/// start a helper meanwhile, so the two threads stay busy while this one sleeps (the local
+/// placement waits for the paper's first assignment, which at 4096 workers can take a second
+/// on a long-tailed batch). Once `wait` returns (or throws), the thread is taken back: if a
+/// helper started meanwhile is still running, this thread waits for it to end, so no more
+/// than two threads ever run. Outside any runBoth on two threads, just `wait()`.
+template <typename Wait>
+decltype(auto) whileLent(Wait&& wait) {
+  ThreadBudget* const budget = tBudget;
+  if (budget == nullptr) return wait();
+  struct Lent {
+    ThreadBudget* budget;
+    explicit Lent(ThreadBudget* b) : budget(b) { budget->give(); }
+    ~Lent() {
+      while (!budget->take()) budget->free.wait(0);
+    }
+    Lent(const Lent&) = delete;
+    Lent& operator=(const Lent&) = delete;
+  } const lent(budget);
+  return wait();
+}
+
+/// A second thread kept for many short runBoths in a row (the improvement pass weighs a trade
+/// with every worker thousands of times, each a fraction of a millisecond: a fresh thread per
+/// call starts too late to take its half). Its runBoth keeps runBoth's rules: it draws on
+/// the budget this thread draws on (or a budget of its own outside any runBoth), so it runs
+/// in order while no thread is free; the second side goes to whichever thread claims it first;
+/// the same error is thrown. The thread is started at the first runBoth that gets a thread
+/// and sleeps between them (an atomic's wait); it holds the budget's thread only while it
+/// runs a second side. Not for use from two threads at once.
+class HelperThread {
+ public:
+  HelperThread() = default;
+  HelperThread(const HelperThread&) = delete;
+  HelperThread& operator=(const HelperThread&) = delete;
+  ~HelperThread() {
+    if (!thread_.joinable()) return;
+    stop_ = true;
+    posted_.fetch_add(1);
+    posted_.notify_one();
+    thread_.join();
+  }
+
+  template <typename First, typename Second>
+  void runBoth(First&& first, Second&& second) {
+    ThreadBudget* const budget = tBudget != nullptr ? tBudget : &own_;
+    if (!budget->take()) {
+      first();
+      second();
+      return;
+    }
+    struct Give {
+      ThreadBudget* budget;
+      explicit Give(ThreadBudget* b) : budget(b) {}
+      ~Give() { budget->give(); }
+      Give(const Give&) = delete;
+      Give& operator=(const Give&) = delete;
+    } const give(budget);
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { serve(); });
+      } catch (const std::system_error&) {  // no thread to be had (a process limit): in order
+        first();
+        second();
+        return;
+      }
+    }
+    using Task = std::remove_reference_t<Second>;
+    task_ = [](const void* f) { (*static_cast<Task*>(const_cast<void*>(f)))(); };
+    taskArg_ = static_cast<const void*>(std::addressof(second));
+    taskBudget_ = budget;
+    taskError_ = nullptr;
+    claimed_.store(false);
+    const uint32_t round = posted_.fetch_add(1) + 1;  // publishes the task
+    posted_.notify_one();
+    std::exception_ptr firstError;
+    try {
+      first();
+    } catch (...) {
+      firstError = std::current_exception();
+    }
+    if (!claimed_.exchange(true)) {  // not started yet: this thread runs it (unless first threw)
+      if (firstError) std::rethrow_exception(firstError);
+      second();
+      return;
+    }
+    for (uint32_t d = done_.load(); d != round; d = done_.load()) done_.wait(d);
+    if (firstError) std::rethrow_exception(firstError);
+    if (taskError_) std::rethrow_exception(taskError_);
+  }
+
+ private:
+  void serve() {
+    uint32_t seen = 0;
+    for (;;) {
+      // A short spin first: the next task usually comes within microseconds, and waking from
+      // the wait takes tens of them.
+      for (int spin = 0; spin < kSpins && posted_.load(std::memory_order_relaxed) == seen; ++spin)
+        std::this_thread::yield();
+      posted_.wait(seen);
+      const uint32_t round = posted_.load();
+      if (round == seen) continue;
+      seen = round;
+      if (stop_) return;
+      if (!claimed_.exchange(true)) {
+        tBudget = taskBudget_;
+        try {
+          task_(taskArg_);
+        } catch (...) {
+          taskError_ = std::current_exception();
+        }
+      }
+      done_.store(round);
+      done_.notify_one();
+    }
+  }
+
+  static constexpr int kSpins = 200;
+  ThreadBudget own_;
+  std::thread thread_;
+  // The task of the last runBoth, written before `claimed_` is cleared and `posted_` raised.
+  void (*task_)(const void*) = nullptr;
+  const void* taskArg_ = nullptr;
+  ThreadBudget* taskBudget_ = nullptr;
+  std::exception_ptr taskError_;
+  std::atomic<bool> claimed_{true};
+  std::atomic<bool> stop_{false};
+  std::atomic<uint32_t> posted_{0};
+  std::atomic<uint32_t> done_{0};
+};
 
 }  // namespace fcp::plan::detail

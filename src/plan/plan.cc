@@ -383,9 +383,11 @@ class LocalWinLimit {
   }
   /// The limit, once offered.
   double get() const {
-    std::unique_lock<std::mutex> lock(mutex_);
-    set_.wait(lock, [&] { return value_.has_value(); });
-    return *value_;
+    return detail::whileLent([&] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      set_.wait(lock, [&] { return value_.has_value(); });
+      return *value_;
+    });
   }
 
  private:

@@ -6,9 +6,13 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <string>
 
+#include "../test_seed.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
+#include "plan_threads.h"
 
 namespace fcp::plan {
 namespace {
@@ -227,6 +231,60 @@ TEST(DistributorTest, ChainsWhenNoTradeLowersTheBusiest) {
       {{{4, 5, 1, 6, 6, 1, 2}, {2, 18, 4, 13, 2, 2, 9}}, 10},
   };
   expectTheOptimum(cases, 3);
+}
+
+TEST(DistributorTest, TradesOnTwoThreadsChooseWhatOneChooses) {
+  // From 1024 workers the trade search runs on two threads, the even workers on one and the
+  // odd on the other (bestTrade). The assignment must be the one the search on one thread
+  // makes, to the block. 8,192 blocks on 1024 workers, 5 % memory slack: long-tailed costs;
+  // and costs of 16 exact values (tokens of 1K, 2K, 3K or 4K, at 1, 2, 4 or 8 per token),
+  // where the two threads' best trades often tie and the lower worker must win. Two batches
+  // of each kind whose improvement needs trades, and one drawn fresh (FCP_TEST_SEED replays
+  // it), which may need none.
+  const uint64_t fresh = testing::testSeed();
+  SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(fresh));
+  for (const bool exactValues : {false, true}) {
+    for (const uint64_t seed : {uint64_t{1}, uint64_t{2}, fresh}) {
+      SCOPED_TRACE((exactValues ? "exact values, seed " : "long-tailed, seed ") +
+                   std::to_string(seed));
+      Rng rng(seed);
+      Blocks b;
+      for (int i = 0; i < 8 * 1024; ++i) {
+        if (exactValues) {
+          b.tokens.push_back(1024 * static_cast<int64_t>(1 + rng.next() % 4));
+          b.costs.push_back(static_cast<double>(b.tokens.back() << (rng.next() % 4)));
+        } else {
+          b.tokens.push_back(1 + static_cast<int64_t>(rng.next() % 4096));
+          b.costs.push_back(std::exp(3.0 * rng.uniform()) * static_cast<double>(b.tokens.back()));
+        }
+      }
+      DistributorOptions o;
+      o.numWorkers = 1024;
+      const int64_t total = std::accumulate(b.tokens.begin(), b.tokens.end(), int64_t{0});
+      o.memoryLimitTokens = (total + o.numWorkers - 1) / o.numWorkers;
+      o.memorySlack = 0.05;
+      std::optional<Assignment> one, two;
+      {
+        const testing::PlanThreads threads("1");
+        one = tryAssignBlocks(b.tokens, b.costs, o);
+      }
+      {
+        const testing::PlanThreads threads("2");
+        two = tryAssignBlocks(b.tokens, b.costs, o);
+      }
+      ASSERT_EQ(one.has_value(), two.has_value());
+      if (!one) {  // the greedy found no room (a fresh batch, rarely): nothing to improve
+        EXPECT_EQ(seed, fresh);
+        continue;
+      }
+      if (seed != fresh) {
+        EXPECT_GT(one->tradeSteps, 0) << "no trade to compare";
+      }
+      EXPECT_EQ(one->tradeSteps, two->tradeSteps);
+      EXPECT_EQ(one->improveSteps, two->improveSteps);
+      EXPECT_EQ(one->owner, two->owner);
+    }
+  }
 }
 
 TEST(DistributorTest, TheMemoryAwareBoundCountsWhatTheCapForcesOntoGiantHolders) {

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -109,6 +111,131 @@ TEST(ParallelTest, AfterARunBothThisThreadHasTwoAgain) {
             [&] { second = std::this_thread::get_id(); });
   } while (second == here && std::chrono::steady_clock::now() < until);
   EXPECT_NE(second, here);
+}
+
+// Busy for `us` microseconds (a side that uses its core).
+void spinFor(int us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
+// Counts the callables running at once (`running`) and the most seen (`most`).
+struct Concurrency {
+  std::atomic<int> running{0}, most{0};
+  template <typename F>
+  void run(F&& f) {
+    const int now = ++running;
+    for (int m = most; now > m && !most.compare_exchange_weak(m, now);) {
+    }
+    f();
+    --running;
+  }
+};
+
+TEST(HelperThreadTest, EverySideRunsOnceAndSecondSidesRunOnTheHelper) {
+  // Many short runBoths in a row, as the trade search makes them: each side runs exactly once
+  // per call, some second sides run on the kept thread, never more than two at once.
+  Concurrency c;
+  std::atomic<int> firsts{0}, seconds{0}, elsewhere{0};
+  const std::thread::id here = std::this_thread::get_id();
+  {
+    HelperThread helper;
+    for (int k = 0; k < 2000; ++k) {
+      helper.runBoth(
+          [&] {
+            c.run([&] {
+              spinFor(20);
+              ++firsts;
+            });
+          },
+          [&] {
+            c.run([&] {
+              if (std::this_thread::get_id() != here) ++elsewhere;
+              ++seconds;
+            });
+          });
+    }
+  }
+  EXPECT_EQ(firsts.load(), 2000);
+  EXPECT_EQ(seconds.load(), 2000);
+  EXPECT_GT(elsewhere.load(), 0);
+  EXPECT_LE(c.most.load(), 2);
+  EXPECT_EQ(tBudget, nullptr);
+}
+
+TEST(HelperThreadTest, ErrorsAreRunBothsAndTheHelperGoesOn) {
+  // The first side's error when it throws (the second still finished or never started), else
+  // the second side's, on whichever thread ran it; later calls still run both sides.
+  HelperThread helper;
+  int firsts = 0, seconds = 0;  // each side writes its own
+  for (int k = 0; k < 50; ++k) {
+    EXPECT_THROW(helper.runBoth([] { throw std::runtime_error("first"); },
+                                [] { throw std::logic_error("second"); }),
+                 std::runtime_error);
+    EXPECT_THROW(helper.runBoth([] {}, [] { throw std::logic_error("second"); }), std::logic_error);
+    helper.runBoth([&] { ++firsts; }, [&] { ++seconds; });
+  }
+  EXPECT_EQ(firsts, 50);
+  EXPECT_EQ(seconds, 50);
+}
+
+TEST(HelperThreadTest, InOrderWhenTheBudgetHasNoThreadAndWithTheOneLentWhileAThreadSleeps) {
+  // Under an outer runBoth whose second side is busy, the kept thread gets no budget: every
+  // second side runs on the calling thread. Once that side sleeps in whileLent, its thread is
+  // lent: second sides run on the kept thread. When it wakes it takes its thread back, waiting
+  // for the kept thread's call to end: never more than two running at once.
+  Concurrency c;
+  std::atomic<int> phase{0};  // 1: the outer second side is busy; 2: asleep; 3: awake again
+  std::atomic<bool> wake{false}, secondDone{false};
+  std::mutex mutex;
+  std::condition_variable woken;
+  int inOrderElsewhere = 0, lentElsewhere = 0;
+  runBoth(
+      true,
+      [&] {
+        const std::thread::id here = std::this_thread::get_id();
+        HelperThread helper;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (phase != 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        for (int k = 0; k < 200; ++k) {  // the outer second side holds the budget's thread
+          helper.runBoth(
+              [&] { c.run([] {}); },
+              [&] { c.run([&] { inOrderElsewhere += std::this_thread::get_id() != here; }); });
+        }
+        phase = 2;  // let it sleep
+        while (lentElsewhere == 0 && std::chrono::steady_clock::now() < until) {
+          helper.runBoth(
+              [&] { c.run([] { spinFor(50); }); },
+              [&] { c.run([&] { lentElsewhere += std::this_thread::get_id() != here; }); });
+        }
+        {
+          const std::lock_guard<std::mutex> lock(mutex);
+          wake = true;
+        }
+        woken.notify_all();
+        while (!secondDone && std::chrono::steady_clock::now() < until) {  // while the other
+          // side takes its thread back and runs
+          helper.runBoth([&] { c.run([] { spinFor(20); }); }, [&] { c.run([] { spinFor(20); }); });
+        }
+      },
+      [&] {
+        c.run([&] {
+          phase = 1;
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (phase == 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        });
+        whileLent([&] {
+          std::unique_lock<std::mutex> lock(mutex);
+          woken.wait(lock, [&] { return wake.load(); });
+        });
+        for (int k = 0; k < 200; ++k) c.run([] { spinFor(20); });
+        secondDone = true;
+      });
+  EXPECT_EQ(inOrderElsewhere, 0);
+  EXPECT_GT(lentElsewhere, 0);
+  EXPECT_LE(c.most.load(), 2);
+  EXPECT_EQ(tBudget, nullptr);
 }
 
 }  // namespace

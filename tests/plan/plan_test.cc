@@ -2,14 +2,13 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <optional>
 #include <string>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/json.h"
 #include "fcp/plan/limits.h"
+#include "plan_threads.h"
 
 namespace fcp::plan {
 namespace {
@@ -82,26 +81,7 @@ TEST(PlanTest, SameSeedGivesByteIdenticalJson) {
   EXPECT_NE(a, planToJson(makePlan("bimodal", 32, MaskKind::kCausal, 43)));
 }
 
-/// Sets FCP_PLAN_THREADS for one scope, then puts back what was there.
-class PlanThreads {
- public:
-  explicit PlanThreads(const char* value) {
-    if (const char* old = std::getenv("FCP_PLAN_THREADS")) old_ = old;
-    setenv("FCP_PLAN_THREADS", value, 1);
-  }
-  ~PlanThreads() {
-    if (old_) {
-      setenv("FCP_PLAN_THREADS", old_->c_str(), 1);
-    } else {
-      unsetenv("FCP_PLAN_THREADS");
-    }
-  }
-  PlanThreads(const PlanThreads&) = delete;
-  PlanThreads& operator=(const PlanThreads&) = delete;
-
- private:
-  std::optional<std::string> old_;
-};
+using testing::PlanThreads;
 
 // validate replays the two passes' stages on two threads for large plans: the same sentences,
 // in the same order, as on one thread, forward's first, over the 50 reported (the rest

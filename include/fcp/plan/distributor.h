@@ -44,6 +44,9 @@ struct Assignment {
   double lowerBound = 0;       ///< LB as defined above
   double greedyMaxCost = 0;    ///< busiest worker after the greedy, before improvement
   int64_t improveSteps = 0;    ///< improvement steps applied
+  /// Of those, the trades and chains: the steps taken when no single move or swap lowers the
+  /// busiest worker, each of which weighs every worker.
+  int64_t tradeSteps = 0;
   /// The greedy found no room for some block (large blocks against a tight cap) and moves and
   /// swaps had to bring every worker back under the cap before the improvement pass.
   bool memoryRepaired = false;
@@ -62,7 +65,9 @@ int64_t memoryCapTokens(const DistributorOptions& options);
 /// Assigns blocks with memories `tokens` and costs `costs` (same length) to workers.
 /// Throws Error(kInvalidArgument) when options are out of range, a block or the whole batch
 /// cannot fit under the cap, or the greedy met a block no worker had room for and no moves
-/// or swaps could make room (naming the block).
+/// or swaps could make room (naming the block). From 1024 workers the improvement pass may
+/// use a second thread (FCP_PLAN_THREADS, as buildPlan; an invalid value is an error there
+/// too); the assignment is the same on one thread or two.
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
 
