@@ -7,9 +7,9 @@
 #    interpreter that would load it is not instrumented). LeakSanitizer ignores only Open
 #    MPI's own allocations (tests/sanitizers/lsan.supp); nothing of FCP's is suppressed.
 #  - ${FCP_TSAN_BUILD_DIR:-build-tsan}: the runtime's and the API's threaded tests (ranks as
-#    threads, the progress and pipeline threads) and the planner's on two threads (runBoth and
-#    a plan made on one and on two), built with
-#    ThreadSanitizer.
+#    threads, the progress and pipeline threads) and the planner's on two threads (runBoth,
+#    HelperThread and whileLent, a plan made on one thread and on two, and the distributor's
+#    trade search on one and on two), built with ThreadSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # ccache (when CMake found it): hash paths relative to this tree, so another clone hits too.

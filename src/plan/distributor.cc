@@ -24,10 +24,6 @@ constexpr double kLocalityReserve = 0.1;
 constexpr int32_t kSwapCandidates = 8;
 /// How many of the least-loaded workers bestTrade tries two blocks back from.
 constexpr size_t kPairTradeWorkers = 64;
-/// From how many workers bestTrade, which weighs a trade with every worker, splits them over
-/// two threads (a HelperThread kept for the improvement pass): a trade at 4096 workers takes
-/// about 0.4 ms on one thread, and handing half to the other costs tens of microseconds.
-constexpr int32_t kParallelTradeWorkers = 1024;
 
 /// Segment tree over workers holding, per subtree, the least memory, the least compute and
 /// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
@@ -338,8 +334,9 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
 /// are light but small, and a costly block of w fits on none of them). Block i of w goes to
 /// some worker u, and blocks of u come back to w so that u has room for i: its least dense
 /// blocks (least cost per token) until it does, or any one of its blocks, or (on the
-/// kPairTradeWorkers least-loaded workers) any two. Every worker is tried: this runs only once
-/// the cheap changes are spent.
+/// kPairTradeWorkers least-loaded workers) any two. Every worker is weighed (skipping those
+/// that provably cannot beat the best trade found so far): this runs only once the cheap
+/// changes are spent.
 /// The least new maximum of the two workers' costs wins (ties: the first in (worker, block)
 /// order); `block` is -1 when no trade lowers w.
 struct Trade {
@@ -491,7 +488,9 @@ Trade bestTradeAmong(const Loads& loads, int32_t busiest, const std::vector<int6
   return best;
 }
 
-/// `helper`, when given, takes half the workers (see kParallelTradeWorkers).
+/// `helper`, when given, may take half the workers (when the thread budget has a thread free).
+/// From kParallelTradeWorkers workers: a trade at 4096 workers takes about 0.4 ms on one
+/// thread, and handing half to the other costs tens of microseconds.
 Trade bestTrade(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
                 const std::vector<double>& costs, int64_t cap, SparseFirst& sparseFirst,
                 detail::HelperThread* helper) {
@@ -773,6 +772,10 @@ Totals checkTotals(const std::vector<int64_t>& tokens, const std::vector<double>
   Totals t;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int64_t m = tokens[i];
+    if (m < 0 || !(costs[i] >= 0 && costs[i] < kInf)) {
+      throwInvalidArgument("block ", i, " has ", m, " tokens and cost ", costs[i],
+                           ": expected tokens >= 0 and a finite cost >= 0");
+    }
     if (m > cap && t.oversized < 0) t.oversized = static_cast<int32_t>(i);
     t.tokens += m;
     t.cost += costs[i];
@@ -811,7 +814,8 @@ void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& token
   const auto mOf = [&](int32_t blk) { return tokens[static_cast<size_t>(blk)]; };
   const auto cOf = [&](int32_t blk) { return costs[static_cast<size_t>(blk)]; };
   SparseFirst sparseFirst(loads.cost.size(), tokens, costs);
-  // A second thread for the trades' search on large plans, started at the first trade.
+  // A second thread for the trades' search on large plans, started at the first trade that
+  // finds the thread budget's second thread free.
   std::optional<detail::HelperThread> helper;
   if (static_cast<int64_t>(loads.cost.size()) >= kParallelTradeWorkers && detail::planThreads() > 1)
     helper.emplace();

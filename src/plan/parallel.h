@@ -3,9 +3,11 @@
 //
 // Every rank must reach the same plan, so concurrency here never decides anything: the two
 // callables read shared inputs only and write disjoint outputs, and the plan is the same
-// whether they ran one after the other or side by side, in either order. (One exception, by
+// whether they ran one after the other or side by side, in either order. (Two exceptions, by
 // field: colorTransfers writes each transfer's `round`, and plan.numRounds, while the other
-// side reads the transfers' other fields and never those two.)
+// side reads the transfers' other fields and never those two; the two sides of a trade search
+// share the distributor's cache of sorted block lists, each writing only its own workers'
+// entries.)
 
 #include <atomic>
 #include <cstdint>
@@ -53,11 +55,17 @@ inline bool worthParallel(int64_t pairs) {
 /// batches at 4096 workers, long after the local placement beside it is done). The calling
 /// thread, when its side ends first, waits for the helper's without lending its thread; a
 /// thread that sleeps until the other side offers a value lends itself while it sleeps
-/// (whileLent). `free` counts the threads a runBoth may start: 1 while no helper runs.
+/// (whileLent). `free` counts the threads a runBoth may start: 1 while no helper runs (or while
+/// the one that runs is lent); the running threads and `free` always add up to two.
 struct ThreadBudget {
   std::atomic<int> free{1};
-  /// Takes a free thread, if there is one.
-  bool take() {
+  /// Lenders waiting to take their thread back: while one waits, take() leaves the thread to
+  /// it (a runBoth in a loop would otherwise take it again before the waiter wakes).
+  std::atomic<int> reclaiming{0};
+  /// Takes a free thread, if there is one and no lender is waiting for it.
+  bool take() { return reclaiming.load() == 0 && takeAny(); }
+  /// Takes a free thread, if there is one, before any runBoth.
+  bool takeAny() {
     for (int n = free.load(); n > 0;)
       if (free.compare_exchange_weak(n, n - 1)) return true;
     return false;
@@ -153,7 +161,9 @@ decltype(auto) whileLent(Wait&& wait) {
     ThreadBudget* budget;
     explicit Lent(ThreadBudget* b) : budget(b) { budget->give(); }
     ~Lent() {
-      while (!budget->take()) budget->free.wait(0);
+      budget->reclaiming.fetch_add(1);
+      while (!budget->takeAny()) budget->free.wait(0);
+      budget->reclaiming.fetch_sub(1);
     }
     Lent(const Lent&) = delete;
     Lent& operator=(const Lent&) = delete;
@@ -164,11 +174,15 @@ decltype(auto) whileLent(Wait&& wait) {
 /// A second thread kept for many short runBoths in a row (the improvement pass weighs a trade
 /// with every worker thousands of times, each a fraction of a millisecond: a fresh thread per
 /// call starts too late to take its half). Its runBoth keeps runBoth's rules: it draws on
-/// the budget this thread draws on (or a budget of its own outside any runBoth), so it runs
-/// in order while no thread is free; the second side goes to whichever thread claims it first;
-/// the same error is thrown. The thread is started at the first runBoth that gets a thread
-/// and sleeps between them (an atomic's wait); it holds the budget's thread only while it
-/// runs a second side. Not for use from two threads at once.
+/// the budget this thread draws on (or a budget of its own outside any runBoth, which runBoths
+/// nested in its sides then draw on), so it runs in order while no thread is free; the second
+/// side goes to whichever thread claims it first; the same error is thrown. The thread is
+/// started at the first runBoth that gets a thread. A runBoth holds the budget's thread from
+/// start to end, whichever thread runs the second side. Between runBoths the kept thread spins
+/// briefly while the budget has a thread free (the next call usually comes within
+/// microseconds, and waking from a wait takes tens of them), then sleeps on an atomic. Not for
+/// use from two threads at once; made and destroyed inside the runBoth, if any, whose budget it
+/// draws on.
 class HelperThread {
  public:
   HelperThread() = default;
@@ -190,13 +204,18 @@ class HelperThread {
       second();
       return;
     }
-    struct Give {
+    // Both threads draw on `budget` until the call returns, and the thread goes back to it.
+    struct Hold {
       ThreadBudget* budget;
-      explicit Give(ThreadBudget* b) : budget(b) {}
-      ~Give() { budget->give(); }
-      Give(const Give&) = delete;
-      Give& operator=(const Give&) = delete;
-    } const give(budget);
+      ThreadBudget* saved = tBudget;
+      explicit Hold(ThreadBudget* b) : budget(b) { tBudget = b; }
+      ~Hold() {
+        tBudget = saved;
+        budget->give();
+      }
+      Hold(const Hold&) = delete;
+      Hold& operator=(const Hold&) = delete;
+    } const hold(budget);
     if (!thread_.joinable()) {
       try {
         thread_ = std::thread([this] { serve(); });
@@ -233,18 +252,21 @@ class HelperThread {
  private:
   void serve() {
     uint32_t seen = 0;
+    ThreadBudget* budget = nullptr;  // the last task's, once there was one
     for (;;) {
-      // A short spin first: the next task usually comes within microseconds, and waking from
-      // the wait takes tens of them.
-      for (int spin = 0; spin < kSpins && posted_.load(std::memory_order_relaxed) == seen; ++spin)
+      for (int spin = 0; spin < kSpins && budget != nullptr && budget->free.load() > 0 &&
+                         posted_.load(std::memory_order_relaxed) == seen;
+           ++spin) {
         std::this_thread::yield();
+      }
       posted_.wait(seen);
       const uint32_t round = posted_.load();
       if (round == seen) continue;
       seen = round;
       if (stop_) return;
       if (!claimed_.exchange(true)) {
-        tBudget = taskBudget_;
+        budget = taskBudget_;
+        tBudget = budget;
         try {
           task_(taskArg_);
         } catch (...) {
@@ -256,6 +278,7 @@ class HelperThread {
     }
   }
 
+  /// Yields before sleeping.
   static constexpr int kSpins = 200;
   ThreadBudget own_;
   std::thread thread_;

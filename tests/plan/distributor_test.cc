@@ -233,16 +233,36 @@ TEST(DistributorTest, ChainsWhenNoTradeLowersTheBusiest) {
   expectTheOptimum(cases, 3);
 }
 
+/// FNV-1a of an assignment's owners.
+uint64_t ownersHash(const std::vector<int32_t>& owner) {
+  uint64_t h = 14695981039346656037ull;
+  for (const int32_t w : owner) {
+    h ^= static_cast<uint32_t>(w);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 TEST(DistributorTest, TradesOnTwoThreadsChooseWhatOneChooses) {
-  // From 1024 workers the trade search runs on two threads, the even workers on one and the
-  // odd on the other (bestTrade). The assignment must be the one the search on one thread
-  // makes, to the block. 8,192 blocks on 1024 workers, 5 % memory slack: long-tailed costs;
-  // and costs of 16 exact values (tokens of 1K, 2K, 3K or 4K, at 1, 2, 4 or 8 per token),
-  // where the two threads' best trades often tie and the lower worker must win. Two batches
-  // of each kind whose improvement needs trades, and one drawn fresh (FCP_TEST_SEED replays
-  // it), which may need none.
+  // From kParallelTradeWorkers workers the trade search runs on two threads, the even workers
+  // on one and the odd on the other (bestTrade). The assignment must be the one the search on
+  // one thread makes, to the block, and for the fixed batches the one d747bfb made, before the
+  // search was split and pruned (its owners' hash, pinned). 8,192 blocks on 1024 workers, 5 %
+  // memory slack: long-tailed costs; and costs of 10 exact values (tokens of 1K, 2K, 3K or 4K,
+  // at 1, 2, 4 or 8 per token), where the two threads' best trades often tie and the lower
+  // worker must win. Two batches of each kind whose improvement needs trades, and one drawn
+  // fresh (FCP_TEST_SEED replays it), which may need none.
+  static_assert(kParallelTradeWorkers <= 1024, "the batches below must take the split search");
   const uint64_t fresh = testing::testSeed();
   SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(fresh));
+  struct Pinned {
+    bool exactValues;
+    uint64_t seed, hash;
+  };
+  const Pinned pinned[] = {{false, 1, 0x04eb57573dabe823},
+                           {false, 2, 0x034371c9a7ae9e38},
+                           {true, 1, 0xc1c18c195414274a},
+                           {true, 2, 0x48557f92d9aea9e9}};
   for (const bool exactValues : {false, true}) {
     for (const uint64_t seed : {uint64_t{1}, uint64_t{2}, fresh}) {
       SCOPED_TRACE((exactValues ? "exact values, seed " : "long-tailed, seed ") +
@@ -277,8 +297,11 @@ TEST(DistributorTest, TradesOnTwoThreadsChooseWhatOneChooses) {
         EXPECT_EQ(seed, fresh);
         continue;
       }
-      if (seed != fresh) {
-        EXPECT_GT(one->tradeSteps, 0) << "no trade to compare";
+      for (const Pinned& p : pinned) {
+        if (p.exactValues == exactValues && p.seed == seed && seed != fresh) {
+          EXPECT_GT(one->tradeSteps, 0) << "no trade to compare";
+          EXPECT_EQ(ownersHash(one->owner), p.hash);
+        }
       }
       EXPECT_EQ(one->tradeSteps, two->tradeSteps);
       EXPECT_EQ(one->improveSteps, two->improveSteps);
@@ -338,6 +361,35 @@ TEST(DistributorTest, BadOptionsAreErrors) {
   o.alpha = 0;
   o.beta = 0;
   EXPECT_THROW(assignBlocks({1}, {1}, o), Error);
+}
+
+TEST(DistributorTest, BadBlocksAreNamed) {
+  // A block with negative tokens, or a cost that is negative, NaN or infinite: one line naming
+  // the block and its values, from both entry points and both placements' assignments.
+  DistributorOptions o;
+  o.numWorkers = 2;
+  o.memoryLimitTokens = 10;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& [tokens, cost] :
+       {std::pair<int64_t, double>{-1, 1.0}, {1, -1.0}, {1, nan}, {1, inf}}) {
+    const std::vector<int64_t> t{2, tokens};
+    const std::vector<double> c{1.0, cost};
+    for (int entry = 0; entry < 3; ++entry) {
+      try {
+        if (entry == 0) assignBlocks(t, c, o);
+        if (entry == 1) (void)tryAssignBlocks(t, c, o);
+        if (entry == 2) (void)tryAssignBlocksNearHome(t, c, {0, 1}, o);
+        ADD_FAILURE() << "accepted " << tokens << " tokens at cost " << cost;
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("block 1 has " + std::to_string(tokens) + " tokens and cost"),
+                  std::string::npos)
+            << what;
+        EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+      }
+    }
+  }
 }
 
 TEST(DistributorTest, NoBlocksIsFine) {

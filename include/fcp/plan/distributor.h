@@ -62,12 +62,15 @@ void checkDistributorOptions(const DistributorOptions& options);
 /// The cap in tokens: floor(M · (1 + δ)).
 int64_t memoryCapTokens(const DistributorOptions& options);
 
+/// From how many workers the improvement pass's trade search may use a second thread
+/// (FCP_PLAN_THREADS, as buildPlan); the assignment is the same on one thread or two.
+inline constexpr int64_t kParallelTradeWorkers = 1024;
+
 /// Assigns blocks with memories `tokens` and costs `costs` (same length) to workers.
-/// Throws Error(kInvalidArgument) when options are out of range, a block or the whole batch
-/// cannot fit under the cap, or the greedy met a block no worker had room for and no moves
-/// or swaps could make room (naming the block). From 1024 workers the improvement pass may
-/// use a second thread (FCP_PLAN_THREADS, as buildPlan; an invalid value is an error there
-/// too); the assignment is the same on one thread or two.
+/// Throws Error(kInvalidArgument) when options are out of range, a block has negative tokens
+/// or a cost that is negative or not finite, a block or the whole batch cannot fit under the
+/// cap, the greedy met a block no worker had room for and no moves or swaps could make room
+/// (naming the block), or (from kParallelTradeWorkers workers) FCP_PLAN_THREADS is invalid.
 Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<double>& costs,
                         const DistributorOptions& options);
 
@@ -75,7 +78,7 @@ Assignment assignBlocks(const std::vector<int64_t>& tokens, const std::vector<do
 /// not pack under it: nullopt when a block is over the cap or the greedy met a block no
 /// worker had room for and no moves or swaps could make room; that block's index goes to
 /// `unplaced` when given. Blocks of at most safeBlockTokens tokens always pack. Still throws
-/// for bad options and for a batch over workers x cap tokens.
+/// for the other errors of assignBlocks.
 std::optional<Assignment> tryAssignBlocks(const std::vector<int64_t>& tokens,
                                           const std::vector<double>& costs,
                                           const DistributorOptions& options,
