@@ -26,6 +26,22 @@ namespace py = pybind11;
 namespace fcp::python {
 namespace {
 
+/// A holder's deleter that destroys with the GIL released when it is held: a PendingBatch
+/// dropped unused waits for its planning thread, which on a long-tailed batch at thousands of
+/// workers takes seconds, and Python's other threads (data loading, logging) would stop
+/// meanwhile. Nothing the destructor runs touches Python.
+struct WithoutGil {
+  template <typename T>
+  void operator()(T* p) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete p;
+    } else {
+      delete p;
+    }
+  }
+};
+
 /// A Transport over Python callables:
 ///   isend(peer, tag, address, nbytes) -> request     irecv(peer, tag, address, nbytes) -> request
 ///   test(request) -> bool                            wait(request, timeout_seconds) -> None
@@ -247,10 +263,11 @@ PYBIND11_MODULE(_fcp, m) {
       py::arg("comm_ratio"), py::arg("local_error") = "");
 
   // Planned on a thread of its own (collective checks first); AttentionBatch(pending) waits.
-  py::class_<PendingBatch>(m, "PendingBatch")
+  // Dropped unused, it waits for its planning to end, with the GIL released (WithoutGil).
+  py::class_<PendingBatch, std::unique_ptr<PendingBatch, WithoutGil>>(m, "PendingBatch")
       .def(py::init([](std::shared_ptr<runtime::Transport> transport, const BatchOptions& o) {
              py::gil_scoped_release release;
-             return std::make_unique<PendingBatch>(*transport, o);
+             return std::unique_ptr<PendingBatch, WithoutGil>(new PendingBatch(*transport, o));
            }),
            py::arg("transport"), py::arg("options"), py::keep_alive<1, 2>())
       .def_property_readonly("ready", &PendingBatch::ready);

@@ -356,7 +356,8 @@ class PendingBatch:
     other rank, so the current step's attention and the caller's own collectives may run
     meanwhile. ``batch()`` (collective) waits for the plan and returns the Batch, the same one
     ``Batch(...)`` would have made; call it once, on every rank at the same point. Use a pending
-    batch from one thread; dropping one unused waits for its planning to end.
+    batch from one thread; dropping one unused waits for its planning to end, with the GIL
+    released (the caller's other threads run meanwhile).
     """
 
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,

@@ -10,6 +10,7 @@ Run under a launcher, every rank running pytest in step (each test is collective
         -> an mpi4py communicator
 """
 import os
+import threading
 import time
 
 import pytest
@@ -217,6 +218,38 @@ def test_a_pending_batch_plans_while_the_step_before_runs(group):
     assert torch.equal(step(planned, cu1, b1, e1), direct.dispatch(torch.arange(b1, e1, dtype=torch.int64)))
     with pytest.raises(fcp.Error, match="already used"):
         pending.batch()
+
+
+def test_dropping_an_unused_pending_batch_lets_other_threads_run(group):
+    """A PendingBatch dropped unused waits for its planning to end (here a few hundred
+    milliseconds: one sequence of 256K tokens in 256-token blocks, half a million block pairs;
+    seconds for long-tailed batches at thousands of workers) with the GIL released: another
+    Python thread runs meanwhile. Holding it, that thread could not run at all during the drop."""
+    comm, rank, ranks = group
+    total = 1 << 18
+    starts = split(total, ranks, 1)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    pending = ft.PendingBatch([0, total], (starts[rank], starts[rank + 1]), comm, heads=1, kv_heads=1,
+                              head_dim=16, block_size=256)
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        assert not pending.ready, "planned before the drop: the batch is too small to show anything"
+        begin = time.monotonic()
+        del pending
+        end = time.monotonic()
+    finally:
+        stop.set()
+        thread.join()
+    during = sum(1 for t in ticks if begin < t < end)
+    # Holding the GIL, at most a tick or two from a thread switch just before the drop began.
+    assert during >= 10, f"the other thread ran {during} times in the {end - begin:.3f} s drop"
 
 
 def test_one_ranks_planning_failure_stops_every_rank(group, monkeypatch):
