@@ -29,11 +29,17 @@ namespace {
 /// A holder's deleter that destroys with the GIL released when it is held: a PendingBatch
 /// dropped unused waits for its planning thread, which on a long-tailed batch at thousands of
 /// workers takes seconds, and Python's other threads (data loading, logging) would stop
-/// meanwhile. Nothing the destructor runs touches Python.
+/// meanwhile. Nothing the destructor runs touches Python. Not while the interpreter shuts down:
+/// a daemon thread that let the GIL go then would end as it took it back, inside this frame.
 struct WithoutGil {
   template <typename T>
   void operator()(T* p) const {
-    if (PyGILState_Check()) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (PyGILState_Check() && !finalizing) {
       py::gil_scoped_release release;
       delete p;
     } else {
