@@ -39,12 +39,9 @@ struct WithoutGil {
 #else
     const bool finalizing = _Py_IsFinalizing();
 #endif
-    if (PyGILState_Check() && !finalizing) {
-      py::gil_scoped_release release;
-      delete p;
-    } else {
-      delete p;
-    }
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check() && !finalizing) release.emplace();
+    delete p;
   }
 };
 

@@ -252,9 +252,9 @@ class HelperThread {
  private:
   void serve() {
     uint32_t seen = 0;
-    ThreadBudget* budget = nullptr;  // the last task's, once there was one
     for (;;) {
-      for (int spin = 0; spin < kSpins && budget != nullptr && budget->free.load() > 0 &&
+      // tBudget: the last task's, once there was one.
+      for (int spin = 0; spin < kSpins && tBudget != nullptr && tBudget->free.load() > 0 &&
                          posted_.load(std::memory_order_relaxed) == seen;
            ++spin) {
         std::this_thread::yield();
@@ -265,8 +265,7 @@ class HelperThread {
       seen = round;
       if (stop_) return;
       if (!claimed_.exchange(true)) {
-        budget = taskBudget_;
-        tBudget = budget;
+        tBudget = taskBudget_;
         try {
           task_(taskArg_);
         } catch (...) {

@@ -18,16 +18,19 @@
 namespace fcp::plan::detail {
 namespace {
 
-/// The worker a scan of all of them chooses: the least (max(a (m_w + mi), b (c_w + ci)), w)
-/// among those with m_w <= memLimit; -1 when none has room.
+/// Algorithm 1's score of a block of mi tokens and cost ci on a worker with mem and cost.
+double score(double a, double b, int64_t mem, double cost, int64_t mi, double ci) {
+  return std::max(a * (static_cast<double>(mem) + static_cast<double>(mi)), b * (cost + ci));
+}
+
+/// The worker a scan of all of them chooses: the least (score, w) among those with
+/// m_w <= memLimit; -1 when none has room.
 int32_t scanArgMin(const std::vector<int64_t>& mem, const std::vector<double>& cost, double a,
                    double b, int64_t memLimit, int64_t mi, double ci) {
   std::pair<double, int32_t> best{std::numeric_limits<double>::infinity(), -1};
   for (size_t w = 0; w < mem.size(); ++w) {
     if (mem[w] > memLimit) continue;
-    const double score =
-        std::max(a * (static_cast<double>(mem[w]) + static_cast<double>(mi)), b * (cost[w] + ci));
-    best = std::min(best, {score, static_cast<int32_t>(w)});
+    best = std::min(best, {score(a, b, mem[w], cost[w], mi, ci), static_cast<int32_t>(w)});
   }
   return best.second;
 }
@@ -71,13 +74,13 @@ void checkAgainstScan(int32_t n, bool exact, std::mt19937_64& rng) {
         // written; both must reach the same least score.
         ASSERT_EQ(got < 0, want < 0) << "step " << step;
         if (got < 0) continue;
-        const auto score = [&](int32_t w) {
+        const auto scoreOf = [&](int32_t w) {
           const auto ws = static_cast<size_t>(w);
-          return std::max(a * (static_cast<double>(mem[ws]) + static_cast<double>(mi)),
-                          b * (cost[ws] + ci));
+          return score(a, b, mem[ws], cost[ws], mi, ci);
         };
         ASSERT_LE(mem[static_cast<size_t>(got)], limit) << "step " << step;
-        ASSERT_NEAR(score(got), score(want), 1e-12 * std::max(1.0, score(want))) << "step " << step;
+        ASSERT_NEAR(scoreOf(got), scoreOf(want), 1e-12 * std::max(1.0, scoreOf(want)))
+            << "step " << step;
       }
     }
   }
