@@ -7,6 +7,7 @@
 #include <numeric>
 #include <span>
 
+#include "communication.h"
 #include "fcp/core/error.h"
 #include "huge_pages.h"
 
@@ -14,21 +15,34 @@ namespace fcp::plan {
 namespace {
 
 /// Throws for an edge naming a worker outside [0, numWorkers), a self-edge or negative bytes.
-/// colorEdges checks on its degree pass and calls this only to name the first bad transfer.
-void checkEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
+/// The colouring checks on its degree pass and calls this only to name the first bad edge.
+template <typename Edges>
+void checkEdges(int32_t numWorkers, const Edges& edges) {
   if (numWorkers < 1) throwInvalidArgument("numWorkers ", numWorkers, ": expected at least 1");
   for (size_t i = 0; i < edges.size(); ++i) {
-    const Edge& e = edges[i];
-    if (e.sender < 0 || e.sender >= numWorkers || e.receiver < 0 || e.receiver >= numWorkers) {
-      throwInvalidArgument("transfer ", i, ": sender ", e.sender, " receiver ", e.receiver,
+    const int32_t sender = edges.sender(i), receiver = edges.receiver(i);
+    if (sender < 0 || sender >= numWorkers || receiver < 0 || receiver >= numWorkers) {
+      throwInvalidArgument("transfer ", i, ": sender ", sender, " receiver ", receiver,
                            ": expected workers in [0, ", numWorkers, ")");
     }
-    if (e.sender == e.receiver) {
-      throwInvalidArgument("transfer ", i, ": worker ", e.sender, " sends to itself");
+    if (sender == receiver) {
+      throwInvalidArgument("transfer ", i, ": worker ", sender, " sends to itself");
     }
-    if (e.bytes < 0) throwInvalidArgument("transfer ", i, ": bytes ", e.bytes, " < 0");
+    if (edges.bytes(i) < 0)
+      throwInvalidArgument("transfer ", i, ": bytes ", edges.bytes(i), " < 0");
   }
 }
+
+/// The colouring's view of a list of edges: Edge, or the plan's transfers in place (copying
+/// 500K transfers into edges was 8 MB of fresh memory on the planner's longest path).
+template <typename T>
+struct EdgeView {
+  const std::vector<T>& items;
+  size_t size() const { return items.size(); }
+  int32_t sender(size_t i) const { return items[i].sender; }
+  int32_t receiver(size_t i) const { return items[i].receiver; }
+  int64_t bytes(size_t i) const { return items[i].bytes; }
+};
 
 /// A size class that orders transfers by size to within 1/64: sizes below 128 bytes are
 /// their own class; above, the class is the exponent and the six bits after the leading one.
@@ -257,15 +271,18 @@ class Colorer {
   std::vector<int32_t> path_;
 };
 
-/// Renumbers rounds in descending order of their largest transfer, ties by colour (usually
-/// already so: large edges are coloured first, with the lowest free colour).
-void orderRoundsByLargestTransfer(const std::vector<Edge>& edges, EdgeColoring& coloring) {
-  std::vector<int64_t> roundMax(static_cast<size_t>(coloring.numColors), 0);
-  for (size_t i = 0; i < edges.size(); ++i) {
-    int64_t& m = roundMax[static_cast<size_t>(coloring.color[i])];
-    m = std::max(m, edges[i].bytes);
+/// The renumbering that puts rounds in descending order of their largest transfer, ties by
+/// colour (usually the identity: large edges are coloured first, with the lowest free colour);
+/// `colorInOrder[at]` is the colour of edge `original[at]`.
+template <typename Edges>
+std::vector<int32_t> roundsByLargestTransfer(const Edges& edges, int32_t numColors,
+                                             std::span<const int32_t> original,
+                                             std::span<const int32_t> colorInOrder) {
+  std::vector<int64_t> roundMax(static_cast<size_t>(numColors), 0);
+  for (size_t at = 0; at < original.size(); ++at) {
+    int64_t& m = roundMax[static_cast<size_t>(colorInOrder[at])];
+    m = std::max(m, edges.bytes(static_cast<size_t>(original[at])));
   }
-  if (std::is_sorted(roundMax.begin(), roundMax.end(), std::greater<>())) return;
   std::vector<int32_t> rank(roundMax.size());
   std::iota(rank.begin(), rank.end(), 0);
   std::stable_sort(rank.begin(), rank.end(), [&](int32_t x, int32_t y) {
@@ -275,7 +292,7 @@ void orderRoundsByLargestTransfer(const std::vector<Edge>& edges, EdgeColoring& 
   for (size_t k = 0; k < rank.size(); ++k) {
     renumber[static_cast<size_t>(rank[k])] = static_cast<int32_t>(k);
   }
-  for (int32_t& c : coloring.color) c = renumber[static_cast<size_t>(c)];
+  return renumber;
 }
 
 /// Scratch that colorEdges reuses from call to call on one thread. The per-edge arrays are
@@ -309,7 +326,7 @@ std::span<T> grow(std::vector<T>& v, size_t size) {
 }  // namespace
 
 int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
-  checkEdges(numWorkers, edges);
+  checkEdges(numWorkers, EdgeView<Edge>{edges});
   std::vector<int32_t> out(static_cast<size_t>(numWorkers)), in(static_cast<size_t>(numWorkers));
   int32_t delta = 0;
   for (const Edge& e : edges) {
@@ -319,28 +336,31 @@ int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
   return delta;
 }
 
-EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
+namespace {
+
+/// Colours `edges` with exactly Δ colours, setColor(i, colour) for each edge i; returns Δ.
+template <typename Edges, typename SetColor>
+int32_t colorEdgesOf(int32_t numWorkers, const Edges& edges, SetColor setColor) {
   if (numWorkers < 1) checkEdges(numWorkers, edges);  // names the bad count
-  EdgeColoring result;
-  detail::resizeHuge(result.color, edges.size());
-  if (edges.empty()) return result;
+  if (edges.size() == 0) return 0;
   const auto n = static_cast<size_t>(numWorkers);
   // Validation, degrees, Δ, and a counting sort of the edges by descending size class (ties by
   // index), in one pass over the input.
   std::vector<int32_t> outDegree(n), inDegree(n);
   std::vector<int32_t> start(kSizeClasses + 1, 0);
   const auto workers = static_cast<uint32_t>(numWorkers);
-  for (const Edge& e : edges) {
+  for (size_t i = 0; i < edges.size(); ++i) {
     // Unsigned compares catch negative ids too; a bad edge stops the pass before it indexes.
-    const auto s = static_cast<uint32_t>(e.sender), r = static_cast<uint32_t>(e.receiver);
-    if (s >= workers || r >= workers || s == r || e.bytes < 0) checkEdges(numWorkers, edges);
+    const auto s = static_cast<uint32_t>(edges.sender(i));
+    const auto r = static_cast<uint32_t>(edges.receiver(i));
+    const int64_t bytes = edges.bytes(i);
+    if (s >= workers || r >= workers || s == r || bytes < 0) checkEdges(numWorkers, edges);
     ++outDegree[s];
     ++inDegree[r];
-    ++start[static_cast<size_t>(kSizeClasses - sizeClass(e.bytes))];
+    ++start[static_cast<size_t>(kSizeClasses - sizeClass(bytes))];
   }
   const int32_t delta = std::max(*std::max_element(outDegree.begin(), outDegree.end()),
                                  *std::max_element(inDegree.begin(), inDegree.end()));
-  result.numColors = delta;
   std::partial_sum(start.begin(), start.end(), start.begin());
   // Merging workers into groups of degree sum ≤ Δ/2 keeps every colouring of the group graph
   // proper for the workers, bounds the vertex count (and the path table) by O(E/Δ + N) and,
@@ -356,22 +376,38 @@ EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
   const auto original = grow(ws.original, edges.size());
   const auto colorInOrder = grow(ws.colorInOrder, edges.size());
   for (size_t i = 0; i < edges.size(); ++i) {
-    const Edge& e = edges[i];
-    const auto at = static_cast<size_t>(start[static_cast<size_t>(kSizeClasses - 1 - sizeClass(e.bytes))]++);
-    ends[at] = {senderGroup[static_cast<size_t>(e.sender)],
-                senderGroups + receiverGroup[static_cast<size_t>(e.receiver)]};
+    const auto at = static_cast<size_t>(
+        start[static_cast<size_t>(kSizeClasses - 1 - sizeClass(edges.bytes(i)))]++);
+    ends[at] = {senderGroup[static_cast<size_t>(edges.sender(i))],
+                senderGroups + receiverGroup[static_cast<size_t>(edges.receiver(i))]};
     original[at] = static_cast<int32_t>(i);
   }
   Colorer(ends, senderGroups + receiverGroups, delta, colorInOrder, ws.freeBits, ws.low).colorAll();
+  const std::vector<int32_t> renumber =
+      roundsByLargestTransfer(edges, delta, original, colorInOrder);
   for (size_t at = 0; at < ends.size(); ++at) {
-    result.color[static_cast<size_t>(original[at])] = colorInOrder[at];
+    setColor(static_cast<size_t>(original[at]), renumber[static_cast<size_t>(colorInOrder[at])]);
   }
-  orderRoundsByLargestTransfer(edges, result);
+  return delta;
+}
+
+}  // namespace
+
+EdgeColoring colorEdges(int32_t numWorkers, const std::vector<Edge>& edges) {
+  EdgeColoring result;
+  detail::resizeHuge(result.color, edges.size());
+  result.numColors = colorEdgesOf(numWorkers, EdgeView<Edge>{edges},
+                                  [&](size_t i, int32_t c) { result.color[i] = c; });
   return result;
 }
 
+int32_t detail::colorTransferRounds(int32_t numWorkers, std::vector<Transfer>& transfers) {
+  return colorEdgesOf(numWorkers, EdgeView<Transfer>{transfers},
+                      [&](size_t i, int32_t c) { transfers[i].round = c; });
+}
+
 RoundCostBounds roundCostBounds(int32_t numWorkers, const std::vector<Edge>& edges) {
-  checkEdges(numWorkers, edges);
+  checkEdges(numWorkers, EdgeView<Edge>{edges});
   RoundCostBounds bounds;
   // (a) Every round's largest edge is at least the one a worker sends (receives) in it.
   std::vector<int64_t> sent(static_cast<size_t>(numWorkers)), received(sent.size());

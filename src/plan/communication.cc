@@ -30,17 +30,20 @@ using detail::PairsByNeed;
 using detail::TransfersByWorker;
 
 /// Transfer ids by one end, their groups left empty (setGroups fills them once the transfers
-/// have their rounds).
-TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end) {
+/// have their rounds); `position`, when given, gets each transfer's index in the list.
+TransfersByWorker transfersBy(const Plan& plan, int32_t Transfer::*end,
+                              std::vector<uint32_t>* position = nullptr) {
   TransfersByWorker g;
   g.offset.assign(static_cast<size_t>(plan.config.numWorkers) + 1, 0);
   for (const Transfer& t : plan.transfers) ++g.offset[static_cast<size_t>(t.*end) + 1];
   for (size_t w = 1; w < g.offset.size(); ++w) g.offset[w] += g.offset[w - 1];
   detail::resizeHuge(g.ids, plan.transfers.size());
+  if (position) detail::resizeHuge(*position, plan.transfers.size());
   std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
   for (size_t t = 0; t < plan.transfers.size(); ++t) {
     const auto at = static_cast<size_t>(next[static_cast<size_t>(plan.transfers[t].*end)]++);
     g.ids[at] = static_cast<int32_t>(t);
+    if (position) (*position)[t] = static_cast<uint32_t>(at);
   }
   return g;
 }
@@ -59,13 +62,19 @@ void setGroups(const Plan& plan, int32_t Transfer::*end, TransfersByWorker& g) {
   }
 }
 
-/// Pairs by what they need (see PairsByNeed), where the key of a transfer is N plus its
-/// position in `received` (so a worker's received transfers have consecutive keys). One pass
-/// over the pairs in their order; transfers are sorted by (block, receiver), so the transfer of
-/// (k, w) is a binary search among block k's few receivers, in a compact copy that stays in
-/// cache.
-PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
+/// Pairs by what they need (see PairsByNeed), `position[t]` being transfer t's index in the
+/// received list (transfersBy). One pass over the pairs in their order;
+/// transfers are sorted by (block, receiver), so the transfer of (k, w) is a binary search
+/// among block k's few receivers, in a compact copy that stays in cache. Keys and offsets are
+/// 32-bit (both are below N + kMaxPairs), and the pairs are placed by their keys from the last
+/// down, each key's end moving down to its start, so that no copy of the offsets is made: at
+/// 4096 workers the arrays here are the planner's largest fresh memory after the stages.
+PairsByNeed groupPairs(const Plan& plan, const std::vector<uint32_t>& position) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
+  FCP_CHECK(n + plan.transfers.size() < std::numeric_limits<uint32_t>::max() &&
+                plan.pairs.size() < std::numeric_limits<uint32_t>::max(),
+            "stage lists of ", plan.transfers.size(), " transfers and ", plan.pairs.size(),
+            " pairs: expected fewer than 2^32 of each");
   std::vector<int64_t> firstOf(plan.blocks.size() + 1, 0);  // block k: [firstOf[k], firstOf[k + 1])
   std::vector<int32_t> receiver;
   detail::resizeHuge(receiver, plan.transfers.size());
@@ -74,33 +83,33 @@ PairsByNeed groupPairs(const Plan& plan, const TransfersByWorker& received) {
     receiver[t] = plan.transfers[t].receiver;
   }
   for (size_t k = 1; k < firstOf.size(); ++k) firstOf[k] += firstOf[k - 1];
-  std::vector<size_t> position;
-  detail::resizeHuge(position, plan.transfers.size());
-  for (size_t i = 0; i < received.ids.size(); ++i)
-    position[static_cast<size_t>(received.ids[i])] = i;
-  std::vector<size_t> keyOf;
+  PairsByNeed g;
+  detail::resizeHuge(g.offset, n + plan.transfers.size() + 1);
+  std::vector<uint32_t> keyOf;
   detail::resizeHuge(keyOf, plan.pairs.size());
   for (size_t p = 0; p < plan.pairs.size(); ++p) {
     const auto k = static_cast<size_t>(plan.pairs[p].kvBlock);
     const int32_t w = plan.owner[static_cast<size_t>(plan.pairs[p].qBlock)];
-    if (plan.owner[k] == w) {
-      keyOf[p] = static_cast<size_t>(w);
-      continue;
+    size_t key = static_cast<size_t>(w);
+    if (plan.owner[k] != w) {
+      const int32_t* first = receiver.data() + firstOf[k];
+      const int32_t* last = receiver.data() + firstOf[k + 1];
+      const int32_t* at = std::lower_bound(first, last, w);
+      FCP_CHECK(at != last && *at == w, "no transfer of block ", k, " to worker ", w);
+      key = n + position[static_cast<size_t>(at - receiver.data())];
     }
-    const int32_t* first = receiver.data() + firstOf[k];
-    const int32_t* last = receiver.data() + firstOf[k + 1];
-    const int32_t* at = std::lower_bound(first, last, w);
-    FCP_CHECK(at != last && *at == w, "no transfer of block ", k, " to worker ", w);
-    keyOf[p] = n + position[static_cast<size_t>(at - receiver.data())];
+    keyOf[p] = static_cast<uint32_t>(key);
+    ++g.offset[key + 1];
   }
-  PairsByNeed g;
-  detail::resizeHuge(g.offset, n + plan.transfers.size() + 1);
-  for (size_t key : keyOf) ++g.offset[key + 1];
   for (size_t k = 1; k < g.offset.size(); ++k) g.offset[k] += g.offset[k - 1];
   detail::resizeHuge(g.ids, plan.pairs.size());
-  std::vector<int64_t> next(g.offset.begin(), g.offset.end() - 1);
-  for (size_t p = 0; p < keyOf.size(); ++p)
-    g.ids[static_cast<size_t>(next[keyOf[p]]++)] = static_cast<int32_t>(p);
+  // From the last pair down, each to the end of its key's range, which then moves down by
+  // one: the ranges fill in ascending pair order, and offset[key + 1] ends at key's start.
+  for (size_t p = keyOf.size(); p-- > 0;)
+    g.ids[--g.offset[static_cast<size_t>(keyOf[p]) + 1]] = static_cast<int32_t>(p);
+  // offset[j + 1] now holds key j's start: shifted back by one, the last is the total again.
+  std::copy(g.offset.begin() + 1, g.offset.end(), g.offset.begin());
+  g.offset.back() = static_cast<uint32_t>(plan.pairs.size());
   return g;
 }
 
@@ -347,12 +356,8 @@ std::vector<Transfer> buildTransfers(const Plan& plan) {
 }
 
 void colorTransfers(Plan& plan) {
-  std::vector<Edge> edges;
-  detail::reserveHuge(edges, plan.transfers.size());
-  for (const Transfer& t : plan.transfers) edges.push_back({t.sender, t.receiver, t.bytes});
-  const EdgeColoring coloring = colorEdges(static_cast<int32_t>(plan.config.numWorkers), edges);
-  plan.numRounds = coloring.numColors;
-  for (size_t e = 0; e < edges.size(); ++e) plan.transfers[e].round = coloring.color[e];
+  plan.numRounds =
+      detail::colorTransferRounds(static_cast<int32_t>(plan.config.numWorkers), plan.transfers);
 }
 
 namespace {
@@ -473,8 +478,9 @@ namespace detail {
 
 StagePrep prepareStages(const Plan& plan) {
   StagePrep prep;
-  prep.received = transfersBy(plan, &Transfer::receiver);
-  prep.need = groupPairs(plan, prep.received);
+  std::vector<uint32_t> position;
+  prep.received = transfersBy(plan, &Transfer::receiver, &position);
+  prep.need = groupPairs(plan, position);
   prep.sent = transfersBy(plan, &Transfer::sender);
   return prep;
 }
@@ -514,8 +520,17 @@ void buildStages(Plan& plan, StagePrep prep) {
         for (size_t w = n / 2; w < n; ++w)
           lists.size(w, &fwdSizes[w * fwd * kStageLists], &bwdSizes[w * bwd * kStageLists]);
       });
-  Stages forward(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes));
-  Stages backward(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), std::move(bwdSizes));
+  // The two passes' storage side by side: each is zeroed on allocation, and at 4096 workers
+  // that first touch of 21 MB was a third of this step.
+  Stages forward, backward;
+  detail::runBoth(
+      parallel,
+      [&] {
+        forward = Stages(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes));
+      },
+      [&] {
+        backward = Stages(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), std::move(bwdSizes));
+      });
   // Workers' lists are independent: two halves on two threads for large plans.
   const auto fill = [&](size_t first, size_t last) {
     std::vector<int32_t*> cursor(bwd * kStageLists);

@@ -82,7 +82,7 @@ std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);
 /// key k < N is worker k's local pairs (KV its own), key N + i those using the transfer at
 /// position i of the received list (TransfersByWorker by receiver).
 struct PairsByNeed {
-  std::vector<int64_t> offset;
+  std::vector<uint32_t> offset;
   std::vector<int32_t> ids;
 
   const int32_t* begin(size_t key) const { return ids.data() + offset[key]; }
@@ -138,6 +138,10 @@ double linkedStepTime(const Plan& plan, double costPerByte);
 /// each transfer it holds to be entered, as pipelineSpan. The last stage's end.
 double linkedPassSpan(const Plan& plan, const Stages& stages, double computeFactor,
                       double costPerByte, double gradPerKvByte);
+
+/// colorEdges on the transfers' ends and bytes, in place: sets each transfer's round and
+/// returns Δ, the number of rounds (the same colouring as colorEdges of the same edges).
+int32_t colorTransferRounds(int32_t numWorkers, std::vector<Transfer>& transfers);
 
 /// Appends the communication invariants' violations (see validate).
 void validateCommunication(const Plan& plan, Violations& v);

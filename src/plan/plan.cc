@@ -1261,15 +1261,19 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
     balanceMs += msSince(chooseStart);
   }
   // Built already when the two placements were compared by their bytes (the stages too when
-  // by their spans). The reshuffle needs only the owners, and the stages' lists of transfers
-  // and pairs only the transfers, not their rounds: both are built while the transfers are
-  // coloured.
+  // by their spans). The reshuffle needs only the owners: it is built beside the transfers.
+  // The stages' lists of transfers and pairs need only the transfers, not their rounds: they
+  // are prepared while the transfers are coloured.
   const auto transfersStart = std::chrono::steady_clock::now();
-  ensureTransfers(lpt);
+  std::vector<ReshufflePiece> reshuffle;
+  detail::runBoth(
+      parallel, [&] { ensureTransfers(lpt); },
+      [&] {  // reads the owners, blocks and pairs; ensureTransfers writes only the transfers
+        if (!lpt.hasTraffic) reshuffle = buildReshuffle(lpt.plan);
+      });
   const double transfersMs = msSince(transfersStart);
   Plan plan = std::move(lpt.plan);
   double colorMs = 0;
-  std::vector<ReshufflePiece> reshuffle;
   std::optional<detail::StagePrep> prep;
   detail::runBoth(
       parallel,
@@ -1280,7 +1284,6 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
         colorMs = msSince(colorStart);
       },
       [&] {
-        if (!lpt.hasTraffic) reshuffle = buildReshuffle(plan);
         if (!lpt.hasStages) prep = detail::prepareStages(plan);
       });
   if (!lpt.hasTraffic) plan.reshuffle = std::move(reshuffle);

@@ -1,14 +1,14 @@
 // The plan module's private steps that buildPlan runs out of their public order
 // (src/plan/communication.h): the stages' lists prepared before the transfers are coloured,
 // and the relabelling of receivers kept instead of transfers.
-#include "communication.h"
-
 #include <gtest/gtest.h>
 
 #include <tuple>
 #include <vector>
 
+#include "communication.h"
 #include "fcp/core/workload.h"
+#include "fcp/plan/coloring.h"
 #include "fcp/plan/communication.h"
 #include "fcp/plan/plan.h"
 
@@ -46,6 +46,28 @@ TEST(StagePrepTest, ListsPreparedBeforeTheColouringGiveThePlansStages) {
     EXPECT_EQ(p.transfers, built.transfers) << workload << " " << workers;
     EXPECT_EQ(p.forward, built.forward) << workload << " " << workers;
     EXPECT_EQ(p.backward, built.backward) << workload << " " << workers;
+  }
+}
+
+// buildPlan colours the transfers in place (colorTransferRounds) rather than through a copy as
+// edges: the rounds must be those colorEdges gives the same edges, with the same count. The
+// batches hold blocks of many sizes (packed short sequences, cut long ones), so the transfers
+// fall in several size classes and the rounds are renumbered by their largest transfer.
+TEST(StagePrepTest, TransfersColouredInPlaceGetTheRoundsOfColorEdges) {
+  for (const auto& [workload, workers, seed] :
+       {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4}, std::tuple{"lognormal", 64, 3},
+        std::tuple{"lognormal-narrow", 5, 0}}) {
+    Plan p = plannedBatch(workload, workers, seed, true);
+    ASSERT_FALSE(p.transfers.empty());
+    std::vector<Edge> edges;
+    for (const Transfer& t : p.transfers) edges.push_back({t.sender, t.receiver, t.bytes});
+    const EdgeColoring expected = colorEdges(static_cast<int32_t>(workers), edges);
+    for (Transfer& t : p.transfers) t.round = -7;
+    EXPECT_EQ(detail::colorTransferRounds(static_cast<int32_t>(workers), p.transfers),
+              expected.numColors);
+    std::vector<int32_t> rounds;
+    for (const Transfer& t : p.transfers) rounds.push_back(t.round);
+    EXPECT_EQ(rounds, expected.color) << workload << " " << workers;
   }
 }
 
