@@ -270,10 +270,26 @@ int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers) {
     piece.fcpWorker = rename[static_cast<size_t>(piece.fcpWorker)];
   if (receivers) {
     for (int32_t& r : receivers->receivers) r = rename[static_cast<size_t>(r)];
-    for (size_t k = 0; k + 1 < receivers->first.size(); ++k) {
-      std::sort(receivers->receivers.begin() + receivers->first[k],
-                receivers->receivers.begin() + receivers->last[k]);
-    }
+    // Each block's list sorted again; for large plans the blocks in two halves side by side
+    // (at 4096 workers, 36K short sorts took 4.6 ms of the relabelling's 9).
+    const auto sortBlocks = [&](size_t from, size_t to) {
+      for (size_t k = from; k < to; ++k) {
+        std::sort(receivers->receivers.begin() + receivers->first[k],
+                  receivers->receivers.begin() + receivers->last[k]);
+      }
+    };
+    const size_t blocks = receivers->first.empty() ? 0 : receivers->first.size() - 1;
+    const auto total = static_cast<int64_t>(receivers->receivers.size());
+    const bool parallel = detail::worthParallel(total);
+    const size_t half =
+        parallel ? static_cast<size_t>(std::lower_bound(receivers->first.begin(),
+                                                        receivers->first.begin() +
+                                                            static_cast<std::ptrdiff_t>(blocks),
+                                                        total / 2) -
+                                       receivers->first.begin())
+                 : blocks;
+    detail::runBoth(
+        parallel, [&] { sortBlocks(0, half); }, [&] { sortBlocks(half, blocks); });
   }
   return moved;
 }
@@ -490,8 +506,10 @@ void buildStages(Plan& plan, StagePrep prep) {
   const int64_t c = plan.config.coalesce;
   const int64_t groups = (plan.numRounds + c - 1) / c;
   const auto lag = static_cast<size_t>(plan.config.bufferDepth - 1);
-  setGroups(plan, &Transfer::receiver, prep.received);
-  setGroups(plan, &Transfer::sender, prep.sent);
+  const bool parallel = detail::worthParallel(static_cast<int64_t>(plan.pairs.size()));
+  detail::runBoth(
+      parallel, [&] { setGroups(plan, &Transfer::receiver, prep.received); },
+      [&] { setGroups(plan, &Transfer::sender, prep.sent); });
   // Worker by worker, so that each worker's stages stay in cache while they fill (filled in
   // transfer order, every transfer touched three workers' stages scattered over memory).
   const StageInputs in{plan,
@@ -509,7 +527,6 @@ void buildStages(Plan& plan, StagePrep prep) {
   detail::reserveHuge(bwdSizes, n * bwd * kStageLists + 1);
   fwdSizes.resize(n * fwd * kStageLists, 0);
   bwdSizes.resize(n * bwd * kStageLists, 0);
-  const bool parallel = detail::worthParallel(static_cast<int64_t>(plan.pairs.size()));
   detail::runBoth(
       parallel,
       [&] {
