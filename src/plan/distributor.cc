@@ -12,156 +12,22 @@
 #include "fcp/core/workload.h"
 #include "parallel.h"
 #include "score_index.h"
+#include "worker_tree.h"
 
 namespace fcp::plan {
 namespace {
+
+using detail::kSwapCandidates;
 
 constexpr int64_t kNoMemory = std::numeric_limits<int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 /// assignBlocksNearHome: the fraction of the target each worker's kept home blocks leave free.
 constexpr double kLocalityReserve = 0.1;
-/// How many of the least-loaded workers the improvement pass tries swaps with.
-constexpr int32_t kSwapCandidates = 8;
 /// How many of the least-loaded workers bestTrade tries two blocks back from.
 constexpr size_t kPairTradeWorkers = 64;
 
-/// Segment tree over workers holding, per subtree, the least memory, the least compute and
-/// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
-/// hold "no memory left" so every search skips them.
-class WorkerTree {
- public:
-  explicit WorkerTree(int32_t numWorkers) : numWorkers_(numWorkers) {
-    while (leaves_ < numWorkers) leaves_ *= 2;
-    const auto nodes = static_cast<size_t>(2 * leaves_);
-    minMem_.assign(nodes, kNoMemory);
-    minCost_.assign(nodes, kInf);
-    maxCost_.assign(nodes, -kInf);
-    argMax_.assign(nodes, -1);
-    for (int32_t w = 0; w < numWorkers; ++w) set(w, 0, 0.0);
-  }
-
-  void set(int32_t worker, int64_t mem, double cost) {
-    auto node = static_cast<size_t>(leaves_ + worker);
-    minMem_[node] = mem;
-    minCost_[node] = cost;
-    maxCost_[node] = cost;
-    argMax_[node] = worker;
-    for (node /= 2; node >= 1; node /= 2) {
-      const size_t l = 2 * node, r = 2 * node + 1;
-      minMem_[node] = std::min(minMem_[l], minMem_[r]);
-      minCost_[node] = std::min(minCost_[l], minCost_[r]);
-      const bool right = maxCost_[r] > maxCost_[l];  // ties keep the left (lower id)
-      maxCost_[node] = right ? maxCost_[r] : maxCost_[l];
-      argMax_[node] = right ? argMax_[r] : argMax_[l];
-    }
-  }
-
-  int32_t busiest() const { return argMax_[1]; }
-
-  /// The (up to) kSwapCandidates workers other than `exclude` with the least compute, in
-  /// ascending (compute, id) order: a depth-first search that enters only subtrees whose
-  /// least compute could still make the list, O(k log N), no allocation.
-  struct Candidates {
-    std::array<std::pair<double, int32_t>, kSwapCandidates> list;
-    int32_t size = 0;
-    const std::pair<double, int32_t>* begin() const { return list.data(); }
-    const std::pair<double, int32_t>* end() const { return list.data() + size; }
-  };
-  Candidates leastLoaded(int32_t exclude) const {
-    Candidates c;
-    collect(1, 0, leaves_, exclude, c);
-    return c;
-  }
-  /// The worker minimising score(mem, cost) among those with mem <= memLimit other than
-  /// `exclude`; among ties, the first one a fixed traversal order meets; -1 if none. `score` must be nondecreasing in both
-  /// arguments, so score(subtree minima) bounds every leaf below.
-  template <typename Score>
-  int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
-    Search<Score> s{*this, memLimit, exclude, score};
-    if (const double b = s.bound(1); !s.prune(1, b)) s.visit(1, 0, leaves_, b);
-    return s.bestWorker;
-  }
-
- private:
-  template <typename Score>
-  struct Search {
-    const WorkerTree& tree;
-    int64_t memLimit;
-    int32_t exclude;
-    const Score& score;
-    double best = kInf;
-    int32_t bestWorker = -1;
-
-    double bound(size_t node) const { return score(tree.minMem_[node], tree.minCost_[node]); }
-
-    // Ties are pruned too: the first worker the (deterministic) traversal reaches with the
-    // best score wins. Exploring ties for the lowest id costs O(N) when many workers tie.
-    bool prune(size_t node, double b) const {
-      return tree.minMem_[node] > memLimit || (bestWorker >= 0 && b >= best);
-    }
-
-    // `first` is the lowest worker id under `node`; `span` the number of leaves under it;
-    // `b` its bound. Children are pruned before the call (most are), with `best` as it
-    // stands when their turn comes.
-    void visit(size_t node, int32_t first, int32_t span, double b) {
-      if (span == 1) {
-        if (first != exclude && first < tree.numWorkers_) {
-          best = b;
-          bestWorker = first;
-        }
-        return;
-      }
-      const int32_t half = span / 2;
-      const size_t l = 2 * node, r = 2 * node + 1;
-      const double bl = bound(l), br = bound(r);
-      if (br < bl) {
-        if (!prune(r, br)) visit(r, first + half, half, br);
-        if (!prune(l, bl)) visit(l, first, half, bl);
-      } else {
-        if (!prune(l, bl)) visit(l, first, half, bl);
-        if (!prune(r, br)) visit(r, first + half, half, br);
-      }
-    }
-  };
-
-  void collect(size_t node, int32_t first, int32_t span, int32_t exclude, Candidates& c) const {
-    const double least = minCost_[node];
-    if (least == kInf) return;
-    if (c.size == kSwapCandidates && !(least < c.list[kSwapCandidates - 1].first)) {
-      // Ties with the last entry matter only for lower ids; the subtree's first id decides.
-      if (least > c.list[kSwapCandidates - 1].first || first > c.list[kSwapCandidates - 1].second) return;
-    }
-    if (span == 1) {
-      if (first == exclude || first >= numWorkers_) return;
-      const std::pair<double, int32_t> entry{least, first};
-      int32_t pos = std::min(c.size, kSwapCandidates - 1);
-      if (c.size == kSwapCandidates && !(entry < c.list[kSwapCandidates - 1])) return;
-      while (pos > 0 && entry < c.list[static_cast<size_t>(pos - 1)]) {
-        c.list[static_cast<size_t>(pos)] = c.list[static_cast<size_t>(pos - 1)];
-        --pos;
-      }
-      c.list[static_cast<size_t>(pos)] = entry;
-      c.size = std::min(c.size + 1, kSwapCandidates);
-      return;
-    }
-    const int32_t half = span / 2;
-    // The side with the smaller minimum first, so the list fills with good entries early.
-    if (minCost_[2 * node + 1] < minCost_[2 * node]) {
-      collect(2 * node + 1, first + half, half, exclude, c);
-      collect(2 * node, first, half, exclude, c);
-    } else {
-      collect(2 * node, first, half, exclude, c);
-      collect(2 * node + 1, first + half, half, exclude, c);
-    }
-  }
-
-  int32_t numWorkers_;
-  int32_t leaves_ = 1;
-  std::vector<int64_t> minMem_;
-  std::vector<double> minCost_;
-  std::vector<double> maxCost_;
-  std::vector<int32_t> argMax_;
-};
+using detail::LeastLoaded;
+using detail::WorkerTree;
 
 void checkOptions(const DistributorOptions& o, size_t numBlocks, size_t numCosts) {
   FCP_CHECK_EQ(numBlocks, numCosts);
@@ -281,13 +147,29 @@ class TreeSearches {
 /// at least its own cost (for a move, the least cost of all) plus the difference: changes that
 /// cannot beat the best so far are skipped unexamined, which changes nothing that is chosen.
 Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
-                  const std::vector<double>& costs, int64_t cap) {
+                  const std::vector<double>& costs, int64_t cap,
+                  const LeastLoaded::Candidates& candidates) {
   const auto w = static_cast<size_t>(busiest);
   const double cw = loads.cost[w];
   Change best;
-  const auto candidates = loads.tree.leastLoaded(busiest);
   if (candidates.size == 0) return best;
   const double leastCost = candidates.list[0].first;
+  // The candidates' blocks with their tokens and costs, side by side: every block of w reads
+  // them all (about 9 x 8 x 9 at 4096 workers), and each read was two lookups by block id.
+  struct Partner {
+    double cost;
+    int64_t tokens;
+    int32_t block;
+  };
+  thread_local std::vector<Partner> partners;
+  std::array<size_t, kSwapCandidates + 1> firstPartner{};
+  partners.clear();
+  for (int32_t k = 0; k < candidates.size; ++k) {
+    for (int32_t j :
+         loads.blocks[static_cast<size_t>(candidates.list[static_cast<size_t>(k)].second)])
+      partners.push_back({costs[static_cast<size_t>(j)], tokens[static_cast<size_t>(j)], j});
+    firstPartner[static_cast<size_t>(k) + 1] = partners.size();
+  }
   TreeSearches searches;
   for (int32_t i : loads.blocks[w]) {
     const int64_t mi = tokens[static_cast<size_t>(i)];
@@ -311,17 +193,19 @@ Change bestChange(const Loads& loads, int32_t busiest, const std::vector<int64_t
     }
     // Swap: with a lighter block on one of the least-loaded workers (memory is usually near
     // the cap by now, so a swap of like-sized blocks is often the only way down).
-    for (const auto& [costU, u] : candidates) {
+    for (int32_t k = 0; k < candidates.size; ++k) {
+      const auto& [costU, u] = candidates.list[static_cast<size_t>(k)];
       // A partner j lighter than i leaves u at (costU − cj) + ci ≥ (costU − ci) + ci in floating
       // point too (rounding is monotonic), and candidates ascend: none from here can do better.
       if (!((costU - ci) + ci < best.newMax)) break;
       const auto us = static_cast<size_t>(u);
-      for (int32_t j : loads.blocks[us]) {
-        const int64_t mj = tokens[static_cast<size_t>(j)];
-        const double cj = costs[static_cast<size_t>(j)];
+      const int64_t memW = loads.mem[w], memU = loads.mem[us];
+      for (size_t at = firstPartner[static_cast<size_t>(k)];
+           at < firstPartner[static_cast<size_t>(k) + 1]; ++at) {
+        const auto& [cj, mj, j] = partners[at];
         if (cj >= ci) continue;
-        if (loads.mem[w] - mi + mj > cap || loads.mem[us] - mj + mi > cap) continue;
-        const double newMax = std::max(cw - ci + cj, loads.cost[us] - cj + ci);
+        if (memW - mi + mj > cap || memU - mj + mi > cap) continue;
+        const double newMax = std::max(cw - ci + cj, costU - cj + ci);
         if (newMax < best.newMax) best = {newMax, i, u, j};
       }
     }
@@ -549,11 +433,11 @@ struct Chain {
 };
 
 Chain bestChain(const Loads& loads, int32_t busiest, const std::vector<int64_t>& tokens,
-                const std::vector<double>& costs, int64_t cap, SparseFirst& sparseFirst) {
+                const std::vector<double>& costs, int64_t cap, SparseFirst& sparseFirst,
+                const LeastLoaded::Candidates& candidates) {
   const auto w = static_cast<size_t>(busiest);
   const double cw = loads.cost[w];
   const auto n = static_cast<int32_t>(loads.cost.size());
-  const auto candidates = loads.tree.leastLoaded(busiest);
   if (candidates.size == 0) return {};
   const double leastCost = candidates.list[0].first;
   TreeSearches searches;
@@ -819,6 +703,7 @@ void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& token
   std::optional<detail::HelperThread> helper;
   if (static_cast<int64_t>(loads.cost.size()) >= kParallelTradeWorkers && detail::planThreads() > 1)
     helper.emplace();
+  LeastLoaded leastLoaded;
   // Moves block `block` from worker `from` to worker `to`.
   const auto move = [&](int32_t block, int32_t from, int32_t to) {
     loads.remove(from, block, mOf(block), cOf(block));
@@ -826,12 +711,15 @@ void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& token
     result.owner[static_cast<size_t>(block)] = to;
     sparseFirst.changed(from);
     sparseFirst.changed(to);
+    leastLoaded.changed(from, loads.cost[static_cast<size_t>(from)]);
+    leastLoaded.changed(to, loads.cost[static_cast<size_t>(to)]);
   };
   while (result.improveSteps < budget) {
     const int32_t busiest = loads.tree.busiest();
     const double cw = loads.cost[static_cast<size_t>(busiest)];
     if (cw <= target) break;
-    const Change c = bestChange(loads, busiest, tokens, costs, cap);
+    const LeastLoaded::Candidates candidates = leastLoaded.get(loads.tree, busiest);
+    const Change c = bestChange(loads, busiest, tokens, costs, cap, candidates);
     if (c.block >= 0 && c.newMax < cw) {
       // The partner leaves first, so neither worker passes the cap in between.
       if (c.other >= 0) move(c.other, c.to, busiest);
@@ -843,7 +731,7 @@ void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& token
         for (int32_t j : t.back) move(j, t.to, busiest);
         move(t.block, busiest, t.to);
       } else {
-        const Chain ch = bestChain(loads, busiest, tokens, costs, cap, sparseFirst);
+        const Chain ch = bestChain(loads, busiest, tokens, costs, cap, sparseFirst, candidates);
         if (ch.block < 0) break;
         for (int32_t j : ch.out) move(j, ch.to, ch.onTo);
         move(ch.block, busiest, ch.to);
