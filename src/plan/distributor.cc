@@ -704,6 +704,13 @@ void improve(Loads& loads, Assignment& result, const std::vector<int64_t>& token
   if (static_cast<int64_t>(loads.cost.size()) >= kParallelTradeWorkers && detail::planThreads() > 1)
     helper.emplace();
   LeastLoaded leastLoaded;
+  // The searches for room are for a block (or blocks) of up to the largest block's tokens:
+  // the tree tracks the workers with room for a quarter, a half, three quarters and all of it.
+  if (!tokens.empty()) {
+    const int64_t largest = *std::max_element(tokens.begin(), tokens.end());
+    loads.tree.trackRoom(
+        {cap - largest, cap - largest * 3 / 4, cap - largest / 2, cap - largest / 4});
+  }
   // Moves block `block` from worker `from` to worker `to`.
   const auto move = [&](int32_t block, int32_t from, int32_t to) {
     loads.remove(from, block, mOf(block), cOf(block));

@@ -39,6 +39,7 @@ class WorkerTree {
     minCost_[node] = cost;
     maxCost_[node] = cost;
     argMax_[node] = worker;
+    if (!roomLimits_.empty()) setRoomLeaf(node);
     for (node /= 2; node >= 1; node /= 2) {
       const size_t l = 2 * node, r = 2 * node + 1;
       minMem_[node] = std::min(minMem_[l], minMem_[r]);
@@ -46,7 +47,21 @@ class WorkerTree {
       const bool right = maxCost_[r] > maxCost_[l];  // ties keep the left (lower id)
       maxCost_[node] = right ? maxCost_[r] : maxCost_[l];
       argMax_[node] = right ? argMax_[r] : argMax_[l];
+      if (!roomLimits_.empty()) combineRoom(node);
     }
+  }
+
+  /// From now on, keeps per subtree and per limit in `limits` (ascending) the least compute
+  /// of the workers with memory within it: argMin then bounds a subtree by its workers with
+  /// room under the least of these limits at or above its own, not by all of them. Where the
+  /// memory cap binds, the least-loaded workers are full, and a search for room bounded by
+  /// all workers entered most subtrees (about 900 of 8K nodes at 4096 workers).
+  void trackRoom(const std::vector<int64_t>& limits) {
+    roomLimits_ = limits;
+    roomCost_.assign(minCost_.size() * limits.size(), kInfiniteCost);
+    for (auto leaf = static_cast<size_t>(leaves_); leaf < minCost_.size(); ++leaf)
+      setRoomLeaf(leaf);
+    for (auto node = static_cast<size_t>(leaves_) - 1; node >= 1; --node) combineRoom(node);
   }
 
   int32_t busiest() const { return argMax_[1]; }
@@ -72,7 +87,10 @@ class WorkerTree {
   /// be nondecreasing in both arguments, so score(subtree minima) bounds every leaf below.
   template <typename Score>
   int32_t argMin(int64_t memLimit, int32_t exclude, const Score& score) const {
-    Search<Score> s{*this, memLimit, exclude, score};
+    // The least tracked limit at or above memLimit: its workers include every one with room.
+    const auto level = static_cast<size_t>(
+        std::lower_bound(roomLimits_.begin(), roomLimits_.end(), memLimit) - roomLimits_.begin());
+    Search<Score> s{*this, memLimit, exclude, score, level < roomLimits_.size(), level};
     if (const double b = s.bound(1); !s.prune(1, b)) s.visit(1, 0, leaves_, b);
     return s.bestWorker;
   }
@@ -84,6 +102,8 @@ class WorkerTree {
     int64_t memLimit;
     int32_t exclude;
     const Score& score;
+    bool tracked;  ///< whether a tracked limit covers memLimit: `level`, trackRoom's index
+    size_t level;
     double best = kInfiniteCost;
     int32_t bestWorker = -1;
 
@@ -91,8 +111,15 @@ class WorkerTree {
 
     // Ties are pruned too: the first worker the (deterministic) traversal reaches with the
     // best score wins. Exploring ties for the lowest id costs O(N) when many workers tie.
+    // The traversal order is the bounds' (b); a subtree is also pruned when its workers with
+    // room under the tracked limit cannot beat the best: no worker in it could replace the
+    // best (ties do not), so the answer is the one the bounds alone give.
     bool prune(size_t node, double b) const {
-      return tree.minMem_[node] > memLimit || (bestWorker >= 0 && b >= best);
+      if (tree.minMem_[node] > memLimit) return true;
+      if (bestWorker < 0) return false;
+      if (b >= best) return true;
+      return tracked && score(tree.minMem_[node],
+                              tree.roomCost_[node * tree.roomLimits_.size() + level]) >= best;
     }
 
     // `first` is the lowest worker id under `node`; `span` the number of leaves under it;
@@ -151,8 +178,26 @@ class WorkerTree {
     }
   }
 
+  void setRoomLeaf(size_t leaf) {
+    const bool worker = leaf - static_cast<size_t>(leaves_) < static_cast<size_t>(numWorkers_);
+    const size_t k = roomLimits_.size();
+    for (size_t i = 0; i < k; ++i) {
+      roomCost_[leaf * k + i] =
+          worker && minMem_[leaf] <= roomLimits_[i] ? minCost_[leaf] : kInfiniteCost;
+    }
+  }
+  void combineRoom(size_t node) {
+    const size_t k = roomLimits_.size();
+    for (size_t i = 0; i < k; ++i) {
+      roomCost_[node * k + i] =
+          std::min(roomCost_[2 * node * k + i], roomCost_[(2 * node + 1) * k + i]);
+    }
+  }
+
   int32_t numWorkers_;
   int32_t leaves_ = 1;
+  std::vector<int64_t> roomLimits_;  ///< trackRoom's limits, ascending
+  std::vector<double> roomCost_;     ///< per node, per limit: the least compute with room
   std::vector<int64_t> minMem_;
   std::vector<double> minCost_;
   std::vector<double> maxCost_;
