@@ -1,6 +1,7 @@
 #include "score_index.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -41,12 +42,35 @@ void ScoreIndex::bound(Bucket& bucket) const {
 
 void ScoreIndex::summarise(Bucket& bucket) const {
   bound(bucket);
-  bucket.minA = {kInf, -1};
-  bucket.minB = {kInf, -1};
-  for (int32_t w : bucket.workers) {
-    bucket.minA = std::min(bucket.minA, Candidate{scaledMem_[static_cast<size_t>(w)], w});
-    bucket.minB = std::min(bucket.minB, Candidate{scaledCost_[static_cast<size_t>(w)], w});
+  // The least (A, id) and (B, id): the least values first, in four independent chains each
+  // (one chain waited on every compare: the greedy's largest cost), then the least id among
+  // the workers that hold them.
+  const std::vector<int32_t>& workers = bucket.workers;
+  const size_t n = workers.size();
+  std::array<double, 4> a{kInf, kInf, kInf, kInf}, b{kInf, kInf, kInf, kInf};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (size_t k = 0; k < 4; ++k) {
+      const auto w = static_cast<size_t>(workers[i + k]);
+      a[k] = scaledMem_[w] < a[k] ? scaledMem_[w] : a[k];
+      b[k] = scaledCost_[w] < b[k] ? scaledCost_[w] : b[k];
+    }
   }
+  for (; i < n; ++i) {
+    const auto w = static_cast<size_t>(workers[i]);
+    a[0] = scaledMem_[w] < a[0] ? scaledMem_[w] : a[0];
+    b[0] = scaledCost_[w] < b[0] ? scaledCost_[w] : b[0];
+  }
+  const double leastA = std::min({a[0], a[1], a[2], a[3]});
+  const double leastB = std::min({b[0], b[1], b[2], b[3]});
+  int32_t idA = -1, idB = -1;
+  for (const int32_t w : workers) {
+    const auto ws = static_cast<size_t>(w);
+    if (scaledMem_[ws] == leastA && (idA < 0 || w < idA)) idA = w;
+    if (scaledCost_[ws] == leastB && (idB < 0 || w < idB)) idB = w;
+  }
+  bucket.minA = {leastA, idA};
+  bucket.minB = {leastB, idB};
 }
 
 size_t ScoreIndex::bucketFor(int32_t w) const {
