@@ -197,6 +197,7 @@ class Colorer {
 
   void buildTable() {
     at_.reset(new int32_t[vertices_ * colors_]);  // uninitialised on purpose, see above
+    detail::adviseHugePages(at_.get(), vertices_ * colors_ * sizeof(int32_t));
     for (size_t i = 0; i < done_; ++i) {
       const auto e = static_cast<int32_t>(i);
       const auto [u, v] = ends(e);

@@ -197,6 +197,7 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> commonTokens(const Plan& plan
   for (const Piece& p : pieces)
     held[static_cast<size_t>(next[static_cast<size_t>(p.fcp)]++)] = {p.user, p.tokens};
   std::vector<std::tuple<int64_t, int32_t, int32_t>> edges;
+  edges.reserve(held.size());
   for (size_t f = 0; f < n; ++f) {
     const auto first = held.begin() + offset[f], last = held.begin() + offset[f + 1];
     std::sort(first, last);
@@ -252,6 +253,12 @@ int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers) {
     taken[nextFree] = true;
   }
   for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
+  // Each worker's load goes with it: the same blocks and pairs, summed in the same order.
+  if (plan.loads.size() == n) {
+    std::vector<WorkerLoad> loads(n);
+    for (size_t f = 0; f < n; ++f) loads[static_cast<size_t>(rename[f])] = plan.loads[f];
+    plan.loads = std::move(loads);
+  }
   // Transfers and reshuffle pieces built already name the same workers, renamed; each block's
   // transfers go back into receiver order, as buildTransfers makes them (receivers are
   // distinct within a block).
@@ -300,6 +307,8 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
   const auto seq = sequenceStarts(plan.batch);
   const auto user = userLayout(plan);
   std::vector<ReshufflePiece> pieces;
+  detail::reserveHuge(pieces,
+                      2 * plan.blocks.size());  // Zig-Zag blocks: two chunks, most in one slice
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
     detail::forEachUserRun(plan.blocks[b], seq, user, [&](int32_t w, int64_t begin, int64_t stop) {
       pieces.push_back({w, plan.owner[b], begin, stop});

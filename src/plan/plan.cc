@@ -311,7 +311,7 @@ void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& op
     plan.movedTokensWithoutLocality =
         detail::relabelForLocality(plan, p.receivers ? &*p.receivers : nullptr);
   }
-  plan.loads = computeLoads(plan);
+  // The loads are current: the placement's or the balancing's, moved with their workers.
   p.balanceMs += msSince(start);
 }
 

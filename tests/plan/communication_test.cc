@@ -189,9 +189,13 @@ TEST(CommunicationTest, RelabellingRenamesTransfersAndReshuffleBuiltBeforeIt) {
     for (int32_t& o : p.owner) o = (o * 37 + 11) % 64;
     p.transfers = buildTransfers(p);
     p.reshuffle = buildReshuffle(p);
+    p.loads = computeLoads(p);
+    const std::vector<int32_t> scrambled = p.owner;
     relabelForLocality(p);
+    ASSERT_NE(p.owner, scrambled) << w.name << ": the relabelling renamed nobody";
     EXPECT_EQ(p.transfers, buildTransfers(p)) << w.name;
     EXPECT_EQ(p.reshuffle, buildReshuffle(p)) << w.name;
+    EXPECT_EQ(p.loads, computeLoads(p)) << w.name;
     // With stages built, transfer ids are taken: relabelling then is a planner bug.
     Plan staged = built;
     EXPECT_THROW(relabelForLocality(staged), Error) << w.name;

@@ -32,8 +32,9 @@ std::vector<int64_t> sequenceStarts(const Batch& batch);
 /// Renames the workers of Plan::owner so that as many tokens as possible stay where the user
 /// layout holds them: a greedy maximum-weight matching of FCP workers to user workers, heaviest
 /// (tokens in common) first, ties to lower ids. Loads move with their workers, so balance is
-/// unchanged; transfers and reshuffle pieces already built are renamed too (as if built after
-/// it), and the stages must not be built yet. Returns the tokens that moved off-worker before
+/// unchanged (Plan::loads, when it holds one per worker, is permuted); transfers and reshuffle
+/// pieces already built are renamed too (as if built after it), and the stages must not be
+/// built yet. Returns the tokens that moved off-worker before
 /// the relabelling.
 int64_t relabelForLocality(Plan& plan);
 
