@@ -102,18 +102,26 @@ void appendPacked(std::vector<Chunk> items, int64_t blockSize, std::vector<Block
   size_t leaves = 1;
   while (leaves < items.size()) leaves *= 2;
   std::vector<int64_t> freeMax(2 * leaves, blockSize);
-  std::vector<Block> bins;
-  for (const Chunk& item : items) {
-    const int64_t len = item.numTokens();
+  // Each item's bin first, then the bins made at their sizes (grown item by item, the bins'
+  // chunk lists were reallocated a few times each).
+  std::vector<uint32_t> slotOf(items.size());
+  std::vector<uint32_t> itemsIn;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t len = items[i].numTokens();
     size_t node = 1;
     while (node < leaves) node = freeMax[2 * node] >= len ? 2 * node : 2 * node + 1;
     const size_t slot = node - leaves;
-    if (slot == bins.size()) bins.emplace_back();
-    bins[slot].chunks.push_back(item);
+    if (slot == itemsIn.size()) itemsIn.push_back(0);
+    ++itemsIn[slot];
+    slotOf[i] = static_cast<uint32_t>(slot);
     freeMax[node] -= len;
     for (node /= 2; node >= 1; node /= 2)
       freeMax[node] = std::max(freeMax[2 * node], freeMax[2 * node + 1]);
   }
+  std::vector<Block> bins(itemsIn.size());
+  for (size_t b = 0; b < bins.size(); ++b) bins[b].chunks.reserve(itemsIn[b]);
+  for (size_t i = 0; i < items.size(); ++i) bins[slotOf[i]].chunks.push_back(items[i]);
+  blocks.reserve(blocks.size() + bins.size());
   for (Block& bin : bins) {
     // Order a packed block's chunks by position so the token layout inside it is canonical.
     std::sort(bin.chunks.begin(), bin.chunks.end(), [](const Chunk& a, const Chunk& b) {
@@ -268,6 +276,18 @@ std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind ma
   }
   const int64_t pack = packSize == 0 ? blockSize : packSize;
   std::vector<Block> blocks;
+  {  // the blocks of cut and lone sequences (packed ones are reserved as they are made)
+    size_t count = 0;
+    for (size_t s = 0; s < batch.sequenceLengths.size(); ++s) {
+      const int64_t len = batch.sequenceLengths[s];
+      const int64_t size = sizeOf(sequenceBlockSizes, static_cast<int32_t>(s), blockSize);
+      if (len >= blockSize)
+        count += static_cast<size_t>((len + size - 1) / size);
+      else if (len > pack)
+        ++count;
+    }
+    blocks.reserve(count);
+  }
   std::vector<Chunk> shortSequences;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.sequenceLengths.size()); ++s) {
     const int64_t len = batch.sequenceLengths[static_cast<size_t>(s)];

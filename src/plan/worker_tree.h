@@ -258,7 +258,7 @@ class LeastLoaded {
   }
 
  private:
-  static constexpr int32_t kLeastKept = 2 * kSwapCandidates;
+  static constexpr int32_t kLeastKept = 4 * kSwapCandidates;
 
   int32_t usable(int32_t exclude) const {
     int32_t count = 0;
