@@ -356,8 +356,11 @@ std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r) {
   for (size_t k = 0; k < r.last.size(); ++k) {
     const int64_t bytes = plan.blocks[k].numTokens() * bytesPerToken;
     for (int64_t i = r.first[k]; i < r.last[k]; ++i)
-      transfers.push_back(
-          {static_cast<int32_t>(k), plan.owner[k], r.receivers[static_cast<size_t>(i)], bytes, 0});
+      transfers.push_back({.block = static_cast<int32_t>(k),
+                           .sender = plan.owner[k],
+                           .receiver = r.receivers[static_cast<size_t>(i)],
+                           .round = 0,
+                           .bytes = bytes});
   }
   return transfers;
 }

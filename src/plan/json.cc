@@ -348,9 +348,11 @@ Plan planFromJson(std::string_view text) {
     }
     for (const json& t : field<json>(doc, "transfers")) {
       const char* what = "transfer field";
-      plan.transfers.push_back({integer<int32_t>(t.at(0), what), integer<int32_t>(t.at(1), what),
-                                integer<int32_t>(t.at(2), what), integer<int64_t>(t.at(3), what),
-                                integer<int32_t>(t.at(4), what)});
+      plan.transfers.push_back({.block = integer<int32_t>(t.at(0), what),
+                                .sender = integer<int32_t>(t.at(1), what),
+                                .receiver = integer<int32_t>(t.at(2), what),
+                                .round = integer<int32_t>(t.at(4), what),
+                                .bytes = integer<int64_t>(t.at(3), what)});
     }
     plan.forward = stagesFromJson(field<json>(doc, "forward"));
     plan.backward = stagesFromJson(field<json>(doc, "backward"));

@@ -25,7 +25,7 @@ Plan handPlan() {
   Plan p;
   p.config.numWorkers = 2;
   p.pairs = {{0, 0, 1, 5.0}, {1, 0, 1, 1.0}, {1, 1, 1, 3.0}};
-  p.transfers = {{0, 0, 1, 10, 0}};
+  p.transfers = {{.block = 0, .sender = 0, .receiver = 1, .round = 0, .bytes = 10}};
   StageIds send, recv, last;
   send.send = {0};
   send.compute = {0};
@@ -62,7 +62,7 @@ TEST(LinkedStepTest, AStageWaitsForTheOtherEndOfWhatItHolds) {
   Plan p;
   p.config.numWorkers = 2;
   p.pairs = {{0, 1, 1, 5.0}, {1, 1, 1, 10.0}, {1, 1, 1, 3.0}, {0, 0, 1, 8.0}};
-  p.transfers = {{1, 1, 0, 10, 0}};
+  p.transfers = {{.block = 1, .sender = 1, .receiver = 0, .round = 0, .bytes = 10}};
   StageIds idle, take, tail, first, give;
   take.recv = {0};
   take.compute = {0};

@@ -82,7 +82,7 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   plan::Plan p;
   p.config.numWorkers = 2;
   p.pairs = {{0, 0, 1, 5.0}, {1, 1, 1, 1.0}, {2, 2, 1, 2.0}};
-  p.transfers = {{0, 0, 1, 64, 0}};
+  p.transfers = {{.block = 0, .sender = 0, .receiver = 1, .round = 0, .bytes = 64}};
   // The plan with forward stages f.
   std::vector<std::vector<plan::StageIds>> f;
   const auto with =
@@ -108,7 +108,8 @@ TEST(PipelineSpanTest, AStageEndsOnlyOnceItsPartnerHasEnteredTheStageHoldingTheT
   // Each first stage waiting for the other worker's second: worker 1 receives in its stage 0
   // what worker 0 sends in its stage 1, and worker 0 in its stage 0 what worker 1 sends in its
   // stage 1. No order of the stages lets either start: a cycle.
-  p.transfers = {{0, 0, 1, 64, 0}, {1, 1, 0, 64, 0}};
+  p.transfers = {{.block = 0, .sender = 0, .receiver = 1, .round = 0, .bytes = 64},
+                 {.block = 1, .sender = 1, .receiver = 0, .round = 0, .bytes = 64}};
   f.assign(2, std::vector<plan::StageIds>(2));
   f[0][1].send = {0};
   f[1][0].recv = {0};

@@ -47,7 +47,7 @@ plan::Plan barePlan(int64_t workers, size_t stages) {
 /// Adds a transfer of `bytes` from `from` to `to` in forward stage `stage`.
 void addTransfer(plan::Plan& p, int32_t from, int32_t to, int64_t bytes, size_t stage) {
   const auto id = static_cast<int32_t>(p.transfers.size());
-  p.transfers.push_back({0, from, to, bytes, 0});
+  p.transfers.push_back({.block = 0, .sender = from, .receiver = to, .round = 0, .bytes = bytes});
   p.forward.edit([&](auto& forward) {
     forward[static_cast<size_t>(from)][stage].send.push_back(id);
     forward[static_cast<size_t>(to)][stage].recv.push_back(id);

@@ -31,8 +31,8 @@ struct Transfer {
   /// sender; a relay adds it to its own partial before returning that along its own transfer.
   int32_t sender = 0;
   int32_t receiver = 0;  ///< a worker owning a Q block that attends to it
-  int64_t bytes = 0;     ///< K and V of the block's tokens
   int32_t round = 0;     ///< in [0, Δ)
+  int64_t bytes = 0;     ///< K and V of the block's tokens (last: 24 bytes, no padding)
   friend bool operator==(const Transfer&, const Transfer&) = default;
 };
 
