@@ -231,7 +231,7 @@ int64_t relabelForLocality(Plan& plan) { return detail::relabelForLocality(plan,
 
 namespace detail {
 
-int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers) {
+int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers, std::vector<int32_t>* renamed) {
   // Stages name transfers by position: none may be built yet.
   FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
             "relabelForLocality after the stages were built");
@@ -275,6 +275,7 @@ int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers) {
   }
   for (ReshufflePiece& piece : plan.reshuffle)
     piece.fcpWorker = rename[static_cast<size_t>(piece.fcpWorker)];
+  if (renamed) *renamed = rename;
   if (receivers) {
     for (int32_t& r : receivers->receivers) r = rename[static_cast<size_t>(r)];
     // Each block's list sorted again; for large plans the blocks in two halves side by side

@@ -72,8 +72,10 @@ BlockReceivers blockReceivers(const Plan& plan);
 std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r);
 
 /// relabelForLocality(plan), also renaming `receivers` (when not null: blockReceivers of the
-/// plan's owners), each block's list sorted again.
-int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers);
+/// plan's owners), each block's list sorted again; `renamed`, when not null, gets each old
+/// worker's new id.
+int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers,
+                           std::vector<int32_t>* renamed = nullptr);
 
 /// Bytes each worker sends plus receives through those transfers, without building them.
 std::vector<int64_t> bytesByWorker(const Plan& plan, const BlockReceivers& r);

@@ -298,6 +298,21 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
 }
 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
+/// Undoes relabelForLocality's renaming of the owners and loads (`renamed`: each old worker's
+/// new id), for a plan that has no transfers, receivers or reshuffle yet.
+void undoRelabel(Plan& plan, const std::vector<int32_t>& renamed) {
+  std::vector<int32_t> back(renamed.size());
+  for (size_t f = 0; f < renamed.size(); ++f)
+    back[static_cast<size_t>(renamed[f])] = static_cast<int32_t>(f);
+  for (int32_t& o : plan.owner) o = back[static_cast<size_t>(o)];
+  if (plan.loads.size() == renamed.size()) {
+    std::vector<WorkerLoad> loads(renamed.size());
+    for (size_t f = 0; f < renamed.size(); ++f)
+      loads[f] = plan.loads[static_cast<size_t>(renamed[f])];
+    plan.loads = std::move(loads);
+  }
+}
+
 void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   // The rounds and span made to compare cuttings (refineCosts, which builds no stages) are
@@ -305,8 +320,28 @@ void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& op
   // colours whatever has no stages).
   FCP_CHECK(!p.hasStages, "the paper's placement was staged before it was finished");
   p.hasSpan = false;
-  balanceComm(p, config, options, 2);
   Plan& plan = p.plan;
+  // Usually the communication is even already and balancing moves nothing: then relabelling
+  // first and finding the receivers after gives the plan and receivers of balancing first and
+  // relabelling the receivers after (a renaming changes neither the bytes' imbalance, summed
+  // in integers, nor which workers receive a block), without sorting every block's receivers
+  // again (2-5 ms at 4096 workers). When balancing has work, the renaming is undone and the
+  // steps run in their order.
+  if (config.locality && config.commBalanceSlack >= 0 && !p.hasTransfers && !p.receivers &&
+      plan.transfers.empty() && plan.reshuffle.empty()) {
+    std::vector<int32_t> renamed;
+    const int64_t moved = detail::relabelForLocality(plan, nullptr, &renamed);
+    detail::BlockReceivers receivers = detail::blockReceivers(plan);
+    if (imbalance(detail::bytesByWorker(plan, receivers)) <= detail::kCommTargetImbalance) {
+      plan.commBalanceSteps = 0;
+      plan.movedTokensWithoutLocality = moved;
+      p.receivers = std::move(receivers);
+      p.balanceMs += msSince(start);
+      return;
+    }
+    undoRelabel(plan, renamed);
+  }
+  balanceComm(p, config, options, 2);
   if (config.locality) {
     plan.movedTokensWithoutLocality =
         detail::relabelForLocality(plan, p.receivers ? &*p.receivers : nullptr);
