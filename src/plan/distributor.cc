@@ -19,7 +19,6 @@ namespace {
 
 using detail::kSwapCandidates;
 
-constexpr int64_t kNoMemory = std::numeric_limits<int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 /// assignBlocksNearHome: the fraction of the target each worker's kept home blocks leave free.
 constexpr double kLocalityReserve = 0.1;
@@ -122,7 +121,8 @@ struct Change {
 /// limit; so the answer v for a limit L is also the answer for any smaller limit L' that v
 /// still meets (the cheapest under L' cost no less, and no tied worker comes before v), and
 /// "none" for L is "none" for L'. The improvement pass used to spend most of its time in
-/// these searches (about 2 per step, each visiting ~900 of 8K nodes at 4096 workers).
+/// these searches (about 2 per step, each visiting ~900 of 8K nodes at 4096 workers, before
+/// the tree bounded them by the workers with room: WorkerTree::trackRoom).
 class TreeSearches {
  public:
   int32_t find(const Loads& loads, int64_t limit, int32_t exclude) {

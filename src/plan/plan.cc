@@ -297,7 +297,6 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
   }
 }
 
-/// The rest of the paper's placement: communication balancing and the locality relabelling.
 /// Undoes relabelForLocality's renaming of the owners and loads (`renamed`: each old worker's
 /// new id), for a plan that has no transfers, receivers or reshuffle yet.
 void undoRelabel(Plan& plan, const std::vector<int32_t>& renamed) {
@@ -313,6 +312,7 @@ void undoRelabel(Plan& plan, const std::vector<int32_t>& renamed) {
   }
 }
 
+/// The rest of the paper's placement: communication balancing and the locality relabelling.
 void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   // The rounds and span made to compare cuttings (refineCosts, which builds no stages) are
@@ -1303,7 +1303,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   std::vector<ReshufflePiece> reshuffle;
   detail::runBoth(
       parallel, [&] { ensureTransfers(lpt); },
-      [&] {  // reads the owners, blocks and pairs; ensureTransfers writes only the transfers
+      [&] {  // reads the batch, blocks and owners; ensureTransfers writes only the transfers
         if (!lpt.hasTraffic) reshuffle = buildReshuffle(lpt.plan);
       });
   const double transfersMs = msSince(transfersStart);

@@ -69,8 +69,10 @@ void ScoreIndex::summarise(Bucket& bucket) const {
     if (scaledMem_[ws] == leastA && (idA < 0 || w < idA)) idA = w;
     if (scaledCost_[ws] == leastB && (idB < 0 || w < idB)) idB = w;
   }
-  bucket.minA = {leastA, idA};
-  bucket.minB = {leastB, idB};
+  // Values at infinity (scales that overflow) name no worker, as the pairs' minimum from
+  // {inf, -1} did.
+  bucket.minA = {leastA, leastA == kInf ? -1 : idA};
+  bucket.minB = {leastB, leastB == kInf ? -1 : idB};
 }
 
 size_t ScoreIndex::bucketFor(int32_t w) const {

@@ -19,8 +19,9 @@ inline constexpr int64_t kNoRoom = std::numeric_limits<int64_t>::max();
 inline constexpr double kInfiniteCost = std::numeric_limits<double>::infinity();
 
 /// Segment tree over workers holding, per subtree, the least memory, the least compute and
-/// the largest compute (with the lowest worker id reaching it). Leaves past the last worker
-/// hold "no memory left" so every search skips them.
+/// the largest compute (with the lowest worker id reaching it), and, once trackRoom is called,
+/// the least compute of the workers with room under each tracked limit. Leaves past the last
+/// worker hold "no memory left" so every search skips them.
 class WorkerTree {
  public:
   explicit WorkerTree(int32_t numWorkers) : numWorkers_(numWorkers) {
