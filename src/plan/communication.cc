@@ -459,17 +459,7 @@ struct WorkerLists {
     int32_t*& close = listAt(in.fwdStages - 1, StageList::kCompute);
     close = std::copy(local + opening, local + numLocal, close);
     // Backward: the forward lists (forward has no dK/dV lists), the closing stage's compute
-    // without its local pairs (a prefix).
-    for (size_t s = 0; s < in.fwdStages; ++s) {
-      for (const StageList l :
-           {StageList::kSend, StageList::kRecv, StageList::kCompute, StageList::kRelease}) {
-        const std::span<int32_t> to = backward.fill(w, s, l);
-        const std::span<const int32_t> from = forward.list(w, s, l);
-        FCP_DCHECK(to.size() <= from.size(), "backward list ", to.size(), " of forward's ",
-                   from.size());
-        std::copy(from.begin(), from.begin() + static_cast<std::ptrdiff_t>(to.size()), to.begin());
-      }
-    }
+    // without its local pairs (a prefix): Stages::twoPasses shares them with the forward's.
     if (in.groups == 0) return;
     const std::span<int32_t> last = backward.fill(w, in.fwdStages, StageList::kCompute);
     std::copy(local + opening, local + numLocal, last.begin());
@@ -518,12 +508,10 @@ void buildStages(Plan& plan, StagePrep prep) {
                        std::move(prep.need)};
   const size_t fwd = in.fwdStages, bwd = groups > 0 ? fwd + 1 : fwd;
   const WorkerLists lists{in, bwd};
-  // All lists sized first, then filled in place: one allocation per pass.
-  std::vector<int64_t> fwdSizes, bwdSizes;  // one entry more, for Stages' list starts
-  detail::reserveHuge(fwdSizes, n * fwd * kStageLists + 1);
-  detail::reserveHuge(bwdSizes, n * bwd * kStageLists + 1);
-  fwdSizes.resize(n * fwd * kStageLists, 0);
-  bwdSizes.resize(n * bwd * kStageLists, 0);
+  // All lists sized first, then filled in place: one allocation for both passes.
+  std::vector<int64_t> fwdSizes, bwdSizes;
+  detail::resizeHuge(fwdSizes, n * fwd * kStageLists);
+  detail::resizeHuge(bwdSizes, n * bwd * kStageLists);
   detail::runBoth(
       parallel,
       [&] {
@@ -534,17 +522,12 @@ void buildStages(Plan& plan, StagePrep prep) {
         for (size_t w = n / 2; w < n; ++w)
           lists.size(w, &fwdSizes[w * fwd * kStageLists], &bwdSizes[w * bwd * kStageLists]);
       });
-  // The two passes' storage side by side: each is zeroed on allocation, and at 4096 workers
-  // that first touch of 21 MB was a third of this step.
-  Stages forward, backward;
-  detail::runBoth(
-      parallel,
-      [&] {
-        forward = Stages(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes));
-      },
-      [&] {
-        backward = Stages(std::vector<int64_t>(n, static_cast<int64_t>(bwd)), std::move(bwdSizes));
-      });
+  // The backward pass's send, receive, compute and release lists are prefixes of the
+  // forward's (WorkerLists): stored once, and the storage is not cleared (every other list is
+  // written below), so its pages are first touched by the fill, on both threads.
+  auto [forward, backward] =
+      Stages::twoPasses(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes),
+                        std::vector<int64_t>(n, static_cast<int64_t>(bwd)), bwdSizes);
   // Workers' lists are independent: two halves on two threads for large plans.
   const auto fill = [&](size_t first, size_t last) {
     std::vector<int32_t*> cursor(bwd * kStageLists);

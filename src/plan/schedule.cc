@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <utility>
 
 #include "fcp/core/error.h"
@@ -24,53 +25,147 @@ StageIds Stage::ids() const {
   return {own(send), own(recv), own(compute), own(release), own(sendGrad), own(recvGrad)};
 }
 
-Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
-  firstStage_.reserve(workers.size() + 1);
-  firstStage_.push_back(0);
-  size_t numIds = 0;
-  for (const std::vector<StageIds>& stages : workers) {
-    firstStage_.push_back(firstStage_.back() + static_cast<int64_t>(stages.size()));
-    for (const StageIds& st : stages)
-      for (const std::vector<int32_t>* list : listsOf(st)) numIds += list->size();
-  }
-  firstId_.reserve(static_cast<size_t>(firstStage_.back()) * kStageLists + 1);
-  firstId_.push_back(0);
-  ids_.reserve(numIds);
-  for (const std::vector<StageIds>& stages : workers) {
-    for (const StageIds& st : stages) {
-      for (const std::vector<int32_t>* list : listsOf(st)) {
-        ids_.insert(ids_.end(), list->begin(), list->end());
-        firstId_.push_back(static_cast<int64_t>(ids_.size()));
-      }
-    }
-  }
-}
-
-Stages::Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
+size_t Stages::countStages(const std::vector<int64_t>& stagesOf) {
   firstStage_.reserve(stagesOf.size() + 1);
   firstStage_.push_back(0);
   for (const int64_t count : stagesOf) {
     FCP_CHECK(count >= 0, "a worker with ", count, " stages");
     firstStage_.push_back(firstStage_.back() + count);
   }
-  FCP_CHECK(sizes.size() == static_cast<size_t>(firstStage_.back()) * kStageLists,
-            "list sizes for ", sizes.size(), " lists of ", firstStage_.back(), " stages");
-  // The sizes become the lists' starts in place: each entry the sum of those before it.
-  firstId_ = std::move(sizes);
-  firstId_.push_back(0);
-  int64_t sum = 0, least = 0;
-  for (int64_t& first : firstId_) {
-    least = std::min(least, first);
-    sum += std::exchange(first, sum);
+  return static_cast<size_t>(firstStage_.back()) * kStageLists;
+}
+
+namespace {
+
+/// A list size as stored (a plan's lists hold far fewer than 2^32 ids).
+uint32_t listSize(int64_t size) {
+  FCP_CHECK(size >= 0 && size <= int64_t{std::numeric_limits<uint32_t>::max()}, "a list of ", size,
+            " ids");
+  return static_cast<uint32_t>(size);
+}
+
+/// Storage for `count` ids: zeros, or, for builders that write every id, left as it is
+/// (at 4096 workers clearing it first was the first touch of 13 MB on one thread).
+std::shared_ptr<int32_t[]> idStorage(size_t count, bool zeros) {
+  std::shared_ptr<int32_t[]> ids(zeros ? new int32_t[count]() : new int32_t[count]);
+  detail::adviseHugePages(ids.get(), count * sizeof(int32_t));
+  return ids;
+}
+
+}  // namespace
+
+Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
+  std::vector<int64_t> stagesOf;
+  stagesOf.reserve(workers.size());
+  for (const std::vector<StageIds>& stages : workers)
+    stagesOf.push_back(static_cast<int64_t>(stages.size()));
+  begin_.reserve(countStages(stagesOf));
+  size_.reserve(begin_.capacity());
+  size_t numIds = 0;
+  for (const std::vector<StageIds>& stages : workers) {
+    for (const StageIds& st : stages) {
+      for (const std::vector<int32_t>* list : listsOf(st)) {
+        begin_.push_back(static_cast<int64_t>(numIds));
+        size_.push_back(listSize(static_cast<int64_t>(list->size())));
+        numIds += list->size();
+      }
+    }
   }
-  FCP_CHECK(least >= 0, "a list of ", least, " ids");
-  detail::resizeHuge(ids_, static_cast<size_t>(firstId_.back()));
+  ids_ = idStorage(numIds, false);
+  int32_t* at = ids_.get();
+  for (const std::vector<StageIds>& stages : workers)
+    for (const StageIds& st : stages)
+      for (const std::vector<int32_t>* list : listsOf(st))
+        at = std::copy(list->begin(), list->end(), at);
+}
+
+Stages::Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
+  const size_t lists = countStages(stagesOf);
+  FCP_CHECK(sizes.size() == lists, "list sizes for ", sizes.size(), " lists of ",
+            firstStage_.back(), " stages");
+  // The sizes become the lists' starts in place: each entry the sum of those before it.
+  size_.resize(lists);
+  int64_t sum = 0;
+  for (size_t k = 0; k < lists; ++k) {
+    size_[k] = listSize(sizes[k]);
+    sum += std::exchange(sizes[k], sum);
+  }
+  begin_ = std::move(sizes);
+  ids_ = idStorage(static_cast<size_t>(sum), true);
+}
+
+std::pair<Stages, Stages> Stages::twoPasses(const std::vector<int64_t>& forwardStagesOf,
+                                            std::vector<int64_t> forwardSizes,
+                                            const std::vector<int64_t>& backwardStagesOf,
+                                            const std::vector<int64_t>& backwardSizes) {
+  FCP_CHECK(forwardStagesOf.size() == backwardStagesOf.size(), "stages of ", forwardStagesOf.size(),
+            " and ", backwardStagesOf.size(), " workers");
+  std::pair<Stages, Stages> passes;
+  Stages& forward = passes.first;
+  Stages& backward = passes.second;
+  const size_t forwardLists = forward.countStages(forwardStagesOf);
+  const size_t backwardLists = backward.countStages(backwardStagesOf);
+  FCP_CHECK(forwardSizes.size() == forwardLists && backwardSizes.size() == backwardLists,
+            "list sizes for ", forwardSizes.size(), " and ", backwardSizes.size(), " lists of ",
+            forwardLists, " and ", backwardLists);
+  forward.size_.resize(forwardLists);
+  int64_t sum = 0;
+  for (size_t k = 0; k < forwardLists; ++k) {
+    forward.size_[k] = listSize(forwardSizes[k]);
+    sum += std::exchange(forwardSizes[k], sum);
+  }
+  forward.begin_ = std::move(forwardSizes);
+  // The backward lists: a prefix of the forward's same list where both have the stage, else
+  // after all of the forward's ids.
+  backward.begin_.resize(backwardLists);
+  backward.size_.resize(backwardLists);
+  for (size_t w = 0; w < forwardStagesOf.size(); ++w) {
+    const auto forwardFirst = static_cast<size_t>(forward.firstStage_[w]);
+    const auto backwardFirst = static_cast<size_t>(backward.firstStage_[w]);
+    const auto stages = static_cast<size_t>(backwardStagesOf[w]);
+    const auto shared = static_cast<size_t>(std::min(forwardStagesOf[w], backwardStagesOf[w]));
+    for (size_t s = 0; s < stages; ++s) {
+      for (size_t l = 0; l < kStageLists; ++l) {
+        const size_t k = (backwardFirst + s) * kStageLists + l;
+        backward.size_[k] = listSize(backwardSizes[k]);
+        if (s < shared && l <= static_cast<size_t>(StageList::kRelease)) {
+          const size_t f = (forwardFirst + s) * kStageLists + l;
+          FCP_CHECK(backward.size_[k] <= forward.size_[f], "a backward list of ", backward.size_[k],
+                    " ids over the forward's ", forward.size_[f]);
+          backward.begin_[k] = forward.begin_[f];
+        } else {
+          backward.begin_[k] = sum;
+          sum += backwardSizes[k];
+        }
+      }
+    }
+  }
+  forward.ids_ = idStorage(static_cast<size_t>(sum), false);
+  backward.ids_ = forward.ids_;
+  return passes;
 }
 
 std::span<int32_t> Stages::fill(size_t w, size_t s, StageList list) {
   const size_t k =
       (static_cast<size_t>(firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
-  return {ids_.data() + firstId_[k], static_cast<size_t>(firstId_[k + 1] - firstId_[k])};
+  return {ids_.get() + begin_[k], static_cast<size_t>(size_[k])};
+}
+
+std::vector<int32_t> Stages::allIds() const {
+  std::vector<int32_t> all;
+  for (size_t k = 0; k < size_.size(); ++k)
+    all.insert(all.end(), ids_.get() + begin_[k], ids_.get() + begin_[k] + size_[k]);
+  return all;
+}
+
+bool operator==(const Stages& a, const Stages& b) {
+  if (a.empty() || b.empty()) return a.empty() == b.empty();
+  if (a.firstStage_ != b.firstStage_ || a.size_ != b.size_) return false;
+  for (size_t k = 0; k < a.size_.size(); ++k) {
+    const int32_t* x = a.ids_.get() + a.begin_[k];
+    if (!std::equal(x, x + a.size_[k], b.ids_.get() + b.begin_[k])) return false;
+  }
+  return true;
 }
 
 std::vector<std::vector<StageIds>> Stages::ids() const {

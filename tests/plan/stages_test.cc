@@ -1,5 +1,6 @@
-// Stages: a pass's lists stored back to back, read through Stage views; and the stages
-// buildPlan fills in place, against the schedule's rules written out list by list.
+// Stages: a pass's lists stored in one array (a plan's two passes in one, sharing the lists
+// the backward repeats), read through Stage views; and the stages buildPlan fills in place,
+// against the schedule's rules written out list by list.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -136,6 +137,73 @@ TEST(StagesTest, FilledInPlaceAsSized) {
   EXPECT_THROW(Stages(stagesOf, sizes), Error);
   sizes.push_back(-1);
   EXPECT_THROW(Stages(stagesOf, sizes), Error);
+}
+
+// A plan's two passes in one storage: the backward lists twoPasses shares are the forward's
+// prefixes, whatever the fill writes to the others; the backward may have stages the forward
+// has not (its own lists there). Against the same lists stored one by one.
+TEST(StagesTest, TwoPassesShareTheForwardListsPrefixes) {
+  const std::vector<std::vector<StageIds>> forwardLists = handLists();
+  // Backward: each forward stage with its compute list cut by one id (when it has any) and
+  // dK/dV lists of its own, and one more stage on the third worker.
+  std::vector<std::vector<StageIds>> backwardLists = forwardLists;
+  int32_t next = 100;
+  for (auto& worker : backwardLists) {
+    for (StageIds& st : worker) {
+      if (!st.compute.empty()) st.compute.pop_back();
+      st.sendGrad = {next++};
+      st.recvGrad = {next++, next++};
+    }
+  }
+  backwardLists[2].push_back(StageIds{{next++}, {}, {next++, next++}, {}, {}, {next++}});
+  const auto sizesOf = [](const std::vector<std::vector<StageIds>>& lists,
+                          std::vector<int64_t>& stagesOf, std::vector<int64_t>& sizes) {
+    for (const auto& worker : lists) {
+      stagesOf.push_back(static_cast<int64_t>(worker.size()));
+      for (const StageIds& st : worker)
+        for (const auto* list :
+             {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
+          sizes.push_back(static_cast<int64_t>(list->size()));
+    }
+  };
+  std::vector<int64_t> forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes;
+  sizesOf(forwardLists, forwardStagesOf, forwardSizes);
+  sizesOf(backwardLists, backwardStagesOf, backwardSizes);
+  auto [forward, backward] =
+      Stages::twoPasses(forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes);
+  const auto write = [](Stages& into, const std::vector<std::vector<StageIds>>& lists,
+                        const std::vector<std::vector<StageIds>>* sharedWith) {
+    for (size_t w = 0; w < lists.size(); ++w) {
+      for (size_t s = 0; s < lists[w].size(); ++s) {
+        const StageIds& st = lists[w][s];
+        const std::vector<int32_t>* by[] = {&st.send,    &st.recv,     &st.compute,
+                                            &st.release, &st.sendGrad, &st.recvGrad};
+        for (size_t l = 0; l < kStageLists; ++l) {
+          const bool shared = sharedWith && s < (*sharedWith)[w].size() && l < 4;
+          if (shared) continue;  // the forward's, written there
+          const std::span<int32_t> to = into.fill(w, s, StageList(l));
+          ASSERT_EQ(to.size(), by[l]->size());
+          std::copy(by[l]->begin(), by[l]->end(), to.begin());
+        }
+      }
+    }
+  };
+  write(forward, forwardLists, nullptr);
+  write(backward, backwardLists, &forwardLists);
+  EXPECT_EQ(forward, Stages(forwardLists));
+  EXPECT_EQ(backward, Stages(backwardLists));
+  EXPECT_EQ(backward.ids(), backwardLists);
+  // The shared lists are the forward's storage: the same ids at the same addresses.
+  EXPECT_EQ(backward[0][0].send.data(), forward[0][0].send.data());
+  EXPECT_EQ(backward[2][2].compute.data(), forward[2][2].compute.data());
+  EXPECT_EQ(backward[2][2].compute.size() + 1, forward[2][2].compute.size());
+  // A backward list longer than the forward's it would share is refused.
+  std::vector<int64_t> longer = backwardSizes;
+  longer[2] += 2;  // worker 0, stage 0, compute: 3 ids forward
+  EXPECT_THROW(Stages::twoPasses(forwardStagesOf, forwardSizes, backwardStagesOf, longer), Error);
+  backwardStagesOf.pop_back();
+  EXPECT_THROW(Stages::twoPasses(forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes),
+               Error);
 }
 
 TEST(StagesTest, EditChangesTheOwnedLists) {

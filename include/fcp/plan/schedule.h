@@ -18,7 +18,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace fcp::plan {
@@ -120,9 +122,11 @@ class IndexIterator {
 
 class WorkerStages;
 
-/// Every worker's stages of one pass, [worker][stage], with all their lists stored back to
-/// back in one array: a plan of 4096 workers has some 380,000 non-empty lists, which as
-/// vectors of their own took 20-25 ms to build and 30-50 ms to free.
+/// Every worker's stages of one pass, [worker][stage], with all their lists stored in one
+/// array: a plan of 4096 workers has some 380,000 non-empty lists, which as vectors of their
+/// own took 20-25 ms to build and 30-50 ms to free. A plan's backward pass repeats most of the
+/// forward's lists; the two passes then keep one array (twoPasses), and copies of a Stages
+/// share it too (its lists are not changed once built: edit() stores them again).
 class Stages {
  public:
   Stages() = default;
@@ -133,6 +137,15 @@ class Stages {
   /// the workers' stages in order (its storage is reused: reserve one more entry). The lists
   /// hold zeros until written through fill().
   Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes);
+  /// For a builder of a plan's two passes, sized as above: the backward pass's send, receive,
+  /// compute and release lists of each stage the forward pass also has are the forward's
+  /// lists cut to their backward sizes (prefixes: none may be longer), stored once; fill()
+  /// writes the forward's lists and the backward's other lists, which hold unspecified values
+  /// until written (the builder writes them all).
+  static std::pair<Stages, Stages> twoPasses(const std::vector<int64_t>& forwardStagesOf,
+                                             std::vector<int64_t> forwardSizes,
+                                             const std::vector<int64_t>& backwardStagesOf,
+                                             const std::vector<int64_t>& backwardSizes);
 
   size_t size() const { return firstStage_.empty() ? 0 : firstStage_.size() - 1; }
   bool empty() const { return size() == 0; }
@@ -153,7 +166,8 @@ class Stages {
     return this->list(static_cast<size_t>(firstStage_[w]) + s, list);
   }
 
-  /// Worker w's stage s, list `list`, to write (for the builders of the second constructor).
+  /// Worker w's stage s, list `list`, to write (for the builders of the second constructor
+  /// and twoPasses, before the Stages is copied; not a backward list twoPasses shares).
   std::span<int32_t> fill(size_t w, size_t s, StageList list);
   /// The lists, owned: to change a plan's stages, change these and store them again (edit).
   std::vector<std::vector<StageIds>> ids() const;
@@ -165,24 +179,24 @@ class Stages {
     change(lists);
     *this = Stages(lists);
   }
-  /// Every id of every list, in storage order (worker, stage, list).
-  std::span<const int32_t> allIds() const { return ids_; }
+  /// Every id of every list, in (worker, stage, list) order.
+  std::vector<int32_t> allIds() const;
 
   /// The same workers' stages with the same lists (no workers: equal however made).
-  friend bool operator==(const Stages& a, const Stages& b) {
-    if (a.empty() || b.empty()) return a.empty() == b.empty();
-    return a.firstStage_ == b.firstStage_ && a.firstId_ == b.firstId_ && a.ids_ == b.ids_;
-  }
+  friend bool operator==(const Stages& a, const Stages& b);
 
  private:
   std::span<const int32_t> list(size_t stage, StageList list) const {
     const size_t k = stage * kStageLists + static_cast<size_t>(list);
-    return {ids_.data() + firstId_[k], static_cast<size_t>(firstId_[k + 1] - firstId_[k])};
+    return {ids_.get() + begin_[k], static_cast<size_t>(size_[k])};
   }
+  /// firstStage_ from the stage counts; the number of lists.
+  size_t countStages(const std::vector<int64_t>& stagesOf);
 
   std::vector<int64_t> firstStage_;  ///< worker w's stages: [firstStage_[w], firstStage_[w + 1])
-  std::vector<int64_t> firstId_;     ///< list k of all stages: ids_[firstId_[k], firstId_[k + 1])
-  std::vector<int32_t> ids_;
+  std::vector<int64_t> begin_;       ///< list k of all stages: ids_[begin_[k], + size_[k])
+  std::vector<uint32_t> size_;
+  std::shared_ptr<int32_t[]> ids_;
 };
 
 /// One worker's stages of one pass, in order: a view into the Stages that holds them.
