@@ -29,6 +29,37 @@ std::vector<std::vector<StageIds>> handLists() {
   return {{a, b}, {}, {c, StageIds{}, a}};
 }
 
+/// Each worker's stage count and each list's size, in Stages' order.
+void sizesOf(const std::vector<std::vector<StageIds>>& lists, std::vector<int64_t>& stagesOf,
+             std::vector<int64_t>& sizes) {
+  for (const auto& worker : lists) {
+    stagesOf.push_back(static_cast<int64_t>(worker.size()));
+    for (const StageIds& st : worker)
+      for (const auto* list :
+           {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
+        sizes.push_back(static_cast<int64_t>(list->size()));
+  }
+}
+
+/// Writes `lists` into `into` through fill(), but for the first four lists of the stages
+/// `sharedWith` (a forward pass's lists, when given) also has: those twoPasses shares.
+void fillFrom(Stages& into, const std::vector<std::vector<StageIds>>& lists,
+              const std::vector<std::vector<StageIds>>* sharedWith = nullptr) {
+  for (size_t w = 0; w < lists.size(); ++w) {
+    for (size_t s = 0; s < lists[w].size(); ++s) {
+      const StageIds& st = lists[w][s];
+      const std::vector<int32_t>* by[] = {&st.send,    &st.recv,     &st.compute,
+                                          &st.release, &st.sendGrad, &st.recvGrad};
+      for (size_t l = 0; l < kStageLists; ++l) {
+        if (sharedWith && s < (*sharedWith)[w].size() && l < 4) continue;
+        const std::span<int32_t> to = into.fill(w, s, StageList(l));
+        ASSERT_EQ(to.size(), by[l]->size());
+        std::copy(by[l]->begin(), by[l]->end(), to.begin());
+      }
+    }
+  }
+}
+
 static_assert(std::random_access_iterator<Stages::Iterator>);
 static_assert(std::random_access_iterator<WorkerStages::Iterator>);
 
@@ -110,28 +141,11 @@ TEST(StagesTest, EqualOnlyWithTheSameListsInTheSamePlaces) {
 TEST(StagesTest, FilledInPlaceAsSized) {
   const std::vector<std::vector<StageIds>> lists = handLists();
   std::vector<int64_t> stagesOf, sizes;
-  for (const auto& worker : lists) {
-    stagesOf.push_back(static_cast<int64_t>(worker.size()));
-    for (const StageIds& st : worker)
-      for (const auto* list :
-           {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
-        sizes.push_back(static_cast<int64_t>(list->size()));
-  }
+  sizesOf(lists, stagesOf, sizes);
   Stages filled(stagesOf, sizes);
   EXPECT_EQ(filled[0][0].compute.size(), 3u);
   for (const int32_t id : filled.allIds()) EXPECT_EQ(id, 0);
-  for (size_t w = 0; w < lists.size(); ++w) {
-    for (size_t s = 0; s < lists[w].size(); ++s) {
-      const StageIds& st = lists[w][s];
-      const std::vector<int32_t>* by[] = {&st.send,    &st.recv,     &st.compute,
-                                          &st.release, &st.sendGrad, &st.recvGrad};
-      for (size_t l = 0; l < kStageLists; ++l) {
-        const std::span<int32_t> to = filled.fill(w, s, StageList(l));
-        ASSERT_EQ(to.size(), by[l]->size());
-        std::copy(by[l]->begin(), by[l]->end(), to.begin());
-      }
-    }
-  }
+  fillFrom(filled, lists);
   EXPECT_EQ(filled, Stages(lists));
   sizes.pop_back();
   EXPECT_THROW(Stages(stagesOf, sizes), Error);
@@ -156,40 +170,13 @@ TEST(StagesTest, TwoPassesShareTheForwardListsPrefixes) {
     }
   }
   backwardLists[2].push_back(StageIds{{next++}, {}, {next++, next++}, {}, {}, {next++}});
-  const auto sizesOf = [](const std::vector<std::vector<StageIds>>& lists,
-                          std::vector<int64_t>& stagesOf, std::vector<int64_t>& sizes) {
-    for (const auto& worker : lists) {
-      stagesOf.push_back(static_cast<int64_t>(worker.size()));
-      for (const StageIds& st : worker)
-        for (const auto* list :
-             {&st.send, &st.recv, &st.compute, &st.release, &st.sendGrad, &st.recvGrad})
-          sizes.push_back(static_cast<int64_t>(list->size()));
-    }
-  };
   std::vector<int64_t> forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes;
   sizesOf(forwardLists, forwardStagesOf, forwardSizes);
   sizesOf(backwardLists, backwardStagesOf, backwardSizes);
   auto [forward, backward] =
       Stages::twoPasses(forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes);
-  const auto write = [](Stages& into, const std::vector<std::vector<StageIds>>& lists,
-                        const std::vector<std::vector<StageIds>>* sharedWith) {
-    for (size_t w = 0; w < lists.size(); ++w) {
-      for (size_t s = 0; s < lists[w].size(); ++s) {
-        const StageIds& st = lists[w][s];
-        const std::vector<int32_t>* by[] = {&st.send,    &st.recv,     &st.compute,
-                                            &st.release, &st.sendGrad, &st.recvGrad};
-        for (size_t l = 0; l < kStageLists; ++l) {
-          const bool shared = sharedWith && s < (*sharedWith)[w].size() && l < 4;
-          if (shared) continue;  // the forward's, written there
-          const std::span<int32_t> to = into.fill(w, s, StageList(l));
-          ASSERT_EQ(to.size(), by[l]->size());
-          std::copy(by[l]->begin(), by[l]->end(), to.begin());
-        }
-      }
-    }
-  };
-  write(forward, forwardLists, nullptr);
-  write(backward, backwardLists, &forwardLists);
+  fillFrom(forward, forwardLists);
+  fillFrom(backward, backwardLists, &forwardLists);
   EXPECT_EQ(forward, Stages(forwardLists));
   EXPECT_EQ(backward, Stages(backwardLists));
   EXPECT_EQ(backward.ids(), backwardLists);
