@@ -390,7 +390,7 @@ struct StageInputs {
   size_t needs(size_t key) const { return static_cast<size_t>(need.end(key) - need.begin(key)); }
 };
 
-/// Sizes and fills one worker's lists in both passes (Stages' second constructor).
+/// Sizes and fills one worker's lists in both passes (Stages::twoPasses).
 /// Forward: a transfer is sent and received in its group's stage; its pairs are computed, and
 /// its buffer released, `lag` stages later; the local pairs are split, the first half opening
 /// stage 0 (which receives nothing to compute, lag >= 1) and the second closing the last
@@ -525,9 +525,12 @@ void buildStages(Plan& plan, StagePrep prep) {
   // The backward pass's send, receive, compute and release lists are prefixes of the
   // forward's (WorkerLists): stored once, and the storage is not cleared (every other list is
   // written below), so its pages are first touched by the fill, on both threads.
-  auto [forward, backward] =
+  // Named references, not structured bindings: lambdas capture those only from Clang 16.
+  std::pair<Stages, Stages> passes =
       Stages::twoPasses(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes),
                         std::vector<int64_t>(n, static_cast<int64_t>(bwd)), bwdSizes);
+  Stages& forward = passes.first;
+  Stages& backward = passes.second;
   // Workers' lists are independent: two halves on two threads for large plans.
   const auto fill = [&](size_t first, size_t last) {
     std::vector<int32_t*> cursor(bwd * kStageLists);

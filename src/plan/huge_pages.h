@@ -2,7 +2,7 @@
 // Private to the plan module: large arrays backed by transparent huge pages where the kernel
 // offers them on request.
 //
-// A large plan touches about 100 MB of fresh memory (4096 workers x 32K tokens), and in a
+// A large plan touches about 85 MB of fresh memory (4096 workers x 32K tokens), and in a
 // fresh process each 4 KiB page costs a fault on first touch: about 28K faults, a fifth of the
 // planning time. Asking for huge pages (madvise MADV_HUGEPAGE, honoured when
 // /sys/kernel/mm/transparent_hugepage/enabled is "madvise" or "always") makes that one fault

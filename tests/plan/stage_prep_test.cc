@@ -97,10 +97,13 @@ TEST(StagePrepTest, RelabelledReceiversGiveTheRelabelledPlansTransfers) {
 // balancing first and relabelling after, which is the plan without the relabelling, relabelled.
 TEST(StagePrepTest, RelabellingBeforeTheBalancingCheckGivesThePlanOfBalancingFirst) {
   int balanced = 0, even = 0;
-  for (const auto& [workload, workers, seed] :
-       {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4}, std::tuple{"lognormal", 32, 0},
-        std::tuple{"lognormal", 64, 3}, std::tuple{"bimodal", 64, 0},
-        std::tuple{"lognormal", 5, 2}}) {
+  for (const auto& c : {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4},
+                        std::tuple{"lognormal", 32, 0}, std::tuple{"lognormal", 64, 3},
+                        std::tuple{"bimodal", 64, 0}, std::tuple{"lognormal", 5, 2}}) {
+    // Named copies, not structured bindings: lambdas capture those only from Clang 16.
+    const char* workload = std::get<0>(c);
+    const int workers = std::get<1>(c);
+    const int seed = std::get<2>(c);
     const Plan want = [&] {
       Plan p = plannedBatch(workload, workers, seed, false);
       p.transfers.clear();

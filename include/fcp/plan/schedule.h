@@ -134,7 +134,7 @@ class Stages {
   explicit Stages(const std::vector<std::vector<StageIds>>& workers);
   /// For a builder that fills every list in place: `stagesOf[w]` stages for worker w, and
   /// `sizes[(stage index) * kStageLists + list]` the size of each list, stage index counting
-  /// the workers' stages in order (its storage is reused: reserve one more entry). The lists
+  /// the workers' stages in order (its storage is reused for the lists' starts). The lists
   /// hold zeros until written through fill().
   Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes);
   /// For a builder of a plan's two passes, sized as above: the backward pass's send, receive,
