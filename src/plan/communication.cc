@@ -231,6 +231,17 @@ int64_t relabelForLocality(Plan& plan) { return detail::relabelForLocality(plan,
 
 namespace detail {
 
+void renameWorkers(Plan& plan, const std::vector<int32_t>& rename) {
+  for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
+  // Each worker's load goes with it: the same blocks and pairs, summed in the same order.
+  if (plan.loads.size() == rename.size()) {
+    std::vector<WorkerLoad> loads(rename.size());
+    for (size_t f = 0; f < rename.size(); ++f)
+      loads[static_cast<size_t>(rename[f])] = plan.loads[f];
+    plan.loads = std::move(loads);
+  }
+}
+
 int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers, std::vector<int32_t>* renamed) {
   // Stages name transfers by position: none may be built yet.
   FCP_CHECK(plan.forward.empty() && plan.backward.empty(),
@@ -252,13 +263,7 @@ int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers, std::vector<in
     rename[f] = static_cast<int32_t>(nextFree);
     taken[nextFree] = true;
   }
-  for (int32_t& o : plan.owner) o = rename[static_cast<size_t>(o)];
-  // Each worker's load goes with it: the same blocks and pairs, summed in the same order.
-  if (plan.loads.size() == n) {
-    std::vector<WorkerLoad> loads(n);
-    for (size_t f = 0; f < n; ++f) loads[static_cast<size_t>(rename[f])] = plan.loads[f];
-    plan.loads = std::move(loads);
-  }
+  renameWorkers(plan, rename);
   // Transfers and reshuffle pieces built already name the same workers, renamed; each block's
   // transfers go back into receiver order, as buildTransfers makes them (receivers are
   // distinct within a block).

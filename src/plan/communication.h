@@ -71,6 +71,10 @@ BlockReceivers blockReceivers(const Plan& plan);
 /// transfersOf(plan, blockReceivers(plan)).
 std::vector<Transfer> transfersOf(const Plan& plan, const BlockReceivers& r);
 
+/// Worker f becomes rename[f] (a permutation) in the owners, and in the loads when there is
+/// one per worker; nothing else (relabelForLocality renames the rest it finds built).
+void renameWorkers(Plan& plan, const std::vector<int32_t>& rename);
+
 /// relabelForLocality(plan), also renaming `receivers` (when not null: blockReceivers of the
 /// plan's owners), each block's list sorted again; `renamed`, when not null, gets each old
 /// worker's new id.

@@ -260,31 +260,29 @@ std::vector<int64_t> transferBytesByWorker(const Plan& plan) {
   return moved;
 }
 
-/// Communication balancing (off when commBalanceSlack < 0): compute may rise to the slack
-/// above LB (but not past `limit`), or stay at the busiest worker's cost where that is higher.
-/// At most `stepsPerWorker` swaps per worker; the balancer also stops once it finds no swap
-/// that helps.
-void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& options,
-                 int64_t stepsPerWorker,
-                 double limit = std::numeric_limits<double>::infinity()) {
+/// Whether the placement's communication is even already: the balancer would stop before its
+/// first swap (the same test on the same integers), and setting up its state costs more than
+/// the transfers. Then no balancing steps are recorded and, where the transfers are not built,
+/// the receivers the test found are kept for them (ensureTransfers, after the locality
+/// relabelling).
+bool commEven(Placed& p) {
   Plan& plan = p.plan;
-  if (config.commBalanceSlack < 0) return;
-  // Already even: the balancer would stop before its first swap (the same test on the same
-  // integers), and setting up its state costs more than the transfers. The receivers it
-  // looked at are kept, for the transfers (ensureTransfers, after the locality relabelling).
   if (p.hasTransfers) {
-    if (imbalance(transferBytesByWorker(plan)) <= detail::kCommTargetImbalance) {
-      plan.commBalanceSteps = 0;
-      return;
-    }
+    if (imbalance(transferBytesByWorker(plan)) > detail::kCommTargetImbalance) return false;
   } else {
     detail::BlockReceivers receivers = detail::blockReceivers(plan);
-    if (imbalance(detail::bytesByWorker(plan, receivers)) <= detail::kCommTargetImbalance) {
-      p.receivers = std::move(receivers);
-      plan.commBalanceSteps = 0;
-      return;
-    }
+    if (imbalance(detail::bytesByWorker(plan, receivers)) > detail::kCommTargetImbalance)
+      return false;
+    p.receivers = std::move(receivers);
   }
+  plan.commBalanceSteps = 0;
+  return true;
+}
+
+/// balanceComm's swaps, for a placement whose communication is not even (commEven).
+void balanceUneven(Placed& p, const PlanConfig& config, const DistributorOptions& options,
+                   int64_t stepsPerWorker, double limit = std::numeric_limits<double>::infinity()) {
+  Plan& plan = p.plan;
   const double cap = std::max(
       maxCost(plan), std::min(limit, plan.lowerBound * (1.0 + config.commBalanceSlack)));
   plan.commBalanceSteps = detail::balanceCommunication(
@@ -297,19 +295,14 @@ void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& 
   }
 }
 
-/// Undoes relabelForLocality's renaming of the owners and loads (`renamed`: each old worker's
-/// new id), for a plan that has no transfers, receivers or reshuffle yet.
-void undoRelabel(Plan& plan, const std::vector<int32_t>& renamed) {
-  std::vector<int32_t> back(renamed.size());
-  for (size_t f = 0; f < renamed.size(); ++f)
-    back[static_cast<size_t>(renamed[f])] = static_cast<int32_t>(f);
-  for (int32_t& o : plan.owner) o = back[static_cast<size_t>(o)];
-  if (plan.loads.size() == renamed.size()) {
-    std::vector<WorkerLoad> loads(renamed.size());
-    for (size_t f = 0; f < renamed.size(); ++f)
-      loads[f] = plan.loads[static_cast<size_t>(renamed[f])];
-    plan.loads = std::move(loads);
-  }
+/// Communication balancing (off when commBalanceSlack < 0): compute may rise to the slack
+/// above LB (but not past `limit`), or stay at the busiest worker's cost where that is higher.
+/// At most `stepsPerWorker` swaps per worker; the balancer also stops once it finds no swap
+/// that helps.
+void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& options,
+                 int64_t stepsPerWorker, double limit = std::numeric_limits<double>::infinity()) {
+  if (config.commBalanceSlack < 0 || commEven(p)) return;
+  balanceUneven(p, config, options, stepsPerWorker, limit);
 }
 
 /// The rest of the paper's placement: communication balancing and the locality relabelling.
@@ -331,17 +324,19 @@ void finishLpt(Placed& p, const PlanConfig& config, const DistributorOptions& op
       plan.transfers.empty() && plan.reshuffle.empty()) {
     std::vector<int32_t> renamed;
     const int64_t moved = detail::relabelForLocality(plan, nullptr, &renamed);
-    detail::BlockReceivers receivers = detail::blockReceivers(plan);
-    if (imbalance(detail::bytesByWorker(plan, receivers)) <= detail::kCommTargetImbalance) {
-      plan.commBalanceSteps = 0;
+    if (commEven(p)) {
       plan.movedTokensWithoutLocality = moved;
-      p.receivers = std::move(receivers);
       p.balanceMs += msSince(start);
       return;
     }
-    undoRelabel(plan, renamed);
+    std::vector<int32_t> back(renamed.size());  // the renaming undone
+    for (size_t f = 0; f < renamed.size(); ++f)
+      back[static_cast<size_t>(renamed[f])] = static_cast<int32_t>(f);
+    detail::renameWorkers(plan, back);
+    balanceUneven(p, config, options, 2);  // commEven's answer holds under a renaming
+  } else {
+    balanceComm(p, config, options, 2);
   }
-  balanceComm(p, config, options, 2);
   if (config.locality) {
     plan.movedTokensWithoutLocality =
         detail::relabelForLocality(plan, p.receivers ? &*p.receivers : nullptr);
