@@ -282,10 +282,11 @@ int64_t relabelForLocality(Plan& plan, BlockReceivers* receivers, std::vector<in
     piece.fcpWorker = rename[static_cast<size_t>(piece.fcpWorker)];
   if (renamed) *renamed = rename;
   if (receivers) {
-    for (int32_t& r : receivers->receivers) r = rename[static_cast<size_t>(r)];
     for (size_t k = 0; k + 1 < receivers->first.size(); ++k) {
-      std::sort(receivers->receivers.begin() + receivers->first[k],
-                receivers->receivers.begin() + receivers->last[k]);
+      const auto list = receivers->receivers.begin() + receivers->first[k];
+      const auto end = receivers->receivers.begin() + receivers->last[k];
+      for (auto r = list; r != end; ++r) *r = rename[static_cast<size_t>(*r)];
+      std::sort(list, end);
     }
   }
   return moved;
@@ -312,27 +313,38 @@ std::vector<ReshufflePiece> buildReshuffle(const Plan& plan) {
 namespace detail {
 
 BlockReceivers blockReceivers(const Plan& plan) {
-  // Per KV block, the owners of the Q blocks that pair with it other than its own (CSR, filled
-  // in one pass over the pairs in their order), each block's list then sorted and
-  // deduplicated: transfers come out sorted by (block, receiver) without a global sort.
+  // Per KV block, the owners of the Q blocks that pair with it (CSR, filled in one pass over
+  // the pairs in their order), each block's list then sorted and deduplicated, its own owner
+  // dropped: transfers come out sorted by (block, receiver) without a global sort. The sorts
+  // were most of the time, and the blocks of a sequence cut into Zig-Zag blocks are all read by
+  // the same Q blocks (each by all of them): where a block's list is the one before it, the
+  // sorted list is reused, one sort per sequence rather than per block.
   const auto ownerOf = [&](int32_t b) { return plan.owner[static_cast<size_t>(b)]; };
   BlockReceivers r;
   r.first.assign(plan.blocks.size() + 1, 0);
-  for (const BlockPair& p : plan.pairs) {
-    if (ownerOf(p.qBlock) != ownerOf(p.kvBlock)) ++r.first[static_cast<size_t>(p.kvBlock) + 1];
-  }
+  for (const BlockPair& p : plan.pairs) ++r.first[static_cast<size_t>(p.kvBlock) + 1];
   for (size_t k = 1; k < r.first.size(); ++k) r.first[k] += r.first[k - 1];
   detail::resizeHuge(r.receivers, static_cast<size_t>(r.first.back()));
   r.last.assign(r.first.begin(), r.first.end() - 1);
-  for (const BlockPair& p : plan.pairs) {
-    const int32_t w = ownerOf(p.qBlock);
-    if (w != ownerOf(p.kvBlock))
-      r.receivers[static_cast<size_t>(r.last[static_cast<size_t>(p.kvBlock)]++)] = w;
-  }
+  for (const BlockPair& p : plan.pairs)
+    r.receivers[static_cast<size_t>(r.last[static_cast<size_t>(p.kvBlock)]++)] = ownerOf(p.qBlock);
+  std::vector<int32_t> readers;  // the last list sorted, as filled
+  std::vector<int32_t> sorted;   // its owners, sorted and distinct
   for (size_t k = 0; k + 1 < r.first.size(); ++k) {
-    int32_t* first = r.receivers.data() + r.first[k];
-    std::sort(first, r.receivers.data() + r.last[k]);
-    r.last[k] = std::unique(first, r.receivers.data() + r.last[k]) - r.receivers.data();
+    int32_t* const list = r.receivers.data() + r.first[k];
+    const auto size = static_cast<size_t>(r.last[k] - r.first[k]);
+    if (size != readers.size() || !std::equal(list, list + size, readers.begin())) {
+      readers.assign(list, list + size);
+      sorted.assign(list, list + size);
+      std::sort(sorted.begin(), sorted.end());
+      sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    }
+    const int32_t own = ownerOf(static_cast<int32_t>(k));
+    int32_t* out = list;
+    for (const int32_t w : sorted) {
+      if (w != own) *out++ = w;
+    }
+    r.last[k] = out - r.receivers.data();
   }
   return r;
 }

@@ -60,7 +60,9 @@ void forEachUserRun(const Block& block, const std::vector<int64_t>& sequenceStar
 }
 
 /// Each KV block's receivers: the owners of the Q blocks that pair with it, other than its own,
-/// sorted and distinct; block k's are receivers[first[k]] .. receivers[last[k]].
+/// sorted and distinct; block k's are receivers[first[k]] .. receivers[last[k]] (the array
+/// holds a place for each pair reading the block, and the entries from last[k] to first[k + 1]
+/// mean nothing).
 struct BlockReceivers {
   std::vector<int64_t> first, last;
   std::vector<int32_t> receivers;

@@ -3,6 +3,8 @@
 // and the relabelling of receivers kept instead of transfers.
 #include <gtest/gtest.h>
 
+#include <random>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -69,6 +71,62 @@ TEST(StagePrepTest, TransfersColouredInPlaceGetTheRoundsOfColorEdges) {
     for (const Transfer& t : p.transfers) rounds.push_back(t.round);
     EXPECT_EQ(rounds, expected.color) << workload << " " << workers;
   }
+}
+
+// Each KV block's receivers are the owners of the Q blocks that read it, other than its own,
+// sorted and distinct; a block whose readers are those of the block before it reuses that
+// block's sorted list (the blocks of a Zig-Zag sequence). Checked against sets made from the
+// pairs, for plans as planned and with owners drawn at random from a few workers (so that
+// lists repeat owners and a block's own owner is among its readers' owners), under both masks
+// and both placements (Zig-Zag blocks, contiguous blocks, packed blocks).
+TEST(StagePrepTest, BlockReceiversAreTheOtherOwnersOfTheBlocksReaders) {
+  std::mt19937_64 rng(7);
+  int reused = 0;
+  for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+    for (const Placement placement : {Placement::kLpt, Placement::kLocal}) {
+      for (const auto& [workload, workers, seed] :
+           {std::tuple{"lognormal", 16, 1}, std::tuple{"bimodal", 8, 4},
+            std::tuple{"lognormal-narrow", 5, 0}}) {
+        PlanConfig c;
+        c.numWorkers = workers;
+        c.tokensPerWorker = 16384;
+        c.blockSize = 2048;
+        c.placement = placement;
+        c.attention.mask = mask;
+        Plan p = buildPlan(sampleBatch(findWorkload(workload), workers * c.tokensPerWorker, seed),
+                           c, CostModel{c.attention});
+        for (int round = 0; round < 3; ++round) {
+          if (round > 0) {
+            std::uniform_int_distribution<int32_t> few(0, round == 1 ? 1 : 2);
+            for (int32_t& o : p.owner) o = few(rng);
+          }
+          std::vector<std::set<int32_t>> want(p.blocks.size());
+          for (const BlockPair& pair : p.pairs) {
+            const int32_t w = p.owner[static_cast<size_t>(pair.qBlock)];
+            if (w != p.owner[static_cast<size_t>(pair.kvBlock)])
+              want[static_cast<size_t>(pair.kvBlock)].insert(w);
+          }
+          const detail::BlockReceivers r = detail::blockReceivers(p);
+          ASSERT_EQ(r.first.size(), p.blocks.size() + 1);
+          ASSERT_EQ(r.last.size(), p.blocks.size());
+          for (size_t k = 0; k < p.blocks.size(); ++k) {
+            ASSERT_LE(r.first[k], r.last[k]);
+            ASSERT_LE(r.last[k], r.first[k + 1]);
+            const std::vector<int32_t> got(r.receivers.begin() + r.first[k],
+                                           r.receivers.begin() + r.last[k]);
+            EXPECT_EQ(got, std::vector<int32_t>(want[k].begin(), want[k].end()))
+                << workload << " " << workers << " round " << round << " block " << k;
+            // Reuse happens where a block has as many readers as the one before it and both
+            // are read by the same blocks.
+            if (k > 0 && r.first[k + 1] - r.first[k] == r.first[k] - r.first[k - 1] &&
+                p.owner[k] != p.owner[k - 1])
+              ++reused;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(reused, 0);
 }
 
 // Relabelling the receivers kept from communication balancing, then building the transfers
