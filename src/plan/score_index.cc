@@ -13,20 +13,37 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 }  // namespace
 
 ScoreIndex::ScoreIndex(int32_t numWorkers, double a, double b)
-    : a_(a), b_(b), mem_(static_cast<size_t>(numWorkers), 0),
+    : a_(a),
+      b_(b),
+      mem_(static_cast<size_t>(numWorkers), 0),
       cost_(static_cast<size_t>(numWorkers), 0.0),
       scaledMem_(static_cast<size_t>(numWorkers), 0.0),
       scaledCost_(static_cast<size_t>(numWorkers), 0.0),
-      diff_(static_cast<size_t>(numWorkers), 0.0),
-      bucketOf_(static_cast<size_t>(numWorkers), 0) {
-  targetSize_ = std::max<size_t>(16, static_cast<size_t>(std::sqrt(static_cast<double>(numWorkers))));
+      diff_(static_cast<size_t>(numWorkers), 0.0) {
+  targetSize_ =
+      std::max<size_t>(16, static_cast<size_t>(std::sqrt(static_cast<double>(numWorkers))) / 2);
   // All keys start equal (0), so id order is key order.
   for (int32_t w = 0; w < numWorkers; ++w) {
     if (buckets_.empty() || buckets_.back().workers.size() >= targetSize_) buckets_.emplace_back();
     buckets_.back().workers.push_back(w);
-    bucketOf_[static_cast<size_t>(w)] = static_cast<uint32_t>(buckets_.size() - 1);
   }
   for (Bucket& bucket : buckets_) summarise(bucket);
+  summariseGroups();
+}
+
+void ScoreIndex::summariseGroup(size_t g) {
+  const size_t first = g * kGroup, last = std::min(first + kGroup, buckets_.size());
+  Group& group = groups_[g];
+  group = {buckets_[first].minA, buckets_[first].minB};
+  for (size_t b = first + 1; b < last; ++b) {
+    group.minA = std::min(group.minA, buckets_[b].minA);
+    group.minB = std::min(group.minB, buckets_[b].minB);
+  }
+}
+
+void ScoreIndex::summariseGroups() {
+  groups_.resize((buckets_.size() + kGroup - 1) / kGroup);
+  for (size_t g = 0; g < groups_.size(); ++g) summariseGroup(g);
 }
 
 bool ScoreIndex::keyLess(int32_t u, int32_t v) const {
@@ -103,19 +120,20 @@ void ScoreIndex::rebalance(size_t b) {
   } else {
     return;
   }
-  for (size_t i = b; i < buckets_.size(); ++i) {
-    for (int32_t w : buckets_[i].workers) bucketOf_[static_cast<size_t>(w)] = static_cast<uint32_t>(i);
-  }
+  summariseGroups();
 }
 
 void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
   const auto ws = static_cast<size_t>(w);
-  size_t from = bucketOf_[ws];
+  // Found by its key, which has not changed yet (a map from workers to buckets had to be
+  // renumbered after every split, most of the cost of splits).
+  const size_t from = bucketFor(w);
   auto& old = buckets_[from].workers;
   old.erase(std::find(old.begin(), old.end(), w));
   // The summary changes only if w held one of its minima.
   if (buckets_[from].minA.second == w || buckets_[from].minB.second == w) {
     summarise(buckets_[from]);
+    summariseGroup(from / kGroup);
   } else {
     bound(buckets_[from]);
   }
@@ -132,11 +150,13 @@ void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
   list.insert(std::upper_bound(list.begin(), list.end(), w,
                                [&](int32_t x, int32_t y) { return keyLess(x, y); }),
               w);
-  bucketOf_[ws] = static_cast<uint32_t>(to);
   Bucket& bucket = buckets_[to];
   bucket.minA = std::min(bucket.minA, Candidate{scaledMem_[ws], w});
   bucket.minB = std::min(bucket.minB, Candidate{scaledCost_[ws], w});
   bound(bucket);
+  Group& group = groups_[to / kGroup];
+  group.minA = std::min(group.minA, bucket.minA);
+  group.minB = std::min(group.minB, bucket.minB);
   rebalance(to);
 }
 
@@ -150,12 +170,12 @@ int32_t ScoreIndex::argMin(int64_t memLimit, int64_t mi, double ci) const {
       if (diff_[ws] < t && mem_[ws] <= memLimit) bestB = std::min(bestB, Candidate{scaledCost_[ws], w});
     }
   };
-  for (const Bucket& bucket : buckets_) {
+  const auto visit = [&](const Bucket& bucket) {
     const double lo = bucket.lo, hi = bucket.hi;
     if (lo >= t) {
       bestA = std::min(bestA, bucket.minA);
     } else if (hi < t) {
-      if (!(bucket.minB < bestB)) continue;
+      if (!(bucket.minB < bestB)) return;
       if (mem_[static_cast<size_t>(bucket.minB.second)] <= memLimit) {
         bestB = bucket.minB;
       } else {
@@ -169,6 +189,23 @@ int32_t ScoreIndex::argMin(int64_t memLimit, int64_t mi, double ci) const {
       }
       scanB(bucket);
     }
+  };
+  // A group wholly on one side of t counts as one bucket, unless its least-B worker is full.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const size_t first = g * kGroup, last = std::min(first + kGroup, buckets_.size());
+    const Group& group = groups_[g];
+    if (buckets_[first].lo >= t) {
+      bestA = std::min(bestA, group.minA);
+      continue;
+    }
+    if (buckets_[last - 1].hi < t) {
+      if (!(group.minB < bestB)) continue;
+      if (mem_[static_cast<size_t>(group.minB.second)] <= memLimit) {
+        bestB = group.minB;
+        continue;
+      }
+    }
+    for (size_t b = first; b < last; ++b) visit(buckets_[b]);
   }
   // The least A has the least memory: if it has no room, no worker of its group has.
   if (bestA.second >= 0 && mem_[static_cast<size_t>(bestA.second)] > memLimit) bestA = {kInf, -1};

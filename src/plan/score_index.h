@@ -15,12 +15,14 @@ namespace fcp::plan::detail {
 /// The score is A_w + x exactly when D_w = A_w - B_w >= y - x, and B_w + y otherwise. So the
 /// workers are kept ordered by D_w: those at or above y - x are a suffix, whose best is its
 /// least A (which is also its least memory, so it is feasible if any is), and those below are
-/// a prefix, whose best is its least B among the feasible. The order is kept in about √N
-/// sorted buckets of about √N workers, each knowing its least A and least B: a query reads
-/// every bucket's summary and scans the one bucket that straddles y - x (and, rarely, a
-/// bucket whose least-B worker is full); an update moves one worker between buckets. Both
-/// are O(√N) with small constants and no pointer chasing, which beats a balanced tree at the
-/// sizes FCP plans for (N ≤ a few thousand). Deterministic: no randomness.
+/// a prefix, whose best is its least B among the feasible. The order is kept in about 2√N
+/// sorted buckets of about √N / 2 workers (at least 16), each knowing its least A and least
+/// B, and the buckets in groups of kGroup that know the least of their buckets': a query reads
+/// every group's summary, the summaries of the buckets of the one group that straddles y - x,
+/// and scans the one bucket that straddles it (and, rarely, a bucket or group whose least-B
+/// worker is full); an update moves one worker between buckets, which it finds by its key. Both are
+/// O(√N) with small constants and no pointer chasing, which beats a balanced tree at the sizes FCP
+/// plans for (N ≤ a few thousand). Deterministic: no randomness.
 class ScoreIndex {
  public:
   /// a > 0 and b > 0; every worker starts empty.
@@ -42,8 +44,19 @@ class ScoreIndex {
     double lo = 0, hi = 0;         ///< D of its first and last worker (the query reads only these)
   };
 
+  /// The least (A, id) and (B, id) of buckets [g·kGroup, (g + 1)·kGroup).
+  struct Group {
+    Candidate minA{0, -1};
+    Candidate minB{0, -1};
+  };
+  /// Buckets per group: without groups a query read every bucket's summary, and buckets of
+  /// √N workers (64 at 4096 workers) were the least costly size.
+  static constexpr size_t kGroup = 8;
+
   bool keyLess(int32_t u, int32_t v) const;
   void summarise(Bucket& bucket) const;
+  void summariseGroup(size_t g);      ///< from its buckets' summaries
+  void summariseGroups();             ///< every group (after buckets were split or dropped)
   void bound(Bucket& bucket) const;   ///< sets lo and hi from the workers
   size_t bucketFor(int32_t w) const;  ///< the bucket w's key belongs in
   void rebalance(size_t b);           ///< split a bucket grown too big, drop an empty one
@@ -57,7 +70,7 @@ class ScoreIndex {
   std::vector<double> scaledCost_;  ///< B_w
   std::vector<double> diff_;        ///< D_w
   std::vector<Bucket> buckets_;
-  std::vector<uint32_t> bucketOf_;  ///< worker -> bucket index, refreshed on splits
+  std::vector<Group> groups_;
 };
 
 }  // namespace fcp::plan::detail

@@ -87,13 +87,14 @@ void checkAgainstScan(int32_t n, bool exact, std::mt19937_64& rng) {
 }
 
 TEST(ScoreIndexTest, ChoosesWhatAScanOfEveryWorkerChooses) {
-  // Sizes around the bucket size (16 workers at least, √N above 256) and the splits and
-  // merges of buckets that many updates cause; a fixed seed and a fresh one.
+  // Sizes around the bucket size (16 workers at least, √N / 2 above 1024), groups of buckets
+  // (1000 and 2000 workers make 8 and more groups) and the splits and merges of buckets that
+  // many updates cause; a fixed seed and a fresh one.
   const uint64_t fresh = testing::testSeed();
   SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(fresh));
   for (const uint64_t seed : {uint64_t{1}, fresh}) {
     std::mt19937_64 rng(seed);
-    for (const int32_t n : {1, 2, 15, 16, 17, 33, 100, 300, 1000}) {
+    for (const int32_t n : {1, 2, 15, 16, 17, 33, 100, 300, 1000, 2000}) {
       checkAgainstScan(n, true, rng);
       checkAgainstScan(n, false, rng);
     }
