@@ -7,6 +7,7 @@
 #include "fcp/core/error.h"
 #include "fcp/plan/limits.h"
 #include "huge_pages.h"
+#include "pair_halves.h"
 #include "parallel.h"
 
 namespace fcp::plan {
@@ -345,7 +346,8 @@ std::vector<Block> shardBatchForLayout(const Batch& batch, int64_t blockSize,
   return blocks;
 }
 
-std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostModel& costModel) {
+detail::PairHalves detail::blockPairHalves(const std::vector<Block>& blocks,
+                                           const CostModel& costModel, bool withCosts) {
   // Index chunks by sequence: (block, chunk) for every chunk of each sequence, in block order.
   int32_t numSequences = 0;
   for (const Block& b : blocks) {
@@ -399,23 +401,38 @@ std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostMo
   }
   const int64_t total = boundBefore.back();
   const auto capped = [](int64_t bound) { return static_cast<size_t>(std::min(kMaxPairs, bound)); };
-  std::vector<BlockPair> pairs;
-  detail::reserveHuge(pairs, capped(total));
+  detail::PairHalves h;
+  detail::reserveHuge(h.first, capped(total));  // room for the second half too
+  if (withCosts) h.costs.assign(blocks.size(), 0.0);
+  // blockCosts' sums, per half: each block's pairs are in one half, in order.
+  const auto sumCosts = [&](const std::vector<BlockPair>& pairs) {
+    if (!withCosts) return;
+    for (const BlockPair& p : pairs) h.costs[static_cast<size_t>(p.qBlock)] += p.cost;
+  };
   const bool parallel = detail::worthParallel(total);
   const auto split = static_cast<int32_t>(
       parallel ? std::lower_bound(boundBefore.begin(), boundBefore.end(), total / 2) -
                      boundBefore.begin()
                : numBlocks);
-  std::vector<BlockPair> later;
   detail::runBoth(
-      parallel, [&] { appendPairs(blocks, bySequence, costModel, 0, split, pairs); },
+      parallel,
+      [&] {
+        appendPairs(blocks, bySequence, costModel, 0, split, h.first);
+        sumCosts(h.first);
+      },
       [&] {
         if (split == numBlocks) return;
-        detail::reserveHuge(later, capped(total - boundBefore[static_cast<size_t>(split)]));
-        appendPairs(blocks, bySequence, costModel, split, numBlocks, later);
+        detail::reserveHuge(h.second, capped(total - boundBefore[static_cast<size_t>(split)]));
+        appendPairs(blocks, bySequence, costModel, split, numBlocks, h.second);
+        sumCosts(h.second);
       });
-  pairs.insert(pairs.end(), later.begin(), later.end());
-  return pairs;
+  return h;
+}
+
+std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostModel& costModel) {
+  detail::PairHalves h = detail::blockPairHalves(blocks, costModel, false);
+  h.first.insert(h.first.end(), h.second.begin(), h.second.end());
+  return std::move(h.first);
 }
 
 std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& pairs) {

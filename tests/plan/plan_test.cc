@@ -2,12 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <string>
 
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/json.h"
 #include "fcp/plan/limits.h"
+#include "parallel.h"
 #include "plan_threads.h"
 
 namespace fcp::plan {
@@ -157,6 +159,25 @@ TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
       two = planToJson(plan);
     }
     EXPECT_EQ(one, two) << c.workload << " on " << c.workers << " workers";
+    // Planned where the second thread is taken (inside a runBoth whose other side holds it
+    // until the plan is made): every step that would go beside another runs after it, on this
+    // thread; the paper's side then joins its first pairs itself (PendingPairs), as the local
+    // side, which would have, has not begun.
+    std::string held;
+    {
+      const PlanThreads threads("2");
+      std::atomic<bool> planned{false};
+      detail::runBoth(
+          true,
+          [&] {
+            held = planToJson(makePlan(c.workload, c.workers, MaskKind::kCausal, c.seed,
+                                       c.tokensPerWorker, c.blockSize));
+            planned = true;
+            planned.notify_all();
+          },
+          [&] { planned.wait(false); });
+    }
+    EXPECT_EQ(one, held) << c.workload << " on " << c.workers << " workers, the thread held";
   }
 }
 

@@ -1,0 +1,25 @@
+#pragma once
+// Private to the plan module: a batch's pairs as blockPairs makes them, before its two halves
+// are joined.
+
+#include <vector>
+
+#include "fcp/core/cost_model.h"
+#include "fcp/plan/sharding.h"
+
+namespace fcp::plan::detail {
+
+/// blockPairs(blocks, costModel) is `first` followed by `second`: on large batches the Q blocks
+/// are cut in two and each half's pairs made on its own thread. `first` has room reserved for
+/// `second`, so joining them moves no pair of `first`. `costs`, when asked for, is
+/// blockCosts(blocks.size(), blockPairs(blocks, costModel)), each half's summed on its thread.
+struct PairHalves {
+  std::vector<BlockPair> first, second;
+  std::vector<double> costs;
+};
+
+/// Throws as blockPairs does.
+PairHalves blockPairHalves(const std::vector<Block>& blocks, const CostModel& costModel,
+                           bool withCosts);
+
+}  // namespace fcp::plan::detail
