@@ -9,36 +9,8 @@
 
 namespace fcp {
 
-namespace {
-
-/// visibleEntries for positions in [0, 2^31): every product below stays under 2^62 and the
-/// sum under 2^63, so 64-bit arithmetic is exact and nothing saturates (the planner calls this
-/// millions of times on 4096 workers; the 128-bit path cost twice as much).
-int64_t visibleEntriesSmall(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin,
-                            int64_t kEnd) {
-  const int64_t width = kEnd - kBegin;
-  if (mask == MaskKind::kFull) return (qEnd - qBegin) * width;
-  int64_t series = 0, rest = 0;
-  const int64_t a = std::max(qBegin, kBegin);
-  const int64_t b = std::min(qEnd, kEnd);
-  if (a < b) {
-    const int64_t n = b - a;
-    const int64_t ends = (a - kBegin) + 1 + (b - kBegin);
-    series = (n % 2 == 0) ? (n / 2) * ends : n * (ends / 2);
-  }
-  const int64_t fullFrom = std::max(qBegin, kEnd);
-  if (fullFrom < qEnd) rest = (qEnd - fullFrom) * width;
-  return series + rest;
-}
-
-}  // namespace
-
-int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin, int64_t kEnd) {
-  if (qEnd <= qBegin || kEnd <= kBegin) return 0;
-  constexpr int64_t kSmall = int64_t{1} << 31;
-  if (qBegin >= 0 && kBegin >= 0 && qEnd < kSmall && kEnd < kSmall) {
-    return visibleEntriesSmall(mask, qBegin, qEnd, kBegin, kEnd);
-  }
+int64_t detail::visibleEntriesWide(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin,
+                                   int64_t kEnd) {
   // Counted in unsigned 128 bits: every factor below is a non-negative difference of int64
   // positions (under 2^64, or 2^65 / 2), so each product stays under 2^128; each term is capped
   // at INT64_MAX before they are added, so the count saturates instead of wrapping.
