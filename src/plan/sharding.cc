@@ -261,12 +261,6 @@ void appendPairs(const std::vector<Block>& blocks, const ChunksBySequence& bySeq
 }
 }  // namespace
 
-int64_t Block::numTokens() const {
-  int64_t total = 0;
-  for (const Chunk& c : chunks) total += c.numTokens();
-  return total;
-}
-
 std::vector<Block> shardBatch(const Batch& batch, int64_t blockSize, MaskKind mask,
                               const std::vector<int64_t>& sequenceBlockSizes, int64_t packSize) {
   checkShardInput(batch, blockSize);
