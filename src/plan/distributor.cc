@@ -11,6 +11,7 @@
 #include "fcp/core/error.h"
 #include "fcp/core/workload.h"
 #include "parallel.h"
+#include "radix_sort.h"
 #include "score_index.h"
 #include "worker_tree.h"
 
@@ -812,9 +813,7 @@ bool placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& token
                               costs[static_cast<size_t>(i)] / cHat),
                      i});
   }
-  std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  });
+  detail::sortByKeyDescending(keyed);  // descending key, ties by id
   for (size_t k = 0; k < keyed.size(); ++k) order[k] = keyed[k].second;
   detail::ScoreIndex index(n, options.alpha / mHat, options.beta / cHat);
   for (int32_t w = 0; home && w < n; ++w)  // blocks kept at home are already placed
