@@ -1358,6 +1358,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
           lpt = std::move(local);
       }
     }
+    local = Placed{};  // its memory is free for the transfers and stages
     balanceMs += msSince(chooseStart);
   }
   // Built already when the two placements were compared by their bytes (the stages too when
@@ -1385,10 +1386,6 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
       },
       [&] {
         if (!lpt.hasStages) prep = detail::prepareStages(plan);
-        // The losing placement is freed here, beside the colouring, which takes longer than
-        // the stage lists: freeing its tens of thousands of blocks took the choosing thread
-        // 0.9 ms at 4096 workers (its large arrays are the kernel's again either way).
-        local = Placed{};
       });
   if (!lpt.hasTraffic) plan.reshuffle = std::move(reshuffle);
   const auto scheduleStart = std::chrono::steady_clock::now();
