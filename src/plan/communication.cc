@@ -328,7 +328,7 @@ BlockReceivers blockReceivers(const Plan& plan) {
   r.last.assign(r.first.begin(), r.first.end() - 1);
   for (const BlockPair& p : plan.pairs)
     r.receivers[static_cast<size_t>(r.last[static_cast<size_t>(p.kvBlock)]++)] = ownerOf(p.qBlock);
-  std::vector<int32_t> readers;  // the last list sorted, as filled
+  std::vector<int32_t> readers;  // the previous block's list as filled (owners of its readers)
   std::vector<int32_t> sorted;   // its owners, sorted and distinct
   for (size_t k = 0; k + 1 < r.first.size(); ++k) {
     int32_t* const list = r.receivers.data() + r.first[k];

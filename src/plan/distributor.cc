@@ -803,9 +803,10 @@ bool placeGreedily(std::vector<int32_t> order, const std::vector<int64_t>& token
                    double homeTarget, const Totals& totals, const DistributorOptions& options,
                    int64_t cap, Loads& loads, Assignment& result) {
   const auto n = static_cast<int32_t>(options.numWorkers);
-  const double mHat = static_cast<double>(totals.tokens) / n;
+  // As cHat: blocks of no tokens at all (0 / 0) would make every key NaN.
+  const double mHat = totals.tokens > 0 ? static_cast<double>(totals.tokens) / n : 1.0;
   const double cHat = totals.cost > 0 ? totals.cost / n : 1.0;
-  // Each block's key computed once (the sort compares each about 2 log n times).
+  // Each block's key, finite and >= 0 (tokens and costs are, and at most their totals).
   std::vector<std::pair<double, int32_t>> keyed;
   keyed.reserve(order.size());
   for (const int32_t i : order) {

@@ -91,7 +91,13 @@ double maxCost(const Plan& plan) {
 /// side may not have started), so neither side ever waits for work the other has not begun.
 class PendingPairs {
  public:
-  explicit PendingPairs(detail::PairHalves halves) : halves_(std::move(halves)) {}
+  explicit PendingPairs(detail::PairHalves halves) : halves_(std::move(halves)) {
+    // joinHalves appends without reallocating: blockPairHalves reserves the pairs' bound,
+    // which checkPairCount keeps under kMaxPairs before the pairs are made.
+    FCP_CHECK(halves_.first.capacity() - halves_.first.size() >= halves_.second.size(),
+              "no room reserved to join ", halves_.second.size(), " pairs to ",
+              halves_.first.size());
+  }
 
   /// Joins the halves unless a thread has claimed that already.
   void join() {
@@ -179,7 +185,8 @@ struct Sharding {
   /// is not below it are not assigned at all (the placement returns nullopt, as for blocks the
   /// cap refuses).
   double mustBeat = std::numeric_limits<double>::infinity();
-  /// The paper's blocks, pairs and costs for this sharding, made already (moved from), or null.
+  /// The paper's blocks, pairs and costs for this sharding, made already (moved from; the pairs
+  /// possibly still pending: Placed::pendingPairs), or null.
   Placed* made = nullptr;
 };
 
@@ -540,8 +547,8 @@ int64_t firstSize(const Batch& batch, const PlanConfig& config, const Distributo
 /// skipped (such blocks can never be placed). Deterministic: the sizes tried depend only on
 /// the inputs.
 ///
-/// `made`, when given, holds the paper's blocks, pairs and costs at firstSize (buildPlan makes
-/// them before the two placements run side by side).
+/// `made`, when given, holds the paper's blocks, pairs (possibly pending) and costs at
+/// firstSize (buildPlan makes them before the two placements run side by side).
 Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config,
                      const CostModel& costModel, const DistributorOptions& options,
                      Placed* made = nullptr) {
@@ -1286,9 +1293,10 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   }
   // The two placements are independent: on two threads when the batch is large (their
   // shard and assign times then overlap, and the phases can sum above the total). The paper's
-  // first blocks and pairs are made before, alone (blockPairs splits them over both threads):
-  // making both placements' pairs side by side, both bound by memory, slowed the paper's,
-  // which leads the longer chain, from 12 to 18-40 ms at 4096 workers x 32K tokens.
+  // first blocks and pairs are made before, alone (their two halves on both threads, joined
+  // later: PendingPairs): making both placements' pairs side by side, both bound by memory,
+  // slowed the paper's, which leads the longer chain, from 12 to 18-40 ms at 4096 workers x
+  // 32K tokens.
   const bool withLocal = config.placement == Placement::kLocal;
   const bool parallel = detail::worthParallel(estimatePairs(batch, config.blockSize));
   std::optional<Placed> lptFirst;

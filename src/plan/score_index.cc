@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "fcp/core/error.h"
+
 namespace fcp::plan::detail {
 namespace {
 
@@ -126,8 +128,18 @@ void ScoreIndex::rebalance(size_t b) {
 void ScoreIndex::update(int32_t w, int64_t mem, double cost) {
   const auto ws = static_cast<size_t>(w);
   // Found by its key, which has not changed yet (a map from workers to buckets had to be
-  // renumbered after every split, most of the cost of splits).
-  const size_t from = bucketFor(w);
+  // renumbered after every split, most of the cost of splits); keys that are NaN (scales that
+  // overflow times an empty worker) order nothing, and are looked for in every bucket.
+  const auto holds = [&](size_t b) {
+    const std::vector<int32_t>& list = buckets_[b].workers;
+    return std::find(list.begin(), list.end(), w) != list.end();
+  };
+  size_t from = bucketFor(w);
+  if (!holds(from)) {
+    for (from = 0; from < buckets_.size() && !holds(from); ++from) {
+    }
+    FCP_CHECK(from < buckets_.size(), "worker ", w, " is in no bucket");
+  }
   auto& old = buckets_[from].workers;
   old.erase(std::find(old.begin(), old.end(), w));
   // The summary changes only if w held one of its minima.

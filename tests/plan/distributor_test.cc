@@ -399,6 +399,29 @@ TEST(DistributorTest, NoBlocksIsFine) {
   EXPECT_TRUE(assignBlocks({}, {}, o).owner.empty());
 }
 
+// Blocks of no tokens at all: the greedy's memory scale (tokens per worker) is 0, and
+// dividing by it made every key NaN, which ordered nothing (the greedy's index then looked for
+// a worker in the wrong bucket). On more workers than one bucket of the index holds, both
+// placements spread the blocks by their costs alone.
+TEST(DistributorTest, BlocksOfNoTokensArePlacedByTheirCosts) {
+  DistributorOptions o;
+  o.numWorkers = 40;
+  o.memoryLimitTokens = 10;
+  const std::vector<int64_t> tokens(5, 0);
+  const std::vector<double> costs = {1, 2, 3, 4, 5};
+  const auto busiest = [&](const Assignment& a) {
+    std::vector<double> load(40, 0.0);
+    for (size_t i = 0; i < a.owner.size(); ++i) {
+      EXPECT_GE(a.owner[i], 0);
+      EXPECT_LT(a.owner[i], 40);
+      load[static_cast<size_t>(a.owner[i])] += costs[i];
+    }
+    return *std::max_element(load.begin(), load.end());
+  };
+  EXPECT_EQ(busiest(assignBlocks(tokens, costs, o)), 5.0);
+  EXPECT_EQ(busiest(assignBlocksNearHome(tokens, costs, {0, 39, 39, 39, 20}, o)), 5.0);
+}
+
 }  // namespace
 }  // namespace fcp::plan
 

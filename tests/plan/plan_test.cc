@@ -170,10 +170,15 @@ TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
       detail::runBoth(
           true,
           [&] {
+            struct Release {  // also when planning throws: the other side must not wait on
+              std::atomic<bool>& planned;
+              ~Release() {
+                planned = true;
+                planned.notify_all();
+              }
+            } const release{planned};
             held = planToJson(makePlan(c.workload, c.workers, MaskKind::kCausal, c.seed,
                                        c.tokensPerWorker, c.blockSize));
-            planned = true;
-            planned.notify_all();
           },
           [&] { planned.wait(false); });
     }

@@ -23,7 +23,8 @@ inline int64_t visibleEntries(MaskKind mask, int64_t qBegin, int64_t qEnd, int64
                               int64_t kEnd);
 
 namespace detail {
-/// visibleEntries for any positions, counted in 128 bits (cost_model.cc).
+/// visibleEntries for non-empty ranges at any positions, counted in 128 bits (cost_model.cc;
+/// visibleEntries returns 0 for empty ranges before it calls this).
 int64_t visibleEntriesWide(MaskKind mask, int64_t qBegin, int64_t qEnd, int64_t kBegin,
                            int64_t kEnd);
 }  // namespace detail

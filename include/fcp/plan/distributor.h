@@ -10,11 +10,11 @@
 /// c_i, Σ c_i / N) bounds every assignment's busiest worker from below.
 ///
 /// The greedy finds the exact argmin with workers kept ordered by α m_w / m̂ − β c_w / ĉ
-/// (where the score switches between its two terms) in about √N sorted buckets, O(√N) per
-/// block with small constants; ties go to the lowest worker id. The improvement pass searches a segment tree over workers (least
-/// compute, least memory, most compute per subtree). Neither scans full workers one by one.
-/// The improvement pass is bounded by a step count, not by time, so every rank stops at the
-/// same plan.
+/// (where the score switches between its two terms) in about 2√N sorted buckets read through
+/// groups of 8, O(√N) per block with small constants; ties go to the lowest worker id. The
+/// improvement pass searches a segment tree over workers (least compute, least memory, most compute
+/// per subtree). Neither scans full workers one by one. The improvement pass is bounded by a step
+/// count, not by time, so every rank stops at the same plan.
 
 #include <cstdint>
 #include <optional>
