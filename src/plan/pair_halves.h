@@ -2,6 +2,7 @@
 // Private to the plan module: a batch's pairs as blockPairs makes them, before its two halves
 // are joined.
 
+#include <utility>
 #include <vector>
 
 #include "fcp/core/cost_model.h"
@@ -21,5 +22,13 @@ struct PairHalves {
 /// Throws as blockPairs does.
 PairHalves blockPairHalves(const std::vector<Block>& blocks, const CostModel& costModel,
                            bool withCosts);
+
+/// blockPairs' pairs from its halves: `second` appended to `first`, in the room reserved for
+/// it (nothing reallocates); `halves` is left without pairs.
+inline std::vector<BlockPair> joinHalves(PairHalves& halves) {
+  halves.first.insert(halves.first.end(), halves.second.begin(), halves.second.end());
+  halves.second = {};
+  return std::move(halves.first);
+}
 
 }  // namespace fcp::plan::detail

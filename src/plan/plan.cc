@@ -120,18 +120,16 @@ class PendingPairs {
         done_.wait(lock, [&] { return joined_; });
       });
     }
-    return std::move(halves_.first);
+    return std::move(pairs_);
   }
 
  private:
-  // Room for the second half is reserved in the first (blockPairHalves): nothing reallocates,
+  // Room for the second half is reserved in the first (checked above): nothing reallocates,
   // so nothing here can throw.
-  void joinHalves() noexcept {
-    halves_.first.insert(halves_.first.end(), halves_.second.begin(), halves_.second.end());
-    halves_.second = {};
-  }
+  void joinHalves() noexcept { pairs_ = detail::joinHalves(halves_); }
 
   detail::PairHalves halves_;
+  std::vector<BlockPair> pairs_;
   std::atomic<bool> claimed_{false};
   std::mutex mutex_;
   std::condition_variable done_;
@@ -203,8 +201,7 @@ Placed placeWith(const Batch& batch, const PlanConfig& config, const CostModel& 
   if (pending) {
     *pending = std::move(halves);
   } else {
-    halves.first.insert(halves.first.end(), halves.second.begin(), halves.second.end());
-    p.plan.pairs = std::move(halves.first);
+    p.plan.pairs = detail::joinHalves(halves);
   }
   return p;
 }

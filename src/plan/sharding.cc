@@ -425,8 +425,7 @@ detail::PairHalves detail::blockPairHalves(const std::vector<Block>& blocks,
 
 std::vector<BlockPair> blockPairs(const std::vector<Block>& blocks, const CostModel& costModel) {
   detail::PairHalves h = detail::blockPairHalves(blocks, costModel, false);
-  h.first.insert(h.first.end(), h.second.begin(), h.second.end());
-  return std::move(h.first);
+  return detail::joinHalves(h);
 }
 
 std::vector<double> blockCosts(int64_t numBlocks, const std::vector<BlockPair>& pairs) {
