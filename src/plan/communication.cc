@@ -1134,16 +1134,10 @@ void validateCommunication(const Plan& plan, Violations& v) {
       if (computedAt[p] < 0) found.add(pass, ": pair ", p, " is never computed");
     }
   };
-  // validate reports on the plan, not on the environment: a bad FCP_PLAN_THREADS (which
-  // planning refuses) replays in order here rather than turn a check into an error.
-  bool parallel = false;
-  try {
-    parallel = worthParallel(static_cast<int64_t>(plan.pairs.size()));
-  } catch (const Error&) {
-  }
   Violations backwardFound;
   runBoth(
-      parallel, [&] { replay(false, v); }, [&] { replay(true, backwardFound); });
+      worthParallelCheck(static_cast<int64_t>(plan.pairs.size())), [&] { replay(false, v); },
+      [&] { replay(true, backwardFound); });
   v.append(std::move(backwardFound));
 
   // Reshuffle: the pieces tile the stream, each inside one user slice and one chunk of a

@@ -47,6 +47,17 @@ inline bool worthParallel(int64_t pairs) {
   return planThreads() > 1 && pairs >= kParallelPairs;
 }
 
+/// worthParallel for validation, which reports on the plan, not on the environment: a bad
+/// FCP_PLAN_THREADS (which planning refuses) checks in order here rather than turn a check
+/// into an error.
+inline bool worthParallelCheck(int64_t pairs) {
+  try {
+    return worthParallel(pairs);
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 /// The second thread of one piece of planning (a top-level runBoth, and every runBoth under
 /// it). A runBoth nested in one on two threads runs in order while the helper is busy, so the
 /// planner never uses more than two threads; once the helper's side is done, its thread is

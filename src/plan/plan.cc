@@ -1018,36 +1018,41 @@ void checkOwnersAndLoads(const Plan& plan, Violations& v) {
   }
 }
 
-/// Every (Q chunk, KV chunk) of one sequence with visible entries must lie in exactly one pair.
-void checkPairs(const Plan& plan, Violations& v) {
+/// The (Q chunk, KV chunk) pairs with visible entries that pairs [first, last) cover, by
+/// global chunk id (firstChunk: each block's first), with the sentences of those pairs, in
+/// pair order. `inOrder`: the pairs name blocks in range and ascend strictly by (Q block, KV
+/// block) from pair first - 1 on; then each Q block's run of chunk pairs is sorted (the runs
+/// follow each other in Q chunk order, so sorting each run sorts them all).
+struct CoveredChunks {
+  std::vector<std::pair<int64_t, int64_t>> chunkPairs;
+  bool inOrder = true;
+  Violations found;
+};
+
+CoveredChunks coveredChunks(const Plan& plan, const std::vector<int64_t>& firstChunk, size_t first,
+                            size_t last, size_t room) {
   const MaskKind mask = plan.config.attention.mask;
   const auto numBlocks = static_cast<int32_t>(plan.blocks.size());
-  std::vector<int64_t> firstChunk(plan.blocks.size() + 1, 0);  // global chunk id of a block's first
-  for (size_t b = 0; b < plan.blocks.size(); ++b) {
-    firstChunk[b + 1] = firstChunk[b] + static_cast<int64_t>(plan.blocks[b].chunks.size());
-  }
-  std::vector<std::pair<int64_t, int64_t>> covered;
-  covered.reserve(plan.pairs.size());
-  // Where each Q block's run of covered chunk pairs starts: with the pairs in (Q block, KV
-  // block) order, the runs follow each other in Q chunk order, so sorting each run sorts all.
-  std::vector<size_t> runStart{0};
-  bool pairsInOrder = true;
-  for (size_t p = 0; p < plan.pairs.size(); ++p) {
+  CoveredChunks c;
+  std::vector<std::pair<int64_t, int64_t>>& covered = c.chunkPairs;
+  covered.reserve(room);
+  std::vector<size_t> runStart{0};  // where each Q block's run starts in `covered`
+  for (size_t p = first; p < last; ++p) {
     const BlockPair& pair = plan.pairs[p];
     if (pair.qBlock < 0 || pair.qBlock >= numBlocks || pair.kvBlock < 0 ||
         pair.kvBlock >= numBlocks) {
-      v.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..",
-            numBlocks - 1);
-      pairsInOrder = false;
+      c.found.add("pair ", p, " names blocks (", pair.qBlock, ", ", pair.kvBlock, ") outside 0..",
+                  numBlocks - 1);
+      c.inOrder = false;
       continue;
     }
     if (p > 0 && std::tie(plan.pairs[p - 1].qBlock, plan.pairs[p - 1].kvBlock) >=
                      std::tie(pair.qBlock, pair.kvBlock)) {
-      v.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ", pair.kvBlock,
-            ")");
-      pairsInOrder = false;
+      c.found.add("pairs are not sorted and unique at pair ", p, " (", pair.qBlock, ", ",
+                  pair.kvBlock, ")");
+      c.inOrder = false;
     }
-    if (p > 0 && plan.pairs[p - 1].qBlock != pair.qBlock) runStart.push_back(covered.size());
+    if (p > first && plan.pairs[p - 1].qBlock != pair.qBlock) runStart.push_back(covered.size());
     const auto& qChunks = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks;
     const auto& kChunks = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks;
     int64_t visible = 0;
@@ -1064,20 +1069,62 @@ void checkPairs(const Plan& plan, Violations& v) {
       }
     }
     if (visible == 0)
-      v.add("pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ") needs no computation");
+      c.found.add("pair ", p, " (", pair.qBlock, ", ", pair.kvBlock, ") needs no computation");
     if (visible != pair.visible) {
-      v.add("pair ", p, " says ", pair.visible, " visible entries but its chunks give ", visible);
+      c.found.add("pair ", p, " says ", pair.visible, " visible entries but its chunks give ",
+                  visible);
     }
   }
   runStart.push_back(covered.size());
-  if (pairsInOrder) {
+  if (c.inOrder) {
     for (size_t r = 0; r + 1 < runStart.size(); ++r) {
       std::sort(covered.begin() + static_cast<std::ptrdiff_t>(runStart[r]),
                 covered.begin() + static_cast<std::ptrdiff_t>(runStart[r + 1]));
     }
-  } else {
-    std::sort(covered.begin(), covered.end());
   }
+  return c;
+}
+
+/// Every (Q chunk, KV chunk) of one sequence with visible entries must lie in exactly one pair.
+/// On large plans, in two halves on two threads (the pairs cut at a Q block's first pair, the
+/// sequences at half the chunk pairs), with the sentences each would add in order.
+void checkPairs(const Plan& plan, Violations& v) {
+  const MaskKind mask = plan.config.attention.mask;
+  const auto numBlocks = static_cast<int32_t>(plan.blocks.size());
+  std::vector<int64_t> firstChunk(plan.blocks.size() + 1, 0);  // global chunk id of a block's first
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    firstChunk[b + 1] = firstChunk[b] + static_cast<int64_t>(plan.blocks[b].chunks.size());
+  }
+  const size_t numPairs = plan.pairs.size();
+  const bool parallel = detail::worthParallelCheck(static_cast<int64_t>(numPairs));
+  size_t mid = parallel ? numPairs / 2 : numPairs;
+  while (mid > 0 && mid < numPairs && plan.pairs[mid].qBlock == plan.pairs[mid - 1].qBlock) ++mid;
+  // Room for each half's chunk pairs, at most a block's chunks times the other's: the first
+  // half's is for both, so the second is appended in place.
+  const auto roomOf = [&](size_t first, size_t last) {
+    size_t room = 0;
+    for (size_t p = first; p < last; ++p) {
+      const BlockPair& pair = plan.pairs[p];
+      if (pair.qBlock >= 0 && pair.qBlock < numBlocks && pair.kvBlock >= 0 &&
+          pair.kvBlock < numBlocks) {
+        room += plan.blocks[static_cast<size_t>(pair.qBlock)].chunks.size() *
+                plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks.size();
+      }
+    }
+    return room;
+  };
+  const size_t secondRoom = roomOf(mid, numPairs);
+  CoveredChunks head, tail;
+  detail::runBoth(
+      parallel,
+      [&] { head = coveredChunks(plan, firstChunk, 0, mid, roomOf(0, mid) + secondRoom); },
+      [&] { tail = coveredChunks(plan, firstChunk, mid, numPairs, secondRoom); });
+  v.append(std::move(head.found));
+  v.append(std::move(tail.found));
+  std::vector<std::pair<int64_t, int64_t>> covered = std::move(head.chunkPairs);
+  covered.insert(covered.end(), tail.chunkPairs.begin(), tail.chunkPairs.end());
+  tail.chunkPairs = {};
+  if (!(head.inOrder && tail.inOrder)) std::sort(covered.begin(), covered.end());
   for (size_t i = 1; i < covered.size(); ++i) {
     if (covered[i] == covered[i - 1]) {
       v.add("chunk pair (", covered[i].first, ", ", covered[i].second, ") is computed twice");
@@ -1099,24 +1146,38 @@ void checkPairs(const Plan& plan, Violations& v) {
       chunkById.push_back(&c);
     }
   }
-  for (const auto& ids : chunksOf) {
-    for (int64_t q : ids) {
-      // ids ascend, so the KV chunks are met in the order of q's run: one walk along it finds
-      // each (as a binary search of the whole list would).
-      size_t at = coveredFrom[static_cast<size_t>(q)];
-      const size_t end = coveredFrom[static_cast<size_t>(q) + 1];
-      for (int64_t k : ids) {
-        const Chunk& qc = *chunkById[static_cast<size_t>(q)];
-        const Chunk& kc = *chunkById[static_cast<size_t>(k)];
-        if (visibleEntries(mask, qc.begin, qc.end, kc.begin, kc.end) == 0) continue;
-        while (at < end && covered[at].second < k) ++at;
-        if (at == end || covered[at].second != k) {
-          v.add("sequence ", qc.sequence, ": Q tokens [", qc.begin, ", ", qc.end, ") x KV tokens [",
-                kc.begin, ", ", kc.end, ") are never computed");
+  const auto checkSequences = [&](size_t first, size_t last, Violations& found) {
+    for (size_t s = first; s < last; ++s) {
+      const std::vector<int64_t>& ids = chunksOf[s];
+      for (int64_t q : ids) {
+        // ids ascend, so the KV chunks are met in the order of q's run: one walk along it finds
+        // each (as a binary search of the whole list would).
+        size_t at = coveredFrom[static_cast<size_t>(q)];
+        const size_t end = coveredFrom[static_cast<size_t>(q) + 1];
+        for (int64_t k : ids) {
+          const Chunk& qc = *chunkById[static_cast<size_t>(q)];
+          const Chunk& kc = *chunkById[static_cast<size_t>(k)];
+          if (visibleEntries(mask, qc.begin, qc.end, kc.begin, kc.end) == 0) continue;
+          while (at < end && covered[at].second < k) ++at;
+          if (at == end || covered[at].second != k) {
+            found.add("sequence ", qc.sequence, ": Q tokens [", qc.begin, ", ", qc.end,
+                      ") x KV tokens [", kc.begin, ", ", kc.end, ") are never computed");
+          }
         }
       }
     }
-  }
+  };
+  // The sequences cut where the chunk pairs to check reach half.
+  size_t total = 0;
+  for (const auto& ids : chunksOf) total += ids.size() * ids.size();
+  size_t cut = parallel ? 0 : chunksOf.size();
+  for (size_t sum = 0; cut < chunksOf.size() && sum < total / 2; ++cut)
+    sum += chunksOf[cut].size() * chunksOf[cut].size();
+  Violations later;
+  detail::runBoth(
+      parallel, [&] { checkSequences(0, cut, v); },
+      [&] { checkSequences(cut, chunksOf.size(), later); });
+  v.append(std::move(later));
 }
 
 /// The planner's knobs and counters a plan file may carry: each in the range its flag or the

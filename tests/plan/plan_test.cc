@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <string>
 
 #include "fcp/core/error.h"
@@ -126,6 +127,93 @@ TEST(PlanTest, ValidateSaysTheSameOnOneThreadAndOnTwo) {
   EXPECT_EQ(one.front().rfind("forward", 0), 0u) << one.front();
   EXPECT_EQ(one[20].rfind("backward", 0), 0u) << one[20];
   EXPECT_NE(one.back().find("more"), std::string::npos) << one.back();
+}
+
+// checkPairs re-derives the chunk pairs in two halves on two threads for large plans (the
+// pairs cut at a Q block's first pair, the sequences' mask check at half its work): the same
+// sentences, in the same order, as on one thread, for pairs broken in either half or in
+// both, out of order (the sort of all chunk pairs, not of each Q block's run), out of range,
+// duplicated or missing.
+TEST(PlanTest, PairChecksSayTheSameOnOneThreadAndOnTwo) {
+  const Plan good = makePlan("lognormal", 512, MaskKind::kCausal, 7);
+  const size_t n = good.pairs.size();
+  ASSERT_GE(n, size_t{1} << 16) << "under the two-thread threshold";
+  const size_t early = n / 5, late = n - n / 5;
+  struct Case {
+    const char* what;
+    std::function<void(Plan&)> breakIt;
+    const char* says;  ///< what one of the sentences says
+  };
+  const auto miscount = [](Plan& p, size_t at) { p.pairs[at].visible += 1; };
+  const std::vector<Case> cases = {
+      {"miscounted in both halves",
+       [&](Plan& p) {
+         miscount(p, early);
+         miscount(p, late);
+       },
+       "visible entries but its chunks give"},
+      {"out of order in the second half",
+       [&](Plan& p) { std::swap(p.pairs[late], p.pairs[late + 1]); }, "pairs are not sorted"},
+      {"out of range in the first half", [&](Plan& p) { p.pairs[early].kvBlock = -3; },
+       ") outside 0.."},
+      {"duplicated in the second half",
+       [&](Plan& p) {
+         p.pairs.insert(p.pairs.begin() + static_cast<std::ptrdiff_t>(late), p.pairs[late]);
+       },
+       "is computed twice"},
+      {"missing from both halves",
+       [&](Plan& p) {
+         p.pairs.erase(p.pairs.begin() + static_cast<std::ptrdiff_t>(late));
+         p.pairs.erase(p.pairs.begin() + static_cast<std::ptrdiff_t>(early));
+       },
+       "are never computed"},
+  };
+  // A valid plan stays valid. On this one the pairs' middle falls inside a Q block's run,
+  // among KV blocks before it: its front and back chunks' pairs alternate there, so halves cut
+  // at the middle would each sort their piece of the run, and the two pieces not each other.
+  {
+    const Plan valid = makePlan("lognormal", 512, MaskKind::kCausal, 2);
+    const size_t mid = valid.pairs.size() / 2;
+    ASSERT_GE(valid.pairs.size(), size_t{1} << 16);
+    EXPECT_EQ(valid.pairs[mid].qBlock, valid.pairs[mid - 1].qBlock);
+    EXPECT_LT(valid.pairs[mid].kvBlock + 1, valid.pairs[mid].qBlock);
+    PlanThreads t("2");
+    const std::vector<std::string> none = validate(valid);
+    EXPECT_TRUE(none.empty()) << none.front();
+  }
+  for (const Case& c : cases) {
+    Plan p = good;
+    c.breakIt(p);
+    std::vector<std::string> one, two;
+    {
+      PlanThreads t("1");
+      one = validate(p);
+    }
+    {
+      PlanThreads t("2");
+      two = validate(p);
+    }
+    EXPECT_EQ(one, two) << c.what;
+    EXPECT_TRUE(mentions(one, c.says)) << c.what;
+  }
+  // Each half's sentences, the first half's first: the miscounted pairs are named in order.
+  Plan p = good;
+  miscount(p, early);
+  miscount(p, late);
+  PlanThreads t("2");
+  const std::vector<std::string> found = validate(p);
+  ASSERT_GE(found.size(), 2u);
+  EXPECT_EQ(found[0].rfind("pair " + std::to_string(early) + " says", 0), 0u) << found[0];
+  EXPECT_EQ(found[1].rfind("pair " + std::to_string(late) + " says", 0), 0u) << found[1];
+  // Two missing pairs leave chunk pairs of their sequences never computed, whichever half of
+  // the mask check finds them.
+  p = good;
+  p.pairs.erase(p.pairs.begin() + static_cast<std::ptrdiff_t>(late));
+  p.pairs.erase(p.pairs.begin() + static_cast<std::ptrdiff_t>(early));
+  std::vector<std::string> never;
+  for (const std::string& s : validate(p))
+    if (s.find("never computed") != std::string::npos) never.push_back(s);
+  EXPECT_GE(never.size(), 2u);
 }
 
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
