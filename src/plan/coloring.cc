@@ -326,15 +326,28 @@ std::span<T> grow(std::vector<T>& v, size_t size) {
 
 }  // namespace
 
-int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
-  checkEdges(numWorkers, EdgeView<Edge>{edges});
+namespace {
+
+template <typename Edges>
+int32_t maxDegreeOf(int32_t numWorkers, const Edges& edges) {
+  checkEdges(numWorkers, edges);
   std::vector<int32_t> out(static_cast<size_t>(numWorkers)), in(static_cast<size_t>(numWorkers));
   int32_t delta = 0;
-  for (const Edge& e : edges) {
-    delta = std::max(delta, ++out[static_cast<size_t>(e.sender)]);
-    delta = std::max(delta, ++in[static_cast<size_t>(e.receiver)]);
+  for (size_t i = 0; i < edges.size(); ++i) {
+    delta = std::max(delta, ++out[static_cast<size_t>(edges.sender(i))]);
+    delta = std::max(delta, ++in[static_cast<size_t>(edges.receiver(i))]);
   }
   return delta;
+}
+
+}  // namespace
+
+int32_t maxDegree(int32_t numWorkers, const std::vector<Edge>& edges) {
+  return maxDegreeOf(numWorkers, EdgeView<Edge>{edges});
+}
+
+int32_t detail::maxTransferDegree(int32_t numWorkers, const std::vector<Transfer>& transfers) {
+  return maxDegreeOf(numWorkers, EdgeView<Transfer>{transfers});
 }
 
 namespace {

@@ -875,6 +875,9 @@ double pipelineSpan(const Plan& plan) {
 
 namespace detail {
 
+/// (worker, round) slots validateCommunication marks at most, 64 MiB of bits at each end.
+constexpr size_t kMaxMarkedSlots = size_t{1} << 29;
+
 void validateCommunication(const Plan& plan, Violations& v) {
   const int64_t n = plan.config.numWorkers;
   // Transfers: exactly those the pairs need.
@@ -897,9 +900,7 @@ void validateCommunication(const Plan& plan, Violations& v) {
     }
   }
   // Rounds: exactly Δ, each a matching.
-  std::vector<Edge> edges;
-  for (const Transfer& t : plan.transfers) edges.push_back({t.sender, t.receiver, t.bytes});
-  const int32_t delta = maxDegree(static_cast<int32_t>(n), edges);
+  const int32_t delta = maxTransferDegree(static_cast<int32_t>(n), plan.transfers);
   if (plan.congestionFree && plan.numRounds != delta) {
     v.add("plan has ", plan.numRounds, " rounds, but Δ = ", delta);
   }
@@ -912,11 +913,29 @@ void validateCommunication(const Plan& plan, Violations& v) {
       roundsInRange = false;
     }
   }
-  // A round is a matching when no worker sends twice or receives twice in it: transfers by
-  // round (CSR, in id order within a round). A plan file may claim any round count; past one
-  // round per transfer (Δ is at most that) the rounds' count above has failed it already.
+  // A round is a matching when no worker sends twice or receives twice in it: first a mark per
+  // (worker, round) at each end, which finds no repeat in a valid plan; where one repeats,
+  // transfers by round (CSR, in id order within a round) name every repeat in round order. A
+  // plan file may claim any round count; past one round per transfer (Δ is at most that) the
+  // rounds' count above has failed it already.
+  const auto repeatsARound = [&] {
+    const auto rounds = static_cast<size_t>(plan.numRounds);
+    if (rounds == 0 || static_cast<size_t>(n) > kMaxMarkedSlots / rounds) return true;  // the CSR
+    std::vector<uint64_t> sends(static_cast<size_t>(n) * rounds / 64 + 1), receives(sends.size());
+    const auto seen = [&](std::vector<uint64_t>& marks, int32_t worker, int32_t round) {
+      const size_t slot = static_cast<size_t>(worker) * rounds + static_cast<size_t>(round);
+      const uint64_t bit = uint64_t{1} << (slot % 64);
+      const bool was = (marks[slot / 64] & bit) != 0;
+      marks[slot / 64] |= bit;
+      return was;
+    };
+    for (const Transfer& tr : plan.transfers) {
+      if (seen(sends, tr.sender, tr.round) || seen(receives, tr.receiver, tr.round)) return true;
+    }
+    return false;
+  };
   if (plan.congestionFree && roundsInRange &&
-      static_cast<size_t>(plan.numRounds) <= plan.transfers.size() + 1) {
+      static_cast<size_t>(plan.numRounds) <= plan.transfers.size() + 1 && repeatsARound()) {
     std::vector<int64_t> roundStart(static_cast<size_t>(plan.numRounds) + 1, 0);
     for (const Transfer& tr : plan.transfers) ++roundStart[static_cast<size_t>(tr.round) + 1];
     for (size_t r = 1; r < roundStart.size(); ++r) roundStart[r] += roundStart[r - 1];

@@ -151,6 +151,9 @@ double linkedPassSpan(const Plan& plan, const Stages& stages, double computeFact
 /// returns Δ, the number of rounds (the same colouring as colorEdges of the same edges).
 int32_t colorTransferRounds(int32_t numWorkers, std::vector<Transfer>& transfers);
 
+/// maxDegree of the transfers' ends (the Δ colorTransferRounds colours them with).
+int32_t maxTransferDegree(int32_t numWorkers, const std::vector<Transfer>& transfers);
+
 /// Appends the communication invariants' violations (see validate).
 void validateCommunication(const Plan& plan, Violations& v);
 

@@ -402,16 +402,34 @@ TEST(CommunicationTest, ValidateCatchesBrokenSchedules) {
   ASSERT_TRUE(validate(good).empty());
   ASSERT_GT(good.transfers.size(), 10u);
 
-  Plan p = good;  // two transfers from one sender in one round
-  for (size_t t = 1; t < p.transfers.size(); ++t) {
-    if (p.transfers[t].sender == p.transfers[0].sender) {
-      p.transfers[t].round = p.transfers[0].round;
-      break;
+  // Two transfers from one sender in one round, and two to one receiver: each moved to a round
+  // where its other end is free, so only the one end repeats.
+  const auto busyIn = [&](const Plan& plan, int32_t Transfer::*end, int32_t worker, int32_t round) {
+    return std::any_of(plan.transfers.begin(), plan.transfers.end(),
+                       [&](const Transfer& t) { return t.*end == worker && t.round == round; });
+  };
+  for (const auto& [end, other, says] :
+       {std::tuple{&Transfer::sender, &Transfer::receiver, "sends transfers"},
+        std::tuple{&Transfer::receiver, &Transfer::sender, "receives transfers"}}) {
+    Plan p = good;
+    bool moved = false;
+    for (size_t a = 0; a < p.transfers.size() && !moved; ++a) {
+      for (size_t t = 0; t < p.transfers.size() && !moved; ++t) {
+        const Transfer& first = p.transfers[a];
+        if (p.transfers[t].*end == first.*end && p.transfers[t].round != first.round &&
+            !busyIn(p, other, p.transfers[t].*other, first.round)) {
+          p.transfers[t].round = first.round;
+          moved = true;
+        }
+      }
     }
+    ASSERT_TRUE(moved) << says;
+    const std::vector<std::string> found = validate(p);
+    EXPECT_TRUE(mentions(found, "is not a matching")) << says;
+    EXPECT_TRUE(mentions(found, says)) << says;
   }
-  EXPECT_TRUE(mentions(validate(p), "is not a matching"));
 
-  p = good;
+  Plan p = good;
   p.numRounds += 1;
   EXPECT_TRUE(mentions(validate(p), "rounds, but"));
 

@@ -82,9 +82,9 @@ TEST(StagePrepTest, TransfersColouredInPlaceGetTheRoundsOfColorEdges) {
 // lists repeat owners and a block's own owner is among its readers' owners), under both masks
 // and both placements (Zig-Zag blocks, contiguous blocks, packed blocks).
 TEST(StagePrepTest, BlockReceiversAreTheOtherOwnersOfTheBlocksReaders) {
-  const uint64_t seed = testing::testSeed();
-  SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  const uint64_t ownersSeed = testing::testSeed();
+  SCOPED_TRACE("FCP_TEST_SEED=" + std::to_string(ownersSeed));
+  std::mt19937_64 rng(ownersSeed);
   int reused = 0;
   for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
     for (const Placement placement : {Placement::kLpt, Placement::kLocal}) {
