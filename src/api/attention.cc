@@ -14,6 +14,7 @@
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/json.h"
 
 namespace fcp {
 namespace {
@@ -247,24 +248,32 @@ plan::Plan planAgreed(const Agreed& a) {
   return plan;
 }
 
-/// The plan `make` returns, once every rank has one and all are the same (one allreduce). A
-/// rank whose `make` throws tells the others in that allreduce, so that every rank throws there
-/// together: the ones that planned name it, and it throws its own error.
+/// planAgreed's plan with its digest, both made on the calling thread.
+detail::CheckedPlan checkedPlan(const Agreed& a) {
+  plan::Plan plan = planAgreed(a);
+  const uint64_t digest = plan::planDigest(plan);
+  return {std::move(plan), digest};
+}
+
+/// The plan `make` returns (a detail::CheckedPlan), once every rank has one and all are the
+/// same (one allreduce of their digests). A rank whose `make` throws tells the others in that
+/// allreduce, so that every rank throws there together: the ones that planned name it, and it
+/// throws its own error.
 template <typename Make>
 plan::Plan agreedPlan(runtime::Transport& transport, Make&& make) {
-  plan::Plan plan;
+  detail::CheckedPlan checked;
   try {
-    plan = make();
+    checked = make();
   } catch (...) {
     runtime::failPlanAgreement(std::current_exception(), transport);
   }
-  runtime::checkPlanAgreement(plan, transport);
-  return plan;
+  runtime::checkPlanAgreement(checked.digest, transport);
+  return std::move(checked.plan);
 }
 
 plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
   const Agreed agreed = agree(transport, options);
-  return agreedPlan(transport, [&] { return planAgreed(agreed); });
+  return agreedPlan(transport, [&] { return checkedPlan(agreed); });
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
@@ -277,12 +286,12 @@ PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& op
     : transport_(&transport), executorOptions_(executorOptions(options)) {
   Agreed agreed = agree(transport, options);
   try {
-    plan_ = std::async(std::launch::async, [agreed] { return planAgreed(agreed); });
+    plan_ = std::async(std::launch::async, [agreed] { return checkedPlan(agreed); });
   } catch (const std::system_error&) {
     // No thread to be had (a process limit) on this rank: plan where the plan is taken, rather
     // than fail here alone while the other ranks go on to the digest check and wait.
     plan_ = std::async(std::launch::deferred,
-                       [agreed = std::move(agreed)] { return planAgreed(agreed); });
+                       [agreed = std::move(agreed)] { return checkedPlan(agreed); });
   }
 }
 

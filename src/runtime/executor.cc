@@ -1043,7 +1043,10 @@ int64_t failureKey(int rank, int ranks, ErrorCode code) {
 }  // namespace
 
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
-  const uint64_t digest = plan::planDigest(plan);
+  checkPlanAgreement(plan::planDigest(plan), transport);
+}
+
+void checkPlanAgreement(uint64_t digest, Transport& transport) {
   int64_t values[3] = {static_cast<int64_t>(digest >> 1), static_cast<int64_t>(~(digest >> 1)), 0};
   transport.allreduce(values, ReduceOp::kMax);
   if (values[2] > 0) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <exception>
 #include <new>
 #include <string>
@@ -16,6 +17,7 @@
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/json.h"
 #include "fcp/runtime/reference.h"
 #include "thread_transport.h"
 
@@ -49,6 +51,34 @@ TEST(PlanAgreementTest, DifferentPlansFailOnEveryRank) {
     }
   });
   EXPECT_EQ(failures.load(), 3);
+}
+
+// A digest computed ahead (on a planning thread) is compared as the plan's own would be: the
+// rank whose digest differs, and only its digest, fails every rank, with this rank's digest
+// (its top 63 bits) in the message; equal digests pass.
+TEST(PlanAgreementTest, DigestsComputedAheadAreComparedAsPlans) {
+  const plan::Plan p = makePlan("fcp", Batch{{300, 100}}, 3, MaskKind::kCausal);
+  const uint64_t digest = plan::planDigest(p);
+  std::atomic<int> failures = 0;
+  testing::runRanks(3, [&](Transport& t) {
+    const uint64_t mine = t.rank() == 2 ? digest ^ 2 : digest;  // differs in the top 63 bits
+    try {
+      checkPlanAgreement(mine, t);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
+      char shown[17];
+      std::snprintf(shown, sizeof shown, "%016llx", static_cast<unsigned long long>(mine >> 1));
+      EXPECT_NE(std::string(e.what()).find(std::string("this rank's is ") + shown),
+                std::string::npos)
+          << e.what();
+      ++failures;
+    }
+  });
+  EXPECT_EQ(failures.load(), 3);
+  testing::runRanks(3, [&](Transport& t) {
+    checkPlanAgreement(digest, t);
+    checkPlanAgreement(p, t);  // the plan's own digest is the same
+  });
 }
 
 TEST(PlanAgreementTest, IdenticalPlansPass) {

@@ -114,6 +114,15 @@ struct BatchOptions {
 /// on the transport, on the thread that makes the others (not on a prefetching thread). Destroying
 /// or assigning over a pending batch that was never used waits for its planning to end.
 /// `transport` and options.timeline must outlive it and the batch made from it.
+namespace detail {
+/// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
+/// planning thread hands over, so that the thread taking the plan only compares digests.
+struct CheckedPlan {
+  plan::Plan plan;
+  uint64_t digest = 0;
+};
+}  // namespace detail
+
 class PendingBatch {
  public:
   PendingBatch(runtime::Transport& transport, const BatchOptions& options);
@@ -129,7 +138,7 @@ class PendingBatch {
   friend class AttentionBatch;
   runtime::Transport* transport_ = nullptr;
   runtime::ExecutorOptions executorOptions_;
-  std::future<plan::Plan> plan_;  ///< planned and checked (plan::checkValid), not yet agreed
+  std::future<detail::CheckedPlan> plan_;  ///< planned, checked and hashed; not yet agreed
 };
 
 /// One batch: its plan (the same on every rank, checked) and the plan indexed for this rank.

@@ -120,6 +120,9 @@ class Executor {
 /// rank could not plan (failPlanAgreement), throws instead an Error with that rank's code that
 /// names the lowest such rank.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
+/// The same, for a plan whose digest (plan::planDigest) was computed already: on the thread
+/// that made the plan, say, so that the thread taking it makes only the allreduce.
+void checkPlanAgreement(uint64_t digest, Transport& transport);
 
 /// What a rank whose planning threw calls in place of checkPlanAgreement (the same single
 /// allreduce): the other ranks learn that it failed and throw too, so that every rank stops at
