@@ -449,14 +449,15 @@ struct WorkerLists {
   }
 
   /// Fills worker w's lists, sized by size(); `cursor` is scratch of bwdStages * kStageLists.
-  void fill(size_t w, Stages& forward, Stages& backward, std::vector<int32_t*>& cursor) const {
+  void fill(size_t w, StagesToFill& forward, StagesToFill& backward,
+            std::vector<int32_t*>& cursor) const {
     const auto n = static_cast<size_t>(in.plan.config.numWorkers);
     const auto listAt = [&](size_t s, StageList list) -> int32_t*& {
       return cursor[s * kStageLists + static_cast<size_t>(list)];
     };
     for (size_t s = 0; s < in.fwdStages; ++s)
       for (size_t l = 0; l < kStageLists; ++l)
-        listAt(s, StageList(l)) = forward.fill(w, s, StageList(l)).data();
+        listAt(s, StageList(l)) = forward.list(w, s, StageList(l)).data();
     const TransfersByWorker& out = in.sent;
     const TransfersByWorker& into = in.received;
     const int32_t* local = in.need.begin(w);
@@ -478,11 +479,11 @@ struct WorkerLists {
     // Backward: the forward lists (forward has no dK/dV lists), the closing stage's compute
     // without its local pairs (a prefix): Stages::twoPasses shares them with the forward's.
     if (in.groups == 0) return;
-    const std::span<int32_t> last = backward.fill(w, in.fwdStages, StageList::kCompute);
+    const std::span<int32_t> last = backward.list(w, in.fwdStages, StageList::kCompute);
     std::copy(local + opening, local + numLocal, last.begin());
     for (size_t s = in.lag + 1; s < bwdStages; ++s) {
-      listAt(s, StageList::kSendGrad) = backward.fill(w, s, StageList::kSendGrad).data();
-      listAt(s, StageList::kRecvGrad) = backward.fill(w, s, StageList::kRecvGrad).data();
+      listAt(s, StageList::kSendGrad) = backward.list(w, s, StageList::kSendGrad).data();
+      listAt(s, StageList::kRecvGrad) = backward.list(w, s, StageList::kRecvGrad).data();
     }
     for (size_t i = into.begin(w); i < into.end(w); ++i)
       *listAt(static_cast<size_t>(into.group[i]) + in.lag + 1, StageList::kSendGrad)++ =
@@ -543,11 +544,11 @@ void buildStages(Plan& plan, StagePrep prep) {
   // forward's (WorkerLists): stored once, and the storage is not cleared (every other list is
   // written below), so its pages are first touched by the fill, on both threads.
   // Named references, not structured bindings: lambdas capture those only from Clang 16.
-  std::pair<Stages, Stages> passes =
+  std::pair<StagesToFill, StagesToFill> passes =
       Stages::twoPasses(std::vector<int64_t>(n, static_cast<int64_t>(fwd)), std::move(fwdSizes),
                         std::vector<int64_t>(n, static_cast<int64_t>(bwd)), bwdSizes);
-  Stages& forward = passes.first;
-  Stages& backward = passes.second;
+  StagesToFill& forward = passes.first;
+  StagesToFill& backward = passes.second;
   // Workers' lists are independent: two halves on two threads for large plans.
   const auto fill = [&](size_t first, size_t last) {
     std::vector<int32_t*> cursor(bwd * kStageLists);
@@ -555,8 +556,8 @@ void buildStages(Plan& plan, StagePrep prep) {
   };
   detail::runBoth(
       parallel, [&] { fill(0, n / 2); }, [&] { fill(n / 2, n); });
-  plan.forward = std::move(forward);
-  plan.backward = std::move(backward);
+  plan.forward = std::move(forward).done();
+  plan.backward = std::move(backward).done();
 }
 
 double forwardSpan(const Plan& plan, StagePrep prep) {

@@ -79,30 +79,29 @@ Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
         at = std::copy(list->begin(), list->end(), at);
 }
 
-Stages::Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
-  const size_t lists = countStages(stagesOf);
+StagesToFill Stages::toFill(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
+  Stages stages;
+  const size_t lists = stages.countStages(stagesOf);
   FCP_CHECK(sizes.size() == lists, "list sizes for ", sizes.size(), " lists of ",
-            firstStage_.back(), " stages");
+            stages.firstStage_.back(), " stages");
   // The sizes become the lists' starts in place: each entry the sum of those before it.
-  size_.resize(lists);
+  stages.size_.resize(lists);
   int64_t sum = 0;
   for (size_t k = 0; k < lists; ++k) {
-    size_[k] = listSize(sizes[k]);
+    stages.size_[k] = listSize(sizes[k]);
     sum += std::exchange(sizes[k], sum);
   }
-  begin_ = std::move(sizes);
-  ids_ = idStorage(static_cast<size_t>(sum), true);
+  stages.begin_ = std::move(sizes);
+  stages.ids_ = idStorage(static_cast<size_t>(sum), true);
+  return StagesToFill(std::move(stages));
 }
 
-std::pair<Stages, Stages> Stages::twoPasses(const std::vector<int64_t>& forwardStagesOf,
-                                            std::vector<int64_t> forwardSizes,
-                                            const std::vector<int64_t>& backwardStagesOf,
-                                            const std::vector<int64_t>& backwardSizes) {
+std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
+    const std::vector<int64_t>& forwardStagesOf, std::vector<int64_t> forwardSizes,
+    const std::vector<int64_t>& backwardStagesOf, const std::vector<int64_t>& backwardSizes) {
   FCP_CHECK(forwardStagesOf.size() == backwardStagesOf.size(), "stages of ", forwardStagesOf.size(),
             " and ", backwardStagesOf.size(), " workers");
-  std::pair<Stages, Stages> passes;
-  Stages& forward = passes.first;
-  Stages& backward = passes.second;
+  Stages forward, backward;
   const size_t forwardLists = forward.countStages(forwardStagesOf);
   const size_t backwardLists = backward.countStages(backwardStagesOf);
   FCP_CHECK(forwardSizes.size() == forwardLists && backwardSizes.size() == backwardLists,
@@ -142,13 +141,13 @@ std::pair<Stages, Stages> Stages::twoPasses(const std::vector<int64_t>& forwardS
   }
   forward.ids_ = idStorage(static_cast<size_t>(sum), false);
   backward.ids_ = forward.ids_;
-  return passes;
+  return {StagesToFill(std::move(forward)), StagesToFill(std::move(backward))};
 }
 
-std::span<int32_t> Stages::fill(size_t w, size_t s, StageList list) {
+std::span<int32_t> StagesToFill::list(size_t w, size_t s, StageList list) {
   const size_t k =
-      (static_cast<size_t>(firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
-  return {ids_.get() + begin_[k], static_cast<size_t>(size_[k])};
+      (static_cast<size_t>(stages_.firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
+  return {stages_.ids_.get() + stages_.begin_[k], static_cast<size_t>(stages_.size_[k])};
 }
 
 std::vector<int32_t> Stages::allIds() const {

@@ -41,9 +41,9 @@ void sizesOf(const std::vector<std::vector<StageIds>>& lists, std::vector<int64_
   }
 }
 
-/// Writes `lists` into `into` through fill(), but for the first four lists of the stages
-/// `sharedWith` (a forward pass's lists, when given) also has: those twoPasses shares.
-void fillFrom(Stages& into, const std::vector<std::vector<StageIds>>& lists,
+/// Writes `lists` into `into`, but for the first four lists of the stages `sharedWith` (a
+/// forward pass's lists, when given) also has: those twoPasses shares.
+void fillFrom(StagesToFill& into, const std::vector<std::vector<StageIds>>& lists,
               const std::vector<std::vector<StageIds>>* sharedWith = nullptr) {
   for (size_t w = 0; w < lists.size(); ++w) {
     for (size_t s = 0; s < lists[w].size(); ++s) {
@@ -52,7 +52,7 @@ void fillFrom(Stages& into, const std::vector<std::vector<StageIds>>& lists,
                                           &st.release, &st.sendGrad, &st.recvGrad};
       for (size_t l = 0; l < kStageLists; ++l) {
         if (sharedWith && s < (*sharedWith)[w].size() && l < 4) continue;
-        const std::span<int32_t> to = into.fill(w, s, StageList(l));
+        const std::span<int32_t> to = into.list(w, s, StageList(l));
         ASSERT_EQ(to.size(), by[l]->size());
         std::copy(by[l]->begin(), by[l]->end(), to.begin());
       }
@@ -115,7 +115,7 @@ TEST(StagesTest, EqualOnlyWithTheSameListsInTheSamePlaces) {
   const Stages stages(handLists());
   EXPECT_EQ(stages, Stages(handLists()));
   EXPECT_EQ(Stages(), Stages(std::vector<std::vector<StageIds>>{}));
-  EXPECT_EQ(Stages(), Stages(std::vector<int64_t>{}, {}));
+  EXPECT_EQ(Stages(), Stages::toFill(std::vector<int64_t>{}, {}).done());
   EXPECT_NE(Stages(), Stages(std::vector<std::vector<StageIds>>(1)));  // a worker, no stages
   EXPECT_NE(stages, Stages());
   Stages moved(handLists());
@@ -142,15 +142,17 @@ TEST(StagesTest, FilledInPlaceAsSized) {
   const std::vector<std::vector<StageIds>> lists = handLists();
   std::vector<int64_t> stagesOf, sizes;
   sizesOf(lists, stagesOf, sizes);
-  Stages filled(stagesOf, sizes);
-  EXPECT_EQ(filled[0][0].compute.size(), 3u);
-  for (const int32_t id : filled.allIds()) EXPECT_EQ(id, 0);
-  fillFrom(filled, lists);
+  StagesToFill toFill = Stages::toFill(stagesOf, sizes);
+  EXPECT_EQ(toFill.list(0, 0, StageList::kCompute).size(), 3u);
+  fillFrom(toFill, lists);
+  const Stages filled = std::move(toFill).done();
   EXPECT_EQ(filled, Stages(lists));
+  EXPECT_EQ(Stages::toFill(stagesOf, sizes).done().allIds(),
+            std::vector<int32_t>(filled.allIds().size(), 0));
   sizes.pop_back();
-  EXPECT_THROW(Stages(stagesOf, sizes), Error);
+  EXPECT_THROW(Stages::toFill(stagesOf, sizes), Error);
   sizes.push_back(-1);
-  EXPECT_THROW(Stages(stagesOf, sizes), Error);
+  EXPECT_THROW(Stages::toFill(stagesOf, sizes), Error);
 }
 
 // A plan's two passes in one storage: the backward lists twoPasses shares are the forward's
@@ -173,10 +175,12 @@ TEST(StagesTest, TwoPassesShareTheForwardListsPrefixes) {
   std::vector<int64_t> forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes;
   sizesOf(forwardLists, forwardStagesOf, forwardSizes);
   sizesOf(backwardLists, backwardStagesOf, backwardSizes);
-  auto [forward, backward] =
+  auto [forwardToFill, backwardToFill] =
       Stages::twoPasses(forwardStagesOf, forwardSizes, backwardStagesOf, backwardSizes);
-  fillFrom(forward, forwardLists);
-  fillFrom(backward, backwardLists, &forwardLists);
+  fillFrom(forwardToFill, forwardLists);
+  fillFrom(backwardToFill, backwardLists, &forwardLists);
+  const Stages forward = std::move(forwardToFill).done();
+  const Stages backward = std::move(backwardToFill).done();
   EXPECT_EQ(forward, Stages(forwardLists));
   EXPECT_EQ(backward, Stages(backwardLists));
   EXPECT_EQ(backward.ids(), backwardLists);

@@ -127,6 +127,8 @@ class WorkerStages;
 /// own took 20-25 ms to build and 30-50 ms to free. A plan's backward pass repeats most of the
 /// forward's lists; the two passes then keep one array (twoPasses), and copies of a Stages
 /// share it too (its lists are not changed once built: edit() stores them again).
+class StagesToFill;
+
 class Stages {
  public:
   Stages() = default;
@@ -135,17 +137,16 @@ class Stages {
   /// For a builder that fills every list in place: `stagesOf[w]` stages for worker w, and
   /// `sizes[(stage index) * kStageLists + list]` the size of each list, stage index counting
   /// the workers' stages in order (its storage is reused for the lists' starts). The lists
-  /// hold zeros until written through fill().
-  Stages(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes);
+  /// hold zeros until written through StagesToFill::list.
+  static StagesToFill toFill(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes);
   /// For a builder of a plan's two passes, sized as above: the backward pass's send, receive,
   /// compute and release lists of each stage the forward pass also has are the forward's
-  /// lists cut to their backward sizes (prefixes: none may be longer), stored once; fill()
-  /// writes the forward's lists and the backward's other lists, which hold unspecified values
-  /// until written (the builder writes them all).
-  static std::pair<Stages, Stages> twoPasses(const std::vector<int64_t>& forwardStagesOf,
-                                             std::vector<int64_t> forwardSizes,
-                                             const std::vector<int64_t>& backwardStagesOf,
-                                             const std::vector<int64_t>& backwardSizes);
+  /// lists cut to their backward sizes (prefixes: none may be longer), stored once; the
+  /// builder writes the forward's lists and the backward's other lists, which hold unspecified
+  /// values until written (it writes them all).
+  static std::pair<StagesToFill, StagesToFill> twoPasses(
+      const std::vector<int64_t>& forwardStagesOf, std::vector<int64_t> forwardSizes,
+      const std::vector<int64_t>& backwardStagesOf, const std::vector<int64_t>& backwardSizes);
 
   size_t size() const { return firstStage_.empty() ? 0 : firstStage_.size() - 1; }
   bool empty() const { return size() == 0; }
@@ -166,9 +167,6 @@ class Stages {
     return this->list(static_cast<size_t>(firstStage_[w]) + s, list);
   }
 
-  /// Worker w's stage s, list `list`, to write (for the builders of the second constructor
-  /// and twoPasses, before the Stages is copied; not a backward list twoPasses shares).
-  std::span<int32_t> fill(size_t w, size_t s, StageList list);
   /// The lists, owned: to change a plan's stages, change these and store them again (edit).
   std::vector<std::vector<StageIds>> ids() const;
   /// Changes the lists: `change` gets them owned, [worker][stage], and they are stored again
@@ -186,6 +184,7 @@ class Stages {
   friend bool operator==(const Stages& a, const Stages& b);
 
  private:
+  friend class StagesToFill;
   std::span<const int32_t> list(size_t stage, StageList list) const {
     const size_t k = stage * kStageLists + static_cast<size_t>(list);
     return {ids_.get() + begin_[k], static_cast<size_t>(size_[k])};
@@ -197,6 +196,22 @@ class Stages {
   std::vector<int64_t> begin_;       ///< list k of all stages: ids_[begin_[k], + size_[k])
   std::vector<uint32_t> size_;
   std::shared_ptr<int32_t[]> ids_;
+};
+
+/// A Stages sized up front whose lists a builder writes in place (Stages::toFill, twoPasses),
+/// then hands over (done). It is the only way to write a Stages's lists: a Stages's copies
+/// share its storage, so no list changes once it is done (edit() stores the lists anew).
+class StagesToFill {
+ public:
+  /// Worker w's stage s, list `list`, to write (not a backward list twoPasses shares).
+  std::span<int32_t> list(size_t w, size_t s, StageList list);
+  /// The Stages, its lists written.
+  Stages done() && { return std::move(stages_); }
+
+ private:
+  friend class Stages;
+  explicit StagesToFill(Stages stages) : stages_(std::move(stages)) {}
+  Stages stages_;
 };
 
 /// One worker's stages of one pass, in order: a view into the Stages that holds them.
