@@ -1029,6 +1029,12 @@ struct CoveredChunks {
   Violations found;
 };
 
+/// Whether `chunks` ascend by sequence (a sequence's chunks side by side).
+bool bySequence(const std::vector<Chunk>& chunks) {
+  return std::is_sorted(chunks.begin(), chunks.end(),
+                        [](const Chunk& a, const Chunk& b) { return a.sequence < b.sequence; });
+}
+
 CoveredChunks coveredChunks(const Plan& plan, const std::vector<int64_t>& firstChunk, size_t first,
                             size_t last, size_t room) {
   const MaskKind mask = plan.config.attention.mask;
@@ -1056,16 +1062,30 @@ CoveredChunks coveredChunks(const Plan& plan, const std::vector<int64_t>& firstC
     const auto& qChunks = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks;
     const auto& kChunks = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks;
     int64_t visible = 0;
-    for (size_t i = 0; i < qChunks.size(); ++i) {
-      for (size_t j = 0; j < kChunks.size(); ++j) {
-        if (qChunks[i].sequence != kChunks[j].sequence) continue;
-        const int64_t e = visibleEntries(mask, qChunks[i].begin, qChunks[i].end, kChunks[j].begin,
-                                         kChunks[j].end);
-        if (e == 0) continue;
-        visible += e;
-        covered.push_back(
-            {firstChunk[static_cast<size_t>(pair.qBlock)] + static_cast<int64_t>(i),
-             firstChunk[static_cast<size_t>(pair.kvBlock)] + static_cast<int64_t>(j)});
+    const auto visit = [&](size_t i, size_t j) {
+      const int64_t e =
+          visibleEntries(mask, qChunks[i].begin, qChunks[i].end, kChunks[j].begin, kChunks[j].end);
+      if (e == 0) return;
+      visible += e;
+      covered.push_back({firstChunk[static_cast<size_t>(pair.qBlock)] + static_cast<int64_t>(i),
+                         firstChunk[static_cast<size_t>(pair.kvBlock)] + static_cast<int64_t>(j)});
+    };
+    // The same-sequence chunk pairs in (Q chunk, KV chunk) order. Where both blocks' chunks
+    // ascend by sequence (the planner's blocks all do), a merge finds them in O(q + k + found):
+    // a packed block of thousands of one-token sequences pairs with itself in as many steps, not
+    // their square (512K such sequences on 8 workers took 1.5 s). Otherwise every (i, j).
+    if (bySequence(qChunks) && bySequence(kChunks)) {
+      size_t from = 0;  // kChunks' first of qChunks[i]'s sequence or after
+      for (size_t i = 0; i < qChunks.size(); ++i) {
+        while (from < kChunks.size() && kChunks[from].sequence < qChunks[i].sequence) ++from;
+        for (size_t j = from; j < kChunks.size() && kChunks[j].sequence == qChunks[i].sequence; ++j)
+          visit(i, j);
+      }
+    } else {
+      for (size_t i = 0; i < qChunks.size(); ++i) {
+        for (size_t j = 0; j < kChunks.size(); ++j) {
+          if (qChunks[i].sequence == kChunks[j].sequence) visit(i, j);
+        }
       }
     }
     if (visible == 0)
@@ -1099,16 +1119,20 @@ void checkPairs(const Plan& plan, Violations& v) {
   const bool parallel = detail::worthParallelCheck(static_cast<int64_t>(numPairs));
   size_t mid = parallel ? numPairs / 2 : numPairs;
   while (mid > 0 && mid < numPairs && plan.pairs[mid].qBlock == plan.pairs[mid - 1].qBlock) ++mid;
-  // Room for each half's chunk pairs, at most a block's chunks times the other's: the first
-  // half's is for both, so the second is appended in place.
+  // Room for each half's chunk pairs, the first half's for both, so that the second is
+  // appended in place. A block holds each sequence in at most two chunks (Zig-Zag), so a pair
+  // of blocks of q and k chunks covers at most min(q k, 2 min(q, k)) chunk pairs (a packed
+  // block of thousands of one-token sequences covers as many with itself, not their square).
+  // A plan breaking that only makes its vectors grow.
   const auto roomOf = [&](size_t first, size_t last) {
     size_t room = 0;
     for (size_t p = first; p < last; ++p) {
       const BlockPair& pair = plan.pairs[p];
       if (pair.qBlock >= 0 && pair.qBlock < numBlocks && pair.kvBlock >= 0 &&
           pair.kvBlock < numBlocks) {
-        room += plan.blocks[static_cast<size_t>(pair.qBlock)].chunks.size() *
-                plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks.size();
+        const size_t q = plan.blocks[static_cast<size_t>(pair.qBlock)].chunks.size();
+        const size_t k = plan.blocks[static_cast<size_t>(pair.kvBlock)].chunks.size();
+        room += std::min(q * k, 2 * std::min(q, k));
       }
     }
     return room;

@@ -216,6 +216,22 @@ TEST(PlanTest, PairChecksSayTheSameOnOneThreadAndOnTwo) {
   EXPECT_GE(never.size(), 2u);
 }
 
+// Half a million one-token sequences, packed 4096 to a block: each packed block pairs with
+// itself over 4096 chunks. validate finds the plan valid (it once reserved room for every
+// chunk's pair with every other, 34 GB here, and threw std::bad_alloc).
+TEST(PlanTest, PackedBlocksOfOneTokenSequencesAreValid) {
+  PlanConfig c;
+  c.numWorkers = 8;
+  c.blockSize = 4096;
+  c.tokensPerWorker = 65536;
+  Batch batch;
+  batch.sequenceLengths.assign(8 * 65536, 1);
+  const Plan p = buildPlan(batch, c, CostModel{c.attention});
+  ASSERT_EQ(p.blocks.front().chunks.size(), 4096u);
+  const std::vector<std::string> found = validate(p);
+  EXPECT_TRUE(found.empty()) << found.front();
+}
+
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {
   // Large enough for the second thread (64K pairs and up): the paper's first pairs in two
   // halves, the two placements, the reshuffle beside the transfers and each half of the stages
