@@ -876,9 +876,6 @@ double pipelineSpan(const Plan& plan) {
 
 namespace detail {
 
-/// (worker, round) slots validateCommunication marks at most, 64 MiB of bits at each end.
-constexpr size_t kMaxMarkedSlots = size_t{1} << 29;
-
 void validateCommunication(const Plan& plan, Violations& v) {
   const int64_t n = plan.config.numWorkers;
   // Transfers: exactly those the pairs need.
@@ -920,8 +917,10 @@ void validateCommunication(const Plan& plan, Violations& v) {
   // plan file may claim any round count; past one round per transfer (Δ is at most that) the
   // rounds' count above has failed it already.
   const auto repeatsARound = [&] {
+    // As many words of marks as transfers at most (a plan file may claim many rounds): else the
+    // walk.
     const auto rounds = static_cast<size_t>(plan.numRounds);
-    if (rounds == 0 || static_cast<size_t>(n) > kMaxMarkedSlots / rounds) return true;  // the CSR
+    if (rounds == 0 || static_cast<size_t>(n) * rounds / 64 > plan.transfers.size()) return true;
     std::vector<uint64_t> sends(static_cast<size_t>(n) * rounds / 64 + 1), receives(sends.size());
     const auto seen = [&](std::vector<uint64_t>& marks, int32_t worker, int32_t round) {
       const size_t slot = static_cast<size_t>(worker) * rounds + static_cast<size_t>(round);

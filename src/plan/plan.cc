@@ -1020,9 +1020,10 @@ void checkOwnersAndLoads(const Plan& plan, Violations& v) {
 
 /// The (Q chunk, KV chunk) pairs with visible entries that pairs [first, last) cover, by
 /// global chunk id (firstChunk: each block's first), with the sentences of those pairs, in
-/// pair order. `inOrder`: the pairs name blocks in range and ascend strictly by (Q block, KV
-/// block) from pair first - 1 on; then each Q block's run of chunk pairs is sorted (the runs
-/// follow each other in Q chunk order, so sorting each run sorts them all).
+/// pair order; `room` is reserved for them. `inOrder`: these pairs name blocks in range and
+/// ascend strictly by (Q block, KV block), each also after the pair before it (the one before
+/// `first` too); then each Q block's run of chunk pairs is sorted (the runs follow each other
+/// in Q chunk order, so sorting each run sorts them all).
 struct CoveredChunks {
   std::vector<std::pair<int64_t, int64_t>> chunkPairs;
   bool inOrder = true;

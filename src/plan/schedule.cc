@@ -145,6 +145,7 @@ std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
 }
 
 std::span<int32_t> StagesToFill::list(size_t w, size_t s, StageList list) {
+  FCP_DCHECK(w < stages_.size(), "worker ", w, " of ", stages_.size(), " (after done()?)");
   const size_t k =
       (static_cast<size_t>(stages_.firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
   return {stages_.ids_.get() + stages_.begin_[k], static_cast<size_t>(stages_.size_[k])};

@@ -196,6 +196,28 @@ TEST(PlanTest, PairChecksSayTheSameOnOneThreadAndOnTwo) {
     EXPECT_EQ(one, two) << c.what;
     EXPECT_TRUE(mentions(one, c.says)) << c.what;
   }
+  // Over the 50 sentences reported, across the halves: 60 pairs miscounted in each, the first
+  // 50 named are the first half's, the rest counted.
+  {
+    Plan p = good;
+    for (size_t k = 0; k < 60; ++k) {
+      miscount(p, early + k);
+      miscount(p, late + k);
+    }
+    std::vector<std::string> one, two;
+    {
+      PlanThreads t("1");
+      one = validate(p);
+    }
+    {
+      PlanThreads t("2");
+      two = validate(p);
+    }
+    EXPECT_EQ(one, two);
+    ASSERT_EQ(two.size(), 51u);
+    EXPECT_EQ(two[49].rfind("pair " + std::to_string(early + 49) + " says", 0), 0u) << two[49];
+    EXPECT_EQ(two.back(), "... and 70 more");
+  }
   // Each half's sentences, the first half's first: the miscounted pairs are named in order.
   Plan p = good;
   miscount(p, early);
@@ -230,6 +252,42 @@ TEST(PlanTest, PackedBlocksOfOneTokenSequencesAreValid) {
   ASSERT_EQ(p.blocks.front().chunks.size(), 4096u);
   const std::vector<std::string> found = validate(p);
   EXPECT_TRUE(found.empty()) << found.front();
+}
+
+// The stage replay records stages in 16 bits up to 2^15 stages per worker, in 32 bits past
+// that: a worker with 40,000 stages (the last ones empty) is still valid, and a pair computed
+// in stage 40,000, after its block's buffer was freed, is named with that stage.
+TEST(PlanTest, ReplayOfPassesWithManyStagesPerWorker) {
+  Plan p = makePlan("lognormal", 16, MaskKind::kCausal, 4);
+  ASSERT_TRUE(validate(p).empty());
+  constexpr size_t kStages = 40000;
+  p.forward.edit([&](std::vector<std::vector<StageIds>>& lists) { lists[0].resize(kStages); });
+  const std::vector<std::string> none = validate(p);
+  EXPECT_TRUE(none.empty()) << none.front();
+  // A pair of worker 0 that computes with a received block, moved to the last stage.
+  int32_t moved = -1;
+  p.forward.edit([&](std::vector<std::vector<StageIds>>& lists) {
+    for (StageIds& st : lists[0]) {
+      for (size_t k = 0; k < st.compute.size() && moved < 0; ++k) {
+        const BlockPair& pair = p.pairs[static_cast<size_t>(st.compute[k])];
+        if (p.owner[static_cast<size_t>(pair.kvBlock)] == 0) continue;
+        moved = st.compute[k];
+        st.compute.erase(st.compute.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+    ASSERT_GE(moved, 0);
+    lists[0].back().compute.push_back(moved);
+  });
+  // That one sentence alone: the pair is computed (a 16-bit record of stage 39,999 would read
+  // as never), and every other check holds.
+  const std::vector<std::string> found = validate(p);
+  ASSERT_EQ(found.size(), 1u) << found.back();
+  EXPECT_EQ(
+      found.front().rfind("forward: worker 0 computes pair " + std::to_string(moved) +
+                              " at stage " + std::to_string(kStages - 1) + " before its KV block",
+                          0),
+      0u)
+      << found.front();
 }
 
 TEST(PlanTest, APlanIsTheSameOnOneThreadAndOnTwo) {

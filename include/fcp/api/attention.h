@@ -102,6 +102,15 @@ struct BatchOptions {
   std::string localError;
 };
 
+namespace detail {
+/// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
+/// planning thread hands over, so that the thread taking the plan only compares digests.
+struct CheckedPlan {
+  plan::Plan plan;
+  uint64_t digest = 0;
+};
+}  // namespace detail
+
 /// A batch whose plan is being made on a thread of its own, so that a training loop can plan
 /// step k + 1 while step k runs. The constructor is collective and does everything that talks
 /// to other ranks before planning (the same two allreduces and checks as AttentionBatch's);
@@ -114,15 +123,6 @@ struct BatchOptions {
 /// on the transport, on the thread that makes the others (not on a prefetching thread). Destroying
 /// or assigning over a pending batch that was never used waits for its planning to end.
 /// `transport` and options.timeline must outlive it and the batch made from it.
-namespace detail {
-/// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
-/// planning thread hands over, so that the thread taking the plan only compares digests.
-struct CheckedPlan {
-  plan::Plan plan;
-  uint64_t digest = 0;
-};
-}  // namespace detail
-
 class PendingBatch {
  public:
   PendingBatch(runtime::Transport& transport, const BatchOptions& options);

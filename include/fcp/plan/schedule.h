@@ -121,14 +121,13 @@ class IndexIterator {
 };
 
 class WorkerStages;
+class StagesToFill;
 
 /// Every worker's stages of one pass, [worker][stage], with all their lists stored in one
 /// array: a plan of 4096 workers has some 380,000 non-empty lists, which as vectors of their
 /// own took 20-25 ms to build and 30-50 ms to free. A plan's backward pass repeats most of the
 /// forward's lists; the two passes then keep one array (twoPasses), and copies of a Stages
 /// share it too (its lists are not changed once built: edit() stores them again).
-class StagesToFill;
-
 class Stages {
  public:
   Stages() = default;
@@ -203,7 +202,13 @@ class Stages {
 /// share its storage, so no list changes once it is done (edit() stores the lists anew).
 class StagesToFill {
  public:
-  /// Worker w's stage s, list `list`, to write (not a backward list twoPasses shares).
+  StagesToFill(StagesToFill&&) noexcept = default;
+  StagesToFill& operator=(StagesToFill&&) noexcept = default;
+  StagesToFill(const StagesToFill&) = delete;  // a copy would write what done() handed over
+  StagesToFill& operator=(const StagesToFill&) = delete;
+
+  /// Worker w's stage s, list `list`, to write (not a backward list twoPasses shares). Not
+  /// after done().
   std::span<int32_t> list(size_t w, size_t s, StageList list);
   /// The Stages, its lists written.
   Stages done() && { return std::move(stages_); }
