@@ -216,9 +216,10 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   return {batch, config, costModel, o.strategy, o.planConfig.memoryLimitTokens > 0};
 }
 
-/// The plan of an agreed batch, checked (plan::checkValid); the same on every rank, since
-/// planning is deterministic. Touches no transport, so it may run on a thread of its own.
-plan::Plan planAgreed(const Agreed& a) {
+/// The plan of an agreed batch, checked (plan::checkValid), with its digest; the same on every
+/// rank, since planning is deterministic. Touches no transport, so it may run on a thread of
+/// its own.
+detail::CheckedPlan planAgreed(const Agreed& a) {
   const int64_t total = a.batch.numTokens();
   plan::PlanConfig config = a.config;
   // WLB-LLM's oracle here: the busiest worker's compute, then the fewer transfer bytes (the
@@ -245,17 +246,11 @@ plan::Plan planAgreed(const Agreed& a) {
     }
   }
   plan::checkValid(plan);
-  return plan;
-}
-
-/// planAgreed's plan with its digest, both made on the calling thread.
-detail::CheckedPlan checkedPlan(const Agreed& a) {
-  plan::Plan plan = planAgreed(a);
   const uint64_t digest = plan::planDigest(plan);
   return {std::move(plan), digest};
 }
 
-/// The plan `make` returns (a detail::CheckedPlan), once every rank has one and all are the
+/// The plan `make` returns (planAgreed's), once every rank has one and all are the
 /// same (one allreduce of their digests). A rank whose `make` throws tells the others in that
 /// allreduce, so that every rank throws there together: the ones that planned name it, and it
 /// throws its own error.
@@ -273,7 +268,7 @@ plan::Plan agreedPlan(runtime::Transport& transport, Make&& make) {
 
 plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
   const Agreed agreed = agree(transport, options);
-  return agreedPlan(transport, [&] { return checkedPlan(agreed); });
+  return agreedPlan(transport, [&] { return planAgreed(agreed); });
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
@@ -286,12 +281,12 @@ PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& op
     : transport_(&transport), executorOptions_(executorOptions(options)) {
   Agreed agreed = agree(transport, options);
   try {
-    plan_ = std::async(std::launch::async, [agreed] { return checkedPlan(agreed); });
+    plan_ = std::async(std::launch::async, [agreed] { return planAgreed(agreed); });
   } catch (const std::system_error&) {
     // No thread to be had (a process limit) on this rank: plan where the plan is taken, rather
     // than fail here alone while the other ranks go on to the digest check and wait.
     plan_ = std::async(std::launch::deferred,
-                       [agreed = std::move(agreed)] { return checkedPlan(agreed); });
+                       [agreed = std::move(agreed)] { return planAgreed(agreed); });
   }
 }
 
