@@ -19,6 +19,7 @@
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/json.h"
 #include "fcp/runtime/reference.h"
 
 namespace fcp {
@@ -496,8 +497,8 @@ TEST(AttentionBatchTest, APendingBatchPlansTheSamePlanWhileTheStepBeforeRuns) {
   expectMatchesReference(next, inNext[0], outNext[0], 2e-2, "planned ahead, bf16");
 }
 
-// A transport that counts the calls made on it, and notes an allreduce from any thread but the
-// one that made it (the rank's own).
+// A transport that counts the calls made on it, notes an allreduce from any thread but the one
+// that made it (the rank's own), and keeps the values the last allreduce was given.
 class CountingTransport final : public Transport {
  public:
   explicit CountingTransport(Transport& inner) : inner_(inner) {}
@@ -524,6 +525,7 @@ class CountingTransport final : public Transport {
     ++calls;
     ++allreduces;
     if (std::this_thread::get_id() != owner_) ++allreducesOffThread;
+    lastGiven.assign(values.begin(), values.end());
     inner_.allreduce(values, op, timeout);
   }
   [[noreturn]] void abort(int exitCode) noexcept override {
@@ -532,6 +534,7 @@ class CountingTransport final : public Transport {
   }
 
   std::atomic<int> calls = 0, allreduces = 0, allreducesOffThread = 0;
+  std::vector<int64_t> lastGiven;  ///< written on the rank's own thread only (asserted above)
 
  private:
   Transport& inner_;
@@ -541,7 +544,9 @@ class CountingTransport final : public Transport {
 // What talks to the other ranks, and when: making a pending batch takes exactly the two
 // allreduces of the checks; its planning, run to the end, makes no call at all on the
 // transport; taking the plan makes one allreduce, the digest check (so a plan is never taken
-// unchecked); all three from the rank's own thread.
+// unchecked); all three from the rank's own thread. The digest compared there is the digest of
+// the plan the batch then runs (planDigest of batch.plan(), computed here), not of some other
+// plan: a digest taken of a moved-from plan would be equal on every rank whatever they planned.
 TEST(AttentionBatchTest, APendingBatchTalksToTheOtherRanksOnlyWhereItIsMadeAndTaken) {
   Problem p;
   Rng rng(11);
@@ -558,6 +563,15 @@ TEST(AttentionBatchTest, APendingBatchTalksToTheOtherRanksOnlyWhereItIsMadeAndTa
     AttentionBatch batch(std::move(pending));
     EXPECT_EQ(counted.allreduces.load(), 3);
     EXPECT_EQ(counted.allreducesOffThread.load(), 0);
+    const auto digest = static_cast<int64_t>(plan::planDigest(batch.plan()) >> 1);
+    ASSERT_EQ(counted.lastGiven.size(), 3u);
+    EXPECT_EQ(counted.lastGiven[0], digest);
+    EXPECT_EQ(counted.lastGiven[1], ~digest);
+    // And the same where the plan is made in line.
+    AttentionBatch direct(counted, optionsFor(p, t.rank()));
+    ASSERT_EQ(counted.lastGiven.size(), 3u);
+    EXPECT_EQ(counted.lastGiven[0], static_cast<int64_t>(plan::planDigest(direct.plan()) >> 1));
+    EXPECT_EQ(counted.lastGiven[0], digest);
   });
 }
 
