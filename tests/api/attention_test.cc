@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <optional>
 #include <span>
@@ -495,6 +496,43 @@ TEST(AttentionBatchTest, APendingBatchPlansTheSamePlanWhileTheStepBeforeRuns) {
   for (size_t l = 0; l < inNow.size(); ++l)
     expectMatchesReference(now, inNow[l], outNow[l], 1e-5, "current layer " + std::to_string(l));
   expectMatchesReference(next, inNext[0], outNext[0], 2e-2, "planned ahead, bf16");
+}
+
+// Planning further ahead, for batches whose plans take longer than a step: a loop keeping two
+// pending batches in flight (steps k + 1 and k + 2 planning while step k runs), each taken in
+// the order made. Every taken batch has the plan AttentionBatch(transport, options) makes, and
+// its layer matches the reference.
+TEST(AttentionBatchTest, PendingBatchesSeveralStepsAheadAreTakenInOrder) {
+  Rng rng(2027);
+  const int ranks = 3, steps = 4, ahead = 2;
+  std::vector<Problem> problems(steps);
+  std::vector<std::vector<Whole>> inputs(steps);
+  std::vector<std::vector<Outputs>> outputs(steps);
+  for (int k = 0; k < steps; ++k) {
+    problems[k].lengths = randomLengths(rng, 300 + 100 * k, 150);
+    problems[k].starts = randomSplit(rng, cuOf(problems[k].lengths).back(), ranks, k % 2 ? 1 : -1);
+    inputs[k] = {randomInputs(problems[k], rng.next())};
+    outputs[k] = outputsFor(inputs[k]);
+  }
+  std::atomic<int> samePlans = 0;
+  runtime::testing::runRanks(ranks, [&](Transport& t) {
+    std::deque<PendingBatch> inFlight;
+    int made = 0;
+    for (int k = 0; k < steps; ++k) {
+      while (made < steps && made <= k + ahead)
+        inFlight.emplace_back(t, optionsFor(problems[made++], t.rank()));
+      AttentionBatch batch(std::move(inFlight.front()));
+      inFlight.pop_front();
+      AttentionBatch direct(t, optionsFor(problems[k], t.rank()));
+      if (batch.plan() == direct.plan()) ++samePlans;
+      runLayers(batch, t, problems[k], inputs[k], outputs[k]);
+    }
+    EXPECT_TRUE(inFlight.empty());
+  });
+  EXPECT_EQ(samePlans.load(), ranks * steps);
+  for (int k = 0; k < steps; ++k)
+    expectMatchesReference(problems[k], inputs[k][0], outputs[k][0], 1e-5,
+                           "step " + std::to_string(k));
 }
 
 // A transport that counts the calls made on it, notes an allreduce from any thread but the one
