@@ -572,7 +572,7 @@ class CountingTransport final : public Transport {
   }
 
   std::atomic<int> calls = 0, allreduces = 0, allreducesOffThread = 0;
-  std::vector<int64_t> lastGiven;  ///< written on the rank's own thread only (asserted above)
+  std::vector<int64_t> lastGiven;  ///< by allreduce (on the rank's thread: asserted by the test)
 
  private:
   Transport& inner_;
@@ -609,6 +609,7 @@ TEST(AttentionBatchTest, APendingBatchTalksToTheOtherRanksOnlyWhereItIsMadeAndTa
     AttentionBatch direct(counted, optionsFor(p, t.rank()));
     ASSERT_EQ(counted.lastGiven.size(), 3u);
     EXPECT_EQ(counted.lastGiven[0], static_cast<int64_t>(plan::planDigest(direct.plan()) >> 1));
+    EXPECT_EQ(counted.lastGiven[1], ~counted.lastGiven[0]);
     EXPECT_EQ(counted.lastGiven[0], digest);
   });
 }
