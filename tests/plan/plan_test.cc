@@ -301,7 +301,7 @@ TEST(PlanTest, PackedBlocksOfOneTokenSequencesAreValid) {
 
 // The stage replay records stages in 16 bits up to 2^15 stages per worker, in 32 bits past
 // that: a worker with 40,000 stages (the last ones empty) is still valid, and a pair computed
-// in stage 40,000, after its block's buffer was freed, is named with that stage.
+// in its last stage (39,999), after its block's buffer was freed, is named with that stage.
 TEST(PlanTest, ReplayOfPassesWithManyStagesPerWorker) {
   Plan p = makePlan("lognormal", 16, MaskKind::kCausal, 4);
   ASSERT_TRUE(validate(p).empty());
