@@ -79,18 +79,22 @@ Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
         at = std::copy(list->begin(), list->end(), at);
 }
 
+int64_t Stages::takeSizes(std::vector<int64_t>& sizes) {
+  size_.resize(sizes.size());
+  int64_t sum = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    size_[k] = listSize(sizes[k]);
+    sum += std::exchange(sizes[k], sum);
+  }
+  return sum;
+}
+
 StagesToFill Stages::toFill(const std::vector<int64_t>& stagesOf, std::vector<int64_t> sizes) {
   Stages stages;
   const size_t lists = stages.countStages(stagesOf);
   FCP_CHECK(sizes.size() == lists, "list sizes for ", sizes.size(), " lists of ",
             stages.firstStage_.back(), " stages");
-  // The sizes become the lists' starts in place: each entry the sum of those before it.
-  stages.size_.resize(lists);
-  int64_t sum = 0;
-  for (size_t k = 0; k < lists; ++k) {
-    stages.size_[k] = listSize(sizes[k]);
-    sum += std::exchange(sizes[k], sum);
-  }
+  const int64_t sum = stages.takeSizes(sizes);
   stages.begin_ = std::move(sizes);
   stages.ids_ = idStorage(static_cast<size_t>(sum), true);
   return StagesToFill(std::move(stages));
@@ -107,28 +111,22 @@ std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
   FCP_CHECK(forwardSizes.size() == forwardLists && backwardSizes.size() == backwardLists,
             "list sizes for ", forwardSizes.size(), " and ", backwardSizes.size(), " lists of ",
             forwardLists, " and ", backwardLists);
-  forward.size_.resize(forwardLists);
-  int64_t sum = 0;
-  for (size_t k = 0; k < forwardLists; ++k) {
-    forward.size_[k] = listSize(forwardSizes[k]);
-    sum += std::exchange(forwardSizes[k], sum);
-  }
+  int64_t sum = forward.takeSizes(forwardSizes);
   forward.begin_ = std::move(forwardSizes);
   // The backward lists: a prefix of the forward's same list where both have the stage, else
   // after all of the forward's ids.
   backward.begin_.resize(backwardLists);
   backward.size_.resize(backwardLists);
   for (size_t w = 0; w < forwardStagesOf.size(); ++w) {
-    const auto forwardFirst = static_cast<size_t>(forward.firstStage_[w]);
-    const auto backwardFirst = static_cast<size_t>(backward.firstStage_[w]);
     const auto stages = static_cast<size_t>(backwardStagesOf[w]);
     const auto shared = static_cast<size_t>(std::min(forwardStagesOf[w], backwardStagesOf[w]));
     for (size_t s = 0; s < stages; ++s) {
       for (size_t l = 0; l < kStageLists; ++l) {
-        const size_t k = (backwardFirst + s) * kStageLists + l;
+        const auto list = static_cast<StageList>(l);
+        const size_t k = backward.listIndex(w, s, list);
         backward.size_[k] = listSize(backwardSizes[k]);
-        if (s < shared && l <= static_cast<size_t>(StageList::kRelease)) {
-          const size_t f = (forwardFirst + s) * kStageLists + l;
+        if (s < shared && list <= StageList::kRelease) {
+          const size_t f = forward.listIndex(w, s, list);
           FCP_CHECK(backward.size_[k] <= forward.size_[f], "a backward list of ", backward.size_[k],
                     " ids over the forward's ", forward.size_[f]);
           backward.begin_[k] = forward.begin_[f];
@@ -146,8 +144,7 @@ std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
 
 std::span<int32_t> StagesToFill::list(size_t w, size_t s, StageList list) {
   FCP_DCHECK(w < stages_.size(), "worker ", w, " of ", stages_.size(), " (after done()?)");
-  const size_t k =
-      (static_cast<size_t>(stages_.firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
+  const size_t k = stages_.listIndex(w, s, list);
   return {stages_.ids_.get() + stages_.begin_[k], static_cast<size_t>(stages_.size_[k])};
 }
 

@@ -163,7 +163,7 @@ class Stages {
   }
   /// Worker w's stage s, list `list`.
   std::span<const int32_t> list(size_t w, size_t s, StageList list) const {
-    return this->list(static_cast<size_t>(firstStage_[w]) + s, list);
+    return listAt(listIndex(w, s, list));
   }
 
   /// The lists, owned: to change a plan's stages, change these and store them again (edit).
@@ -184,12 +184,21 @@ class Stages {
 
  private:
   friend class StagesToFill;
-  std::span<const int32_t> list(size_t stage, StageList list) const {
-    const size_t k = stage * kStageLists + static_cast<size_t>(list);
+  /// The index k of worker w's stage s, list `list`, in begin_ and size_.
+  size_t listIndex(size_t w, size_t s, StageList list) const {
+    return (static_cast<size_t>(firstStage_[w]) + s) * kStageLists + static_cast<size_t>(list);
+  }
+  std::span<const int32_t> listAt(size_t k) const {
     return {ids_.get() + begin_[k], static_cast<size_t>(size_[k])};
+  }
+  std::span<const int32_t> list(size_t stage, StageList list) const {
+    return listAt(stage * kStageLists + static_cast<size_t>(list));
   }
   /// firstStage_ from the stage counts; the number of lists.
   size_t countStages(const std::vector<int64_t>& stagesOf);
+  /// size_ from `sizes` (one per list), and `sizes` made the lists' starts in place (each
+  /// entry the sum of those before it); returns the sum of all.
+  int64_t takeSizes(std::vector<int64_t>& sizes);
 
   std::vector<int64_t> firstStage_;  ///< worker w's stages: [firstStage_[w], firstStage_[w + 1])
   std::vector<int64_t> begin_;       ///< list k of all stages: ids_[begin_[k], + size_[k])
