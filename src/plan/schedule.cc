@@ -120,13 +120,15 @@ std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
   for (size_t w = 0; w < forwardStagesOf.size(); ++w) {
     const auto stages = static_cast<size_t>(backwardStagesOf[w]);
     const auto shared = static_cast<size_t>(std::min(forwardStagesOf[w], backwardStagesOf[w]));
+    // Worker w's first list in each pass; its stage s, list l is s * kStageLists + l after it.
+    const size_t backwardFirst = backward.listIndex(w, 0, StageList::kSend);
+    const size_t forwardFirst = forward.listIndex(w, 0, StageList::kSend);
     for (size_t s = 0; s < stages; ++s) {
       for (size_t l = 0; l < kStageLists; ++l) {
-        const auto list = static_cast<StageList>(l);
-        const size_t k = backward.listIndex(w, s, list);
+        const size_t k = backwardFirst + s * kStageLists + l;
         backward.size_[k] = listSize(backwardSizes[k]);
-        if (s < shared && list <= StageList::kRelease) {
-          const size_t f = forward.listIndex(w, s, list);
+        if (s < shared && static_cast<StageList>(l) <= StageList::kRelease) {
+          const size_t f = forwardFirst + s * kStageLists + l;
           FCP_CHECK(backward.size_[k] <= forward.size_[f], "a backward list of ", backward.size_[k],
                     " ids over the forward's ", forward.size_[f]);
           backward.begin_[k] = forward.begin_[f];
