@@ -79,13 +79,14 @@ Stages::Stages(const std::vector<std::vector<StageIds>>& workers) {
         at = std::copy(list->begin(), list->end(), at);
 }
 
-int64_t Stages::takeSizes(std::vector<int64_t>& sizes) {
+int64_t Stages::takeSizes(std::vector<int64_t> sizes) {
   size_.resize(sizes.size());
   int64_t sum = 0;
   for (size_t k = 0; k < sizes.size(); ++k) {
     size_[k] = listSize(sizes[k]);
     sum += std::exchange(sizes[k], sum);
   }
+  begin_ = std::move(sizes);
   return sum;
 }
 
@@ -94,8 +95,7 @@ StagesToFill Stages::toFill(const std::vector<int64_t>& stagesOf, std::vector<in
   const size_t lists = stages.countStages(stagesOf);
   FCP_CHECK(sizes.size() == lists, "list sizes for ", sizes.size(), " lists of ",
             stages.firstStage_.back(), " stages");
-  const int64_t sum = stages.takeSizes(sizes);
-  stages.begin_ = std::move(sizes);
+  const int64_t sum = stages.takeSizes(std::move(sizes));
   stages.ids_ = idStorage(static_cast<size_t>(sum), true);
   return StagesToFill(std::move(stages));
 }
@@ -111,8 +111,7 @@ std::pair<StagesToFill, StagesToFill> Stages::twoPasses(
   FCP_CHECK(forwardSizes.size() == forwardLists && backwardSizes.size() == backwardLists,
             "list sizes for ", forwardSizes.size(), " and ", backwardSizes.size(), " lists of ",
             forwardLists, " and ", backwardLists);
-  int64_t sum = forward.takeSizes(forwardSizes);
-  forward.begin_ = std::move(forwardSizes);
+  int64_t sum = forward.takeSizes(std::move(forwardSizes));
   // The backward lists: a prefix of the forward's same list where both have the stage, else
   // after all of the forward's ids.
   backward.begin_.resize(backwardLists);

@@ -196,9 +196,9 @@ class Stages {
   }
   /// firstStage_ from the stage counts; the number of lists.
   size_t countStages(const std::vector<int64_t>& stagesOf);
-  /// size_ from `sizes` (one per list), and `sizes` made the lists' starts in place (each
-  /// entry the sum of those before it); returns the sum of all.
-  int64_t takeSizes(std::vector<int64_t>& sizes);
+  /// size_ from `sizes` (one per list), and begin_ from the same storage made the lists'
+  /// starts in place (each entry the sum of those before it); returns the sum of all.
+  int64_t takeSizes(std::vector<int64_t> sizes);
 
   std::vector<int64_t> firstStage_;  ///< worker w's stages: [firstStage_[w], firstStage_[w + 1])
   std::vector<int64_t> begin_;       ///< list k of all stages: ids_[begin_[k], + size_[k])
