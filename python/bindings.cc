@@ -105,7 +105,7 @@ class CallbackTransport final : public runtime::Transport {
   }
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
-    (void)timeoutSeconds;  // the process group's own timeout applies
+    (void)timeoutSeconds;  // the callback bounds it by the transport's timeout (fcp/torch.py)
     py::gil_scoped_acquire gil;
     const char* name = op == runtime::ReduceOp::kSum   ? "sum"
                        : op == runtime::ReduceOp::kMin ? "min"

@@ -66,11 +66,18 @@ def _integers(name: str, xs) -> list:
     the first value that is not one. A tensor or array of an integer dtype converts at once."""
     if isinstance(xs, torch.Tensor) and xs.dim() == 1 and not xs.dtype.is_floating_point \
             and not xs.dtype.is_complex and xs.dtype != torch.bool:
-        return xs.tolist()
+        return xs.tolist()  # int64 at most: every value fits
     kind = getattr(getattr(xs, "dtype", None), "kind", None)  # a NumPy array's: 'i', 'u', 'f', ...
-    if kind in ("i", "u") and getattr(xs, "ndim", 0) == 1:
+    if kind == "i" and getattr(xs, "ndim", 0) == 1:
         return [int(x) for x in xs.tolist()]
-    return [_integer(f"{name}[{i}]", x) for i, x in enumerate(xs)]
+    if (isinstance(xs, torch.Tensor) and xs.dim() != 1) or getattr(xs, "ndim", 1) != 1 \
+            or isinstance(xs, (str, bytes)):
+        raise _fcp.Error(f"{name} is {_describe(xs)}: expected a sequence of integers")
+    try:
+        items = list(xs)
+    except TypeError:
+        raise _fcp.Error(f"{name} is {_describe(xs)}: expected a sequence of integers") from None
+    return [_integer(f"{name}[{i}]", x) for i, x in enumerate(items)]
 
 
 def _integer(name: str, x) -> int:
@@ -131,8 +138,9 @@ class _GroupTransport:
         work.wait(self.timeout)
 
     def _allreduce(self, values, op):
+        # Bounded by the batch's timeout like the messages, not by the process group's own.
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=self._OPS[op], group=self.group)
+        dist.all_reduce(t, op=self._OPS[op], group=self.group, async_op=True).wait(self.timeout)
         return t.tolist()
 
 
@@ -140,9 +148,11 @@ _transports = {}
 
 
 def _transport(group, timeout_seconds: float):
-    """One FCP transport per group or communicator, made on first use (an MPI one duplicates
-    the communicator, which is collective and not free). A group's transport takes each new
-    batch's timeout. One that gave up on its messages after an error (torch.distributed cannot
+    """(transport, error): one FCP transport per group or communicator, made on first use (an MPI
+    one duplicates the communicator, which is collective and not free), and what this rank must
+    refuse through the batch's agreement ("" when nothing). A group's transport takes each new
+    batch's timeout; an mpi4py communicator's keeps the one it was made with, and another is that
+    error. One that gave up on its messages after an error (torch.distributed cannot
     cancel them) refuses further use until the caller makes a new process group: with the
     default group (group None), a new default group gets a new transport and the old one is
     dropped."""
@@ -150,16 +160,18 @@ def _transport(group, timeout_seconds: float):
         cached = _transports.get(id(group))
         if cached is not None and cached[0] is group:
             if cached[3] != timeout_seconds:
-                raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected {cached[3]!r}, the timeout this "
-                                 f"communicator's FCP transport was made with (for another timeout, pass a "
-                                 f"duplicate of the communicator: comm.Dup())")
-            return cached[1]
+                # Refused through the batch's agreement, on every rank alike, over the transport
+                # the communicator has.
+                return cached[1], (f"timeout_seconds {timeout_seconds!r}: expected {cached[3]!r}, the timeout this "
+                                   f"communicator's FCP transport was made with (for another timeout, pass a "
+                                   f"duplicate of the communicator: comm.Dup())")
+            return cached[1], ""
         impl = _fcp.mpi_transport(group.py2f(), timeout_seconds)
         _transports[id(group)] = (group, impl, None, timeout_seconds)
-        return impl
+        return impl, ""
     if group is None:
         if not dist.is_initialized():
-            return _single_process_transport()  # not cached: a process group may be initialised later
+            return _single_process_transport(), ""  # not cached: a process group may be initialised later
         # Held weakly: destroy_process_group must be able to free the group (a default group kept
         # alive here until the interpreter's exit was freed there, and the process could abort).
         key, slot = weakref.ref(dist.distributed_c10d._get_default_group()), "default"
@@ -168,11 +180,11 @@ def _transport(group, timeout_seconds: float):
     cached = _transports.get(slot)
     if cached is not None and (cached[0]() is key() if slot == "default" else cached[0] is key):
         cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
-        return cached[1]
+        return cached[1], ""
     keep = _GroupTransport(group, timeout_seconds)
     impl = keep.make_impl()
     _transports[slot] = (key, impl, keep, timeout_seconds)
-    return impl
+    return impl, ""
 
 
 def _single_process_transport():
@@ -209,16 +221,21 @@ class _Settings:
 
     def __init__(self, cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
                  strategy, block_size, threads, comm_ratio, timeout_seconds):
-        if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds <= 86400):
+        if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
+                and 0 < timeout_seconds <= 86400):
             raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
-        self.transport = _transport(group, timeout_seconds)
+        self.transport, transport_error = _transport(group, timeout_seconds)
         try:
+            if transport_error:
+                raise _fcp.Error(transport_error)
             options = self._check(cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
                                   block_size, threads, comm_ratio)
             local_error = ""
-        except _fcp.Error as e:
-            # Anything valid: the agreement fails on every rank before it is read.
-            options, local_error = ([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0), str(e)
+        except Exception as e:  # noqa: BLE001 -- whatever it is, the other ranks must hear of it
+            # Anything valid: the agreement fails on every rank before it is read. An error the
+            # checks did not foresee (not an fcp.Error) is named by its type.
+            message = str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
+            options, local_error = ([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0), message
         self.options = _fcp.batch_options(*options, local_error=local_error)
 
     def _check(self, cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
@@ -235,7 +252,11 @@ class _Settings:
         if not isinstance(strategy, str):
             raise _fcp.Error(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
         self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
-        if len(local_range) != 2:
+        try:
+            count = len(local_range)
+        except TypeError:
+            count = None
+        if count != 2:
             raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
         self.begin, self.end = _integer("local_range[0]", local_range[0]), _integer("local_range[1]", local_range[1])
         self.heads, self.kv_heads, self.head_dim = (_integer("heads", heads), _integer("kv_heads", kv_heads),
@@ -258,9 +279,10 @@ class Batch:
     """One training step's batch, planned on every rank (collective). See the module docstring.
 
     ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
-    each rank may use). ``timeout_seconds`` bounds every wait for another rank; it applies to the
-    group's transport from this batch on (an mpi4py communicator keeps the one its transport was
-    made with).
+    each rank may use). ``timeout_seconds`` bounds every wait for another rank, the batch's
+    agreement included; it applies to a process group's transport from this batch on. An mpi4py
+    communicator's transport keeps the timeout it was made with: a batch with another fails on
+    every rank (pass ``comm.Dup()`` for another timeout).
 
     dispatch, undispatch and attention (forward and backward) are collectives. One that raises on
     this rank only (a tensor of the wrong shape here) leaves the other ranks inside it, waiting for
@@ -316,19 +338,21 @@ class Batch:
 
     @property
     def sequence(self) -> torch.Tensor:
-        """For each row of FCP's layout, the index of its sequence in the batch (dispatched layout only)."""
+        """For each row of FCP's layout, the index of its sequence in the batch (dispatched layout
+        only). A new tensor each time: the caller may change it in place."""
         self._fcp_layout_rows("sequence")
         if self._sequence is None:
             self._sequence = torch.tensor(self._impl.local_sequence(), dtype=torch.int64)
-        return self._sequence
+        return self._sequence.clone()
 
     @property
     def position(self) -> torch.Tensor:
-        """For each row of FCP's layout, its position inside its sequence, for RoPE (dispatched layout only)."""
+        """For each row of FCP's layout, its position inside its sequence, for RoPE (dispatched
+        layout only). A new tensor each time: the caller may change it in place."""
         self._fcp_layout_rows("position")
         if self._position is None:
             self._position = torch.tensor(self._impl.local_position(), dtype=torch.int64)
-        return self._position
+        return self._position.clone()
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of the caller's layout (num_user_tokens x ...) moved into FCP's layout."""
@@ -380,9 +404,18 @@ class PendingBatch:
         return batch
 
 
+def _dense_or_fail(batch: Batch, name: str, x, expected: str) -> None:
+    """fail()s the batch (which raises) unless x is a dense (strided) torch.Tensor."""
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+        what = f"a {x.layout} tensor" if isinstance(x, torch.Tensor) else _describe(x)
+        batch._impl.fail(f"{name} is {what}: expected {expected}, a dense torch.Tensor on the CPU")
+
+
 def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
     rows_in, rows_out = ((batch.num_user_tokens, batch.num_local_tokens) if into_fcp
                          else (batch.num_local_tokens, batch.num_user_tokens))
+    name = f"{'dispatch' if into_fcp else 'undispatch'} input"
+    _dense_or_fail(batch, name, x, f"{rows_in} rows")
     if x.device.type != "cpu" or x.dim() < 1 or x.shape[0] != rows_in:
         # fail() also makes the batch refuse later calls: the other ranks may be inside this one.
         batch._impl.fail(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
@@ -417,6 +450,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, batch):
         n = batch.num_call_tokens
         for name, t, heads in (("q", q, batch.heads), ("k", k, batch.kv_heads), ("v", v, batch.kv_heads)):
+            _dense_or_fail(batch, name, t, f"({n}, {heads}, {batch.head_dim}) {batch.dtype}")
             if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")

@@ -308,6 +308,23 @@ def test_a_batch_refuses_calls_after_one_raised(group):
     with pytest.raises(fcp.Error, match=r"^dispatch input has shape \(%d, 3\)" % (u + 1)):
         other.dispatch(torch.zeros(u + 1, 3))
     assert other.failure.startswith("dispatch input")
+    # Inputs that are not dense tensors are failures too (not a Python error that leaves the
+    # batch usable, whose next call another rank could take for this one).
+    import numpy as np
+    for call, message in [(lambda b: ft.attention(good[0].numpy(), good[1], good[2], b),
+                           r"^q is a ndarray of shape \(%d, 4, 16\): expected \(%d, 4, 16\) torch.float32, a dense "
+                           r"torch.Tensor on the CPU" % (n, n)),
+                          (lambda b: ft.attention(good[0], good[1].to_sparse(), good[2], b),
+                           r"^k is a torch.sparse_coo tensor: expected \(%d, 2, 16\)" % n),
+                          (lambda b: b.dispatch(np.zeros((u, 3))),
+                           r"^dispatch input is a ndarray of shape \(%d, 3\): expected %d rows, a dense" % (u, u)),
+                          (lambda b: b.undispatch([1, 2]), r"^undispatch input is \[1, 2\]: expected %d rows" % n)]:
+        other = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, **options)
+        with pytest.raises(fcp.Error, match=message):
+            call(other)
+        assert other.failure is not None
+        with pytest.raises(fcp.Error, match="this batch refuses forward"):
+            ft.attention(*good, other)
     fresh = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, **options)
     assert ft.attention(*good, fresh).shape == (n, 4, 16) and fresh.failure is None
 
@@ -376,6 +393,20 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
         assert ft.Batch(as_given, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
     with pytest.raises(fcp.Error, match=r"cu_seqlens\[0\] is tensor\(0.\): expected an integer"):  # a float tensor
         ft.Batch(torch.tensor([0, 100.5, 160, 300]), mine, comm, **options)
+    # Not sequences, or values past int64: one line each, never a Python error (which would leave
+    # the other ranks waiting in the batch's agreement).
+    for given, range_, message in [(None, mine, "cu_seqlens is None: expected a sequence of integers"),
+                                   (torch.tensor(5), mine, r"cu_seqlens is tensor\(5\): expected a sequence"),
+                                   (np.array([[0, 100], [160, 300]]), mine,
+                                    r"cu_seqlens is a ndarray of shape \(2, 2\): expected a sequence"),
+                                   (np.array([0, 100, 2 ** 63], dtype=np.uint64), mine,
+                                    r"cu_seqlens\[2\] is 9223372036854775808: expected -9223372036854775808 to"),
+                                   (cu, None, r"local_range is None: expected \(begin, end\)"),
+                                   (cu, 7, r"local_range is 7: expected \(begin, end\)")]:
+        with pytest.raises(fcp.Error, match=message):
+            ft.Batch(given, range_, comm, **options)
+    with pytest.raises(fcp.Error, match="timeout_seconds True: expected a number"):
+        ft.Batch(cu, mine, comm, timeout_seconds=True, **options)
     with pytest.raises(fcp.Error, match=r"tokens \[250, 320\): expected 0 <= begin <= end <= 300"):
         ft.user_positions(cu, 250, 320)
     with pytest.raises(fcp.Error, match=r"tokens \[-3, 2\)"):
@@ -389,6 +420,13 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
     for name in ("position", "sequence"):
         with pytest.raises(fcp.Error, match=f"batch.{name} describes the rows of FCP's layout"):
             getattr(transparent, name)
+    # Each read is the caller's own tensor: changing it in place (a RoPE offset) changes no later read.
+    dispatched = ft.Batch(cu, mine, comm, layout="dispatched", **options)
+    for name in ("position", "sequence"):
+        first = getattr(dispatched, name)
+        kept = first.clone()
+        first += 1000
+        assert torch.equal(getattr(dispatched, name), kept)
 
 
 def test_a_groups_transport_takes_each_batchs_timeout(group):
@@ -433,4 +471,10 @@ def test_one_ranks_bad_argument_fails_every_rank(group):
             with pytest.raises(fcp.Error, match=expected):
                 make(cu, mine, comm, **arguments)
             assert time.perf_counter() - start < 30
+    # An argument that is not even the right kind (local_range None) goes the same way.
+    start = time.perf_counter()
+    with pytest.raises(fcp.Error, match=r"local_range is None: expected \(begin, end\)" if rank == last else
+                       r"rank %d: rank %d's arguments were refused there" % (rank, last)):
+        ft.Batch(cu, None if rank == last else mine, comm, **options)
+    assert time.perf_counter() - start < 30
     assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
