@@ -147,9 +147,13 @@ class CommState {
     return at < list.size() ? list[at].second : 0;
   }
 
+  /// Pair entries moved so far (balanceWorkBudget).
+  int64_t work() const { return work_; }
+
   void move(int32_t b, int32_t to) {
     const auto bs = static_cast<size_t>(b);
     const int32_t from = plan_.owner[bs];
+    work_ += (qOffset_[bs + 1] - qOffset_[bs]) + static_cast<int64_t>(need_[bs].size());
     // As a Q block: its reads now come to `to`.
     for (int64_t i = qOffset_[bs]; i < qOffset_[bs + 1]; ++i) {
       addNeed(kvOf_[static_cast<size_t>(i)], from, -1);
@@ -268,6 +272,7 @@ class CommState {
   std::unique_ptr<MaxTree> tree_;
   std::vector<int32_t> dirty_;
   std::vector<bool> isDirty_ = std::vector<bool>(n_, false);
+  int64_t work_ = 0;
 };
 
 /// A floor under the busiest worker w's bytes after a swap of its block b with block b2 of
@@ -345,10 +350,17 @@ constexpr size_t kWidePartnerWindow = 2048;
 
 }  // namespace
 
+int64_t balanceWorkBudget(size_t pairs) {
+  constexpr int64_t kPassesOverPairs = 16, kSmallPlanWork = int64_t{1} << 24;
+  return kPassesOverPairs * static_cast<int64_t>(pairs) + kSmallPlanWork;
+}
+
 int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
-                             int64_t memoryCap, int64_t maxSteps, SwapSearch search) {
+                             int64_t memoryCap, int64_t maxSteps, SwapSearch search,
+                             int64_t maxWork) {
   if (plan.config.numWorkers < 2 || plan.blocks.empty()) return 0;
   CommState state(plan, blockCost);
+  const int64_t budget = maxWork >= 0 ? maxWork : balanceWorkBudget(plan.pairs.size());
   std::vector<int32_t> byCost(plan.blocks.size());
   for (size_t b = 0; b < byCost.size(); ++b) byCost[b] = static_cast<int32_t>(b);
   std::sort(byCost.begin(), byCost.end(), [&](int32_t x, int32_t y) {
@@ -364,7 +376,8 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
   }
   SwapBound bound(state, plan);
   int64_t steps = 0;
-  for (; steps < maxSteps && state.imbalance() > kCommTargetImbalance; ++steps) {
+  bool spent = false;  // the work budget: no further swap is tried
+  for (; steps < maxSteps && !spent && state.imbalance() > kCommTargetImbalance; ++steps) {
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
     bound.look(w, blocksOf[static_cast<size_t>(w)]);
@@ -417,10 +430,14 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
             best = {b, b2};
             break;
           }
+          if (state.work() > budget) {
+            spent = true;
+            break;
+          }
         }
-        if (best.first >= 0) break;
+        if (best.first >= 0 || spent) break;
       }
-      if (best.first >= 0) break;
+      if (best.first >= 0 || spent) break;
     }
     if (best.first < 0) break;
     const int32_t u = plan.owner[static_cast<size_t>(best.second)];

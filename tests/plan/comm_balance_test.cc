@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <utility>
@@ -71,16 +72,61 @@ TEST(CommBalanceTest, TheBoundedSearchKeepsTheSwapsEveryCandidateKeeps) {
                                " workers, slack " + std::to_string(slack);
       Plan bounded = built, every = built;
       const int64_t maxSteps = 16 * k.workers;
+      // Without the work limit: trying every candidate does far more work than the bounded
+      // search, and would stop sooner.
       const int64_t a = detail::balanceCommunication(bounded, cost, computeCap, memoryCap, maxSteps,
-                                                     detail::SwapSearch::kBounded);
+                                                     detail::SwapSearch::kBounded, INT64_MAX);
       const int64_t b = detail::balanceCommunication(every, cost, computeCap, memoryCap, maxSteps,
-                                                     detail::SwapSearch::kEvery);
+                                                     detail::SwapSearch::kEvery, INT64_MAX);
       EXPECT_EQ(a, b) << what;
       EXPECT_EQ(bounded.owner, every.owner) << what;
       steps += a;
     }
   }
   EXPECT_GE(steps, 200);  // the comparison covers many kept swaps, not a few
+}
+
+// The work limit stops the balancer, it does not steer it: a run stopped by it made the first
+// swaps of a run without it (the same owners as that run limited to as many steps), and fewer.
+// A local placement of a bimodal batch in small blocks, balanced with loose caps (as in the
+// test above): many swaps to make, each tried swap moving both blocks' pairs there and back.
+TEST(CommBalanceTest, TheWorkLimitStopsTheSwapsItDoesNotChangeThem) {
+  PlanConfig c;
+  c.numWorkers = 32;
+  c.tokensPerWorker = 16384;
+  c.blockSize = 1024;
+  c.placement = Placement::kLocal;
+  c.commBalanceSlack = -1;
+  const CostModel model{c.attention};
+  const Plan built = buildPlan(
+      sampleBatch(findWorkload("bimodal"), c.numWorkers * c.tokensPerWorker, 3), c, model);
+  const std::vector<double> cost =
+      blockCosts(static_cast<int64_t>(built.blocks.size()), built.pairs);
+  const double computeCap = built.lowerBound * 1.05;
+  const int64_t memoryCap = computeStats(built).memoryCapTokens + 4096;
+  const int64_t maxSteps = 64 * c.numWorkers;
+  Plan free = built;
+  const int64_t all = detail::balanceCommunication(free, cost, computeCap, memoryCap, maxSteps,
+                                                   detail::SwapSearch::kBounded, INT64_MAX);
+  ASSERT_GE(all, 8) << "the balancer must have swaps to make here";
+  // The default limit is far above what this plan needs.
+  Plan byDefault = built;
+  EXPECT_EQ(detail::balanceCommunication(byDefault, cost, computeCap, memoryCap, maxSteps), all);
+  EXPECT_EQ(byDefault.owner, free.owner);
+  int64_t least = all;
+  for (const int64_t work : {int64_t{0}, int64_t{1} << 12, int64_t{1} << 16, int64_t{1} << 18}) {
+    Plan limited = built;
+    const int64_t made = detail::balanceCommunication(limited, cost, computeCap, memoryCap,
+                                                      maxSteps, detail::SwapSearch::kBounded, work);
+    Plan prefix = built;
+    EXPECT_EQ(detail::balanceCommunication(prefix, cost, computeCap, memoryCap, made), made)
+        << "work " << work;
+    EXPECT_EQ(limited.owner, prefix.owner) << "work " << work;
+    EXPECT_LE(made, all) << "work " << work;
+    least = std::min(least, made);
+  }
+  EXPECT_LT(least, all);  // some limit did stop it
+  EXPECT_EQ(detail::balanceWorkBudget(1000), 16 * 1000 + (int64_t{1} << 24));
 }
 
 // The least, over every placement of a small plan's blocks under a token cap and a cost cap,
