@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The planning rows of README's "Limits" table, timed: what `fcp plan` costs at the largest
+# batches it accepts. One 23.7M-token sequence (the pair limit at 4K blocks, on the default 16
+# workers) and 4096 workers x 1M tokens. Prints, per row, plan_ms with its largest phases, the
+# command's wall time and its peak resident memory, and the plan's digest (the plan must not
+# change when only speed does). Each takes 10-60 s and up to 3 GB here.
+# Two such rows went from 7 s to 48 s and from 23 s to 41 s of planning unnoticed between two
+# measurements (docs/planner.md, session 29): run this after any change to the planner's
+# arrays or loops and compare with the README.
+# Usage: bench/limits_bench.sh [RUNS]   (RUNS per row, default 1; the machine is shared)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-1}
+if ! [[ $runs =~ ^[1-9][0-9]*$ ]]; then
+  echo "invalid run count '$runs': expected a positive integer" >&2
+  exit 2
+fi
+fcp=${FCP_BUILD_DIR:-build}/apps/fcp/fcp
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo 23724032 >"$work/one-sequence.txt"
+row() {
+  local name=$1
+  shift
+  for _ in $(seq "$runs"); do
+    /usr/bin/time -f '%e %M' -o "$work/time" "$fcp" plan "$@" --json >"$work/plan.json"
+    /usr/bin/python3 - "$name" "$work/plan.json" "$work/time" <<'PY'
+import json, sys
+name, plan, timing = sys.argv[1:]
+p = json.load(open(plan))
+wall, kb = open(timing).read().split()[-2:]
+phases = sorted(p["plan_ms_by_phase"].items(), key=lambda kv: -kv[1])[:3]
+print(f"{name:28s} plan {p['plan_ms'] / 1000:6.1f} s ({', '.join(f'{k} {v / 1000:.1f}' for k, v in phases)}),"
+      f" command {float(wall):5.1f} s, {int(kb) / 2**20:4.1f} GB, {p['blocks']} blocks,"
+      f" {p['pairs']} pairs, digest {p['digest']}")
+PY
+  done
+}
+row "one 23.7M-token sequence" --trace "$work/one-sequence.txt"
+row "4096 workers x 1M tokens" --workers 4096 --tokens-per-worker 1M
