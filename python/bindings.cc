@@ -106,13 +106,22 @@ class CallbackTransport final : public runtime::Transport {
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
     (void)timeoutSeconds;  // the callback bounds it by the transport's timeout (fcp/torch.py)
+    if (withdrew_) throwWithdrew();
     py::gil_scoped_acquire gil;
     const char* name = op == runtime::ReduceOp::kSum   ? "sum"
                        : op == runtime::ReduceOp::kMin ? "min"
                                                        : "max";
     const std::vector<int64_t> in(values.begin(), values.end());
-    const auto out = call<std::vector<int64_t>>(
-        [&] { return allreduce_(in, name).cast<std::vector<int64_t>>(); });
+    std::vector<int64_t> out;
+    try {
+      out = call<std::vector<int64_t>>(
+          [&] { return allreduce_(in, name).cast<std::vector<int64_t>>(); });
+    } catch (...) {
+      // A collective that failed (timed out) stays posted: a late peer would meet it and go on
+      // as if agreed, and every later collective would be out of step. Nothing more goes out.
+      withdrew_ = true;
+      throw;
+    }
     FCP_CHECK_EQ(out.size(), values.size());
     std::copy(out.begin(), out.end(), values.begin());
   }
@@ -156,14 +165,15 @@ class CallbackTransport final : public runtime::Transport {
       throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank_) + ": " + text);
     }
   }
+  [[noreturn]] void throwWithdrew() const {
+    throw Error(ErrorCode::kTransport,
+                "rank " + std::to_string(rank_) +
+                    ": this transport abandoned messages after an earlier error, so its "
+                    "messages are out of step with its peers': expected a new process group");
+  }
   runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
     if (bytes == 0) return kDone;
-    if (withdrew_) {
-      throw Error(ErrorCode::kTransport,
-                  "rank " + std::to_string(rank_) +
-                      ": this transport abandoned messages after an earlier error, so its "
-                      "messages are out of step with its peers': expected a new process group");
-    }
+    if (withdrew_) throwWithdrew();
     py::gil_scoped_acquire gil;
     py::object request = call<py::object>([&] {
       return fn(peer, tag, reinterpret_cast<uintptr_t>(data), static_cast<int64_t>(bytes));

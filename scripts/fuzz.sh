@@ -22,7 +22,9 @@ for t in "${targets[@]}"; do fuzzers+=("fcp_${t}_fuzzer"); done
 cmake --build "$build_dir" -j "$(nproc)" --target "${fuzzers[@]}"
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+declare -A pid status
+# On any exit (a failed step, a cancelled CI run), no fuzzer is left running into $work.
+trap 'kill "${pid[@]}" 2>/dev/null || true; wait; rm -rf "$work"' EXIT
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export ASAN_OPTIONS=detect_leaks=1
 # The targets run side by side, as many at a time as there are cores, each for the full time
@@ -35,7 +37,6 @@ fuzz_one() {
     >"$work/$t.log" 2>&1
 }
 jobs=$(nproc)
-declare -A pid status
 running=()
 for t in "${targets[@]}"; do
   if [ "${#running[@]}" -ge "$jobs" ]; then

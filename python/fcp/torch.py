@@ -49,6 +49,8 @@ from . import _fcp
 __all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# Integer tensor types whose every value is an int64 (an unsigned 64-bit one is checked per value).
+_FITS_INT64 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _describe(x) -> str:
@@ -64,11 +66,11 @@ def _describe(x) -> str:
 def _integers(name: str, xs) -> list:
     """xs (a sequence, an integer tensor or NumPy array) as a list of ints, else fcp.Error naming
     the first value that is not one. A tensor or array of an integer dtype converts at once."""
-    if isinstance(xs, torch.Tensor) and xs.dim() == 1 and not xs.dtype.is_floating_point \
-            and not xs.dtype.is_complex and xs.dtype != torch.bool:
-        return xs.tolist()  # int64 at most: every value fits
+    if isinstance(xs, torch.Tensor) and xs.dim() == 1 and xs.dtype in _FITS_INT64:
+        return xs.tolist()
     kind = getattr(getattr(xs, "dtype", None), "kind", None)  # a NumPy array's: 'i', 'u', 'f', ...
-    if kind == "i" and getattr(xs, "ndim", 0) == 1:
+    if getattr(xs, "ndim", 0) == 1 and (kind == "i" or (kind == "u" and (
+            xs.dtype.itemsize < 8 or xs.size == 0 or int(xs.max()) < 2 ** 63))):
         return [int(x) for x in xs.tolist()]
     if (isinstance(xs, torch.Tensor) and xs.dim() != 1) or getattr(xs, "ndim", 1) != 1 \
             or isinstance(xs, (str, bytes)):
@@ -228,15 +230,15 @@ class _Settings:
         try:
             if transport_error:
                 raise _fcp.Error(transport_error)
-            options = self._check(cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
-                                  block_size, threads, comm_ratio)
-            local_error = ""
+            self.options = _fcp.batch_options(*self._check(cu_seqlens, local_range, heads, kv_heads, head_dim,
+                                                           causal, dtype, layout, strategy, block_size, threads,
+                                                           comm_ratio), local_error="")
         except Exception as e:  # noqa: BLE001 -- whatever it is, the other ranks must hear of it
             # Anything valid: the agreement fails on every rank before it is read. An error the
             # checks did not foresee (not an fcp.Error) is named by its type.
             message = str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
-            options, local_error = ([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0), message
-        self.options = _fcp.batch_options(*options, local_error=local_error)
+            self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0,
+                                              local_error=message)
 
     def _check(self, cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
                block_size, threads, comm_ratio):
@@ -252,13 +254,13 @@ class _Settings:
         if not isinstance(strategy, str):
             raise _fcp.Error(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
         self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
-        try:
-            count = len(local_range)
-        except TypeError:
-            count = None
-        if count != 2:
+        try:  # a pair indexed 0 and 1 (a tuple, a list, a tensor or array of two)
+            pair = (local_range[0], local_range[1]) if len(local_range) == 2 else None
+        except (TypeError, KeyError, IndexError):
+            pair = None
+        if pair is None:
             raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
-        self.begin, self.end = _integer("local_range[0]", local_range[0]), _integer("local_range[1]", local_range[1])
+        self.begin, self.end = _integer("local_range[0]", pair[0]), _integer("local_range[1]", pair[1])
         self.heads, self.kv_heads, self.head_dim = (_integer("heads", heads), _integer("kv_heads", kv_heads),
                                                     _integer("head_dim", head_dim))
         block_size, threads = _integer("block_size", block_size), _integer("threads", threads)
@@ -267,7 +269,7 @@ class _Settings:
             raise _fcp.Error(f"thread count {threads}: expected 1 to {_fcp.max_kernel_threads}")
         try:
             comm_ratio = float(comm_ratio)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise _fcp.Error(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
         self.dtype = dtype
         self.layout = layout
@@ -280,9 +282,11 @@ class Batch:
 
     ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
     each rank may use). ``timeout_seconds`` bounds every wait for another rank, the batch's
-    agreement included; it applies to a process group's transport from this batch on. An mpi4py
-    communicator's transport keeps the timeout it was made with: a batch with another fails on
-    every rank (pass ``comm.Dup()`` for another timeout).
+    agreement included; it applies to a process group's transport from this batch on. An
+    agreement that times out leaves its all-reduce posted on the group (a late rank would meet
+    it), so the group's transport then refuses every batch: continue on a new process group. An
+    mpi4py communicator's transport keeps the timeout it was made with: a batch with another
+    fails on every rank (pass ``comm.Dup()`` for another timeout).
 
     dispatch, undispatch and attention (forward and backward) are collectives. One that raises on
     this rank only (a tensor of the wrong shape here) leaves the other ranks inside it, waiting for

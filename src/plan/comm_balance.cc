@@ -376,8 +376,8 @@ int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, d
   }
   SwapBound bound(state, plan);
   int64_t steps = 0;
-  bool spent = false;  // the work budget: no further swap is tried
-  for (; steps < maxSteps && !spent && state.imbalance() > kCommTargetImbalance; ++steps) {
+  bool spent = false;  // past the work limit: no further swap is tried
+  for (; steps < maxSteps && state.imbalance() > kCommTargetImbalance; ++steps) {
     const int32_t w = state.busiest();
     const int64_t before = state.maxComm();
     bound.look(w, blocksOf[static_cast<size_t>(w)]);

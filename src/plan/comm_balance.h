@@ -13,8 +13,18 @@ inline constexpr double kCommTargetImbalance = 0.03;
 /// How balanceCommunication looks for a swap. kBounded (the planner's) does not try a swap
 /// when a floor on the busiest worker's bytes after it, read without moving anything, shows
 /// it cannot lower them; kEvery tries each one, and checks after each that the floor was not
-/// above the bytes it got. Both keep the same swaps: kEvery is the reference for tests.
+/// above the bytes it got. Without a work limit (maxWork = INT64_MAX) both keep the same swaps:
+/// kEvery is the reference for tests. With one, kEvery, which tries more, may stop sooner.
 enum class SwapSearch { kBounded, kEvery };
+
+/// The work balanceCommunication may do on a plan of `pairs` pairs, in pair entries moved by
+/// its swaps, tried or kept (one per pair of a block moved, and one per worker reading it):
+/// 16 × pairs + 2^24, sixteen passes over the pairs and room for small plans. Each swap tried
+/// moves both blocks there and back with all their pairs; where a block pairs with thousands
+/// (one sequence of 23.7M tokens in 4K blocks on 16 workers), the balancer's 15 swaps cost
+/// 5.5e9 entries and 42 s. The plans of the workloads here stay far below it (at most 2.4e6,
+/// 8 to 4096 workers).
+int64_t balanceWorkBudget(size_t pairs);
 
 /// Lowers the largest per-worker communication (bytes sent plus received by KV transfers) by
 /// swapping blocks of near-equal cost between the busiest-communicating worker and others.
@@ -26,18 +36,12 @@ enum class SwapSearch { kBounded, kEvery };
 /// over all workers drops (third parties can change too: the owners of the blocks b's pairs
 /// read). Typically a sequence block goes out and a packed block of short sequences, which
 /// needs no transfers, comes in. Partners are searched among the blocks nearest b in cost.
-/// Deterministic; at most `maxSteps` swaps, and it stops once it has moved more than `maxWork`
-/// pair entries in all, trial swaps included (-1: balanceWorkBudget(pairs)), keeping the swaps
-/// made: the first swaps of a run without that limit. Plan::loads is not updated: recompute
-/// it. `search`: see SwapSearch.
-/// The work balanceCommunication may do on a plan of `pairs` pairs: pair entries (one per pair of
-/// a block moved, and one per worker reading it) moved by its swaps, tried or kept. Sixteen
-/// passes over the pairs, or 2^24 for small plans. Each swap tried moves both blocks there and
-/// back, with all their pairs: where a block pairs with thousands (one sequence of 23.7M tokens
-/// in 4K blocks on 16 workers), 15 swaps cost 5.5e9 entries and 42 s. The plans of the workloads
-/// here stay far below it (at most 2.4e6, 8 to 4096 workers).
-int64_t balanceWorkBudget(size_t pairs);
-
+/// Deterministic; at most `maxSteps` swaps. The work limit (`maxWork`, -1 for
+/// balanceWorkBudget(pairs)) is looked at after each trial swap that does not help: past it,
+/// the balancer stops there, undone trial and all, keeping the swaps it made. So it makes the
+/// first swaps of a run without the limit; a trial that helps is kept whatever the work, and one
+/// trial may pass the limit by its blocks' pairs. Plan::loads is not updated: recompute it.
+/// `search`: see SwapSearch.
 int64_t balanceCommunication(Plan& plan, const std::vector<double>& blockCost, double computeCap,
                              int64_t memoryCap, int64_t maxSteps,
                              SwapSearch search = SwapSearch::kBounded, int64_t maxWork = -1);

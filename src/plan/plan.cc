@@ -367,7 +367,7 @@ void balanceUneven(Placed& p, const PlanConfig& config, const DistributorOptions
 /// Communication balancing (off when commBalanceSlack < 0): compute may rise to the slack
 /// above LB (but not past `limit`), or stay at the busiest worker's cost where that is higher.
 /// At most `stepsPerWorker` swaps per worker; the balancer also stops once it finds no swap
-/// that helps.
+/// that helps, or past its work limit (detail::balanceWorkBudget).
 void balanceComm(Placed& p, const PlanConfig& config, const DistributorOptions& options,
                  int64_t stepsPerWorker, double limit = std::numeric_limits<double>::infinity()) {
   if (config.commBalanceSlack < 0 || commEven(p)) return;

@@ -441,6 +441,12 @@ def test_a_groups_transport_takes_each_batchs_timeout(group):
         ft.Batch(cu, mine, comm, **options)
         with pytest.raises(fcp.Error, match=r"timeout_seconds 123: expected 300.0, the timeout this communicator"):
             ft.Batch(cu, mine, comm, timeout_seconds=123, **options)
+        # On one rank only: refused through the batch's agreement, so every rank raises.
+        last = ranks - 1
+        with pytest.raises(fcp.Error, match=r"timeout_seconds 123: expected 300.0" if rank == last else
+                           r"rank %d: rank %d's arguments were refused there" % (rank, last)):
+            ft.Batch(cu, mine, comm, **(dict(options, timeout_seconds=123) if rank == last else options))
+        assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
         return
     ft.Batch(cu, mine, comm, timeout_seconds=123, **options)
     (keep,) = [entry[2] for entry in ft._transports.values() if entry[2] is not None]

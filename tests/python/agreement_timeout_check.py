@@ -1,0 +1,56 @@
+"""A batch's agreement is bounded by timeout_seconds, not by the process group's timeout: on 2
+gloo ranks, rank 1 never makes the batch; rank 0 raises fcp.Error at its 3 s, well before the
+group's 120 s, and the group's transport then refuses every batch (its all-reduce is still
+posted: a late rank would meet it), naming what to do. Run with Debian's /usr/bin/python3 and
+PYTHONPATH at the build's python directory; exits nonzero on any failure."""
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fcp
+import fcp.torch as ft
+
+
+def run(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    code = 0
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            ft.Batch([0, 100], (0, 50), heads=2, kv_heads=1, head_dim=16, timeout_seconds=3)
+            print("rank 0: the batch was made without rank 1", flush=True)
+            code = 1
+        except fcp.Error as e:
+            waited = time.monotonic() - start
+            print(f"rank 0: raised after {waited:.1f} s: {e}", flush=True)
+            if waited >= 60:  # the group's timeout is 120 s; FCP's 3 s
+                code = 1
+        try:
+            ft.Batch([0, 100], (0, 50), heads=2, kv_heads=1, head_dim=16, timeout_seconds=3)
+            print("rank 0: a second batch on the same group was made", flush=True)
+            code = 1
+        except fcp.Error as e:
+            print(f"rank 0: the second batch: {e}", flush=True)
+            if "expected a new process group" not in str(e):
+                code = 1
+    else:
+        time.sleep(8)  # never makes the batch
+    os._exit(code)  # rank 0's all-reduce is still posted: no orderly shutdown of the group
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    try:
+        mp.spawn(run, args=(free,), nprocs=2)
+    except mp.ProcessExitedException as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+    print("agreement timeout: ok")
