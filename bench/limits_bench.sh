@@ -4,7 +4,8 @@
 # workers) and 4096 workers x 1M tokens. Prints, per row, plan_ms with its largest phases, the
 # command's wall time and its peak resident memory beside README's figures (measured on
 # 2026-11-29), and whether the plan's digest is still the one it had then (a change for speed
-# must not change the plan; a deliberate plan change updates the digests here). Each takes 10-60 s
+# must not change the plan; a deliberate plan change updates the digests here). Exits nonzero
+# when a digest changed. Each takes 10-60 s
 # and up to 3 GB here.
 # Two such rows went from 7 s to 48 s and from 23 s to 41 s of planning unnoticed between two
 # measurements (docs/planner.md, session 29): run this after any change to the planner's
@@ -36,6 +37,7 @@ print(f"{name:28s} plan {p['plan_ms'] / 1000:6.1f} s ({', '.join(f'{k} {v / 1000
       f" command {float(wall):5.1f} s, {int(kb) / 2**20:4.1f} GB, {p['blocks']} blocks,"
       f" {p['pairs']} pairs (README: {readme}); digest",
       "the same" if p["digest"] == digest else f"CHANGED: {p['digest']}, was {digest}")
+sys.exit(0 if p["digest"] == digest else 1)
 PY
   done
 }

@@ -116,10 +116,11 @@ class CallbackTransport final : public runtime::Transport {
     try {
       out = call<std::vector<int64_t>>(
           [&] { return allreduce_(in, name).cast<std::vector<int64_t>>(); });
-    } catch (...) {
+    } catch (const Error& e) {
       // A collective that failed (timed out) stays posted: a late peer would meet it and go on
       // as if agreed, and every later collective would be out of step. Nothing more goes out.
       withdrew_ = true;
+      withdrewCause_ = e.what();
       throw;
     }
     FCP_CHECK_EQ(out.size(), values.size());
@@ -168,8 +169,10 @@ class CallbackTransport final : public runtime::Transport {
   [[noreturn]] void throwWithdrew() const {
     throw Error(ErrorCode::kTransport,
                 "rank " + std::to_string(rank_) +
-                    ": this transport abandoned messages after an earlier error, so its "
-                    "messages are out of step with its peers': expected a new process group");
+                    ": this transport abandoned messages after an earlier error" +
+                    (withdrewCause_.empty() ? std::string() : " (" + withdrewCause_ + ")") +
+                    ", so its messages are out of step with its peers': expected a new process "
+                    "group");
   }
   runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
     if (bytes == 0) return kDone;
@@ -189,6 +192,7 @@ class CallbackTransport final : public runtime::Transport {
   runtime::RequestId next_ = 1;
   std::map<runtime::RequestId, py::object> requests_;
   bool withdrew_ = false;
+  std::string withdrewCause_;  ///< the failed all-reduce's error, when that was the cause
 };
 
 DType dtypeOf(const std::string& name) {

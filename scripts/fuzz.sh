@@ -32,7 +32,8 @@ export ASAN_OPTIONS=detect_leaks=1
 fuzz_one() {
   local t=$1
   mkdir -p "$work/$t" "$work/$t-crash"
-  "$build_dir/fuzz/fcp_${t}_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  # exec: the job's PID is the fuzzer's own, so the exit trap stops the fuzzer itself.
+  exec "$build_dir/fuzz/fcp_${t}_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -max_len=65536 -artifact_prefix="$work/$t-crash/" "$work/$t" "fuzz/corpus/$t" \
     >"$work/$t.log" 2>&1
 }
@@ -41,6 +42,7 @@ running=()
 for t in "${targets[@]}"; do
   if [ "${#running[@]}" -ge "$jobs" ]; then
     wait "${pid[${running[0]}]}" && status[${running[0]}]=ok || status[${running[0]}]=CRASH
+    unset "pid[${running[0]}]"  # ended: the trap must not signal a PID reused since
     running=("${running[@]:1}")
   fi
   fuzz_one "$t" &
@@ -49,6 +51,7 @@ for t in "${targets[@]}"; do
 done
 for t in "${running[@]}"; do
   wait "${pid[$t]}" && status[$t]=ok || status[$t]=CRASH
+  unset "pid[$t]"
 done
 failed=0
 for t in "${targets[@]}"; do

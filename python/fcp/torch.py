@@ -49,8 +49,10 @@ from . import _fcp
 __all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-# Integer tensor types whose every value is an int64 (an unsigned 64-bit one is checked per value).
-_FITS_INT64 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# Integer tensor types whose every value is an int64 (torch.uint64, from torch 2.3, is checked
+# per value; uint16 and uint32 exist from 2.3 too).
+_FITS_INT64 = tuple(getattr(torch, name) for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+                    if hasattr(torch, name))
 
 
 def _describe(x) -> str:
