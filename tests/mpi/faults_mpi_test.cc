@@ -3,7 +3,7 @@
 // fcp::Error(kTransport) within seconds instead of waiting forever. faults_test.sh launches this
 // program under mpirun and checks the exit status, the time taken and stderr.
 //
-// Usage: faults_mpi_test {none|exit|stall|short|long|slow} FAULT_RANK
+// Usage: faults_mpi_test {none|exit|stall|short|long|slow|late} FAULT_RANK
 //   none   no fault: forward and backward complete on every rank (exit 0); shows the wrapper
 //          itself changes nothing. Rank 0 prints a checksum of the outputs and gradients.
 //   exit   FAULT_RANK exits (code 3) as a crashed process would.
@@ -12,6 +12,10 @@
 //   long   FAULT_RANK's first message is one byte long.
 //   slow   every message FAULT_RANK sends leaves 50 ms late (a slow link): the passes complete
 //          (exit 0) with the same checksum as without the fault.
+//   late   FAULT_RANK comes to its first allreduce (the plan agreement) 5 s late, after the
+//          others' 2 s timeout; they then try the batch again on the same transport, which
+//          must refuse it (their timed-out allreduce is still posted, and the late rank would
+//          meet it as if agreed).
 // A surviving rank that catches an fcp::Error prints one line with its code and message and
 // ends the job (exit 2 for a transport error, 4 for any other code, which the script rejects).
 // A surviving rank that the launcher ends first says so in one line.
@@ -37,7 +41,7 @@ namespace {
 
 using namespace fcp;
 
-enum class Fault { kNone, kExit, kStall, kShort, kLong, kSlow };
+enum class Fault { kNone, kExit, kStall, kShort, kLong, kSlow, kLate };
 
 /// Passes everything through to `inner`, except that once armed, rank `faultRank`'s sends go
 /// wrong: the next one never happens (the process exits or sleeps instead), is a byte short or
@@ -74,6 +78,8 @@ class FaultyTransport final : public runtime::Transport {
           }
           break;
         case Fault::kSlow: std::this_thread::sleep_for(std::chrono::milliseconds(50)); break;
+        case Fault::kLate:
+          break;  // in allreduce
       }
     }
     return inner_.isend(peer, tag, data);
@@ -86,6 +92,9 @@ class FaultyTransport final : public runtime::Transport {
   void wait(runtime::RequestId request) override { inner_.wait(request); }
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
+    if (fault_ == Fault::kLate && inner_.rank() == faultRank_ && !fired_.exchange(true)) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+    }
     inner_.allreduce(values, op, timeoutSeconds);
   }
   [[noreturn]] void abort(int exitCode) noexcept override {
@@ -155,9 +164,11 @@ int main(int argc, char** argv) {
                       : mode == "short" ? Fault::kShort
                       : mode == "long"  ? Fault::kLong
                       : mode == "slow"  ? Fault::kSlow
+                      : mode == "late"  ? Fault::kLate
                                         : static_cast<Fault>(-1);
   if (fault == static_cast<Fault>(-1)) {
-    std::fprintf(stderr, "usage: faults_mpi_test {none|exit|stall|short|long|slow} FAULT_RANK\n");
+    std::fprintf(stderr,
+                 "usage: faults_mpi_test {none|exit|stall|short|long|slow|late} FAULT_RANK\n");
     return 64;
   }
   const int faultRank = std::atoi(argv[2]);
@@ -184,7 +195,13 @@ int main(int argc, char** argv) {
         {.timeoutSeconds = fault == Fault::kSlow ? 20.0 : 2.0});
     FaultyTransport t(*mpi, fault, faultRank);
     try {
-      checksum = runBatch(t);
+      try {
+        checksum = runBatch(t);
+      } catch (const Error& e) {
+        if (fault != Fault::kLate || rank == faultRank) throw;
+        std::fprintf(stderr, "faults_mpi_test: rank %d: first attempt: %s\n", rank, e.what());
+        checksum = runBatch(t);  // the same transport: must refuse
+      }
     } catch (const Error& e) {
       std::fprintf(stderr, "faults_mpi_test: rank %d: %s error: %s\n", rank,
                    std::string(errorCodeName(e.code())).c_str(), e.what());

@@ -20,12 +20,13 @@ expect_error() {
   shift 4
   local start=$SECONDS
   timeout 60 "$mpirun" -n "$ranks" --oversubscribe "$prog" "$@" >"$dir/out" 2>"$dir/err"
-  local rc=$? elapsed=$((SECONDS - start))
+  local rc=$? elapsed=$((SECONDS - start)) before=$failures
   if [ "$rc" -eq 0 ]; then fail "$name: exit code 0"; cat "$dir/out" "$dir/err"; return; fi
   if [ "$rc" -eq 124 ]; then fail "$name: still running after 60 s (killed by timeout)"; fi
   if [ "$elapsed" -gt "$limit" ]; then fail "$name: took ${elapsed}s, more than ${limit}s"; fi
   if ! grep -qE "$pattern" "$dir/err"; then fail "$name: stderr lacks /$pattern/:"; cat "$dir/err"; fi
   if grep -q "FAILED" "$dir/out"; then fail "$name:"; cat "$dir/out"; fi
+  [ "$failures" -eq "$before" ] || return
   echo "ok: $name (exit $rc after ${elapsed}s): $(grep -E "$pattern" "$dir/err" | head -1)"
 }
 
@@ -51,6 +52,13 @@ expect_error "peer stops answering" \
 # Three ranks, rank 0 hung: one of the others gives up first and ends the job.
 expect_error "rank 0 stops answering (3 ranks)" \
   "rank [12]: transport error: rank [12]: timed out after 2 s waiting for" 20 3 stall 0
+
+# A rank late to the plan agreement: the others time out on the allreduce, which stays posted,
+# so their transport refuses the next batch, naming that timeout (the late rank would have met
+# the stale allreduce as if agreed).
+expect_error "rank late to an allreduce" \
+  "rank 0: transport error: rank 0: this transport abandoned messages after an earlier error \(rank 0: timed out after 2 s waiting for an allreduce" \
+  20 2 late 1
 
 # A message a byte short or long (a peer on another plan or tensor shape): the receiver fails
 # with a transport error naming the sizes (or MPI's truncation), never reads stale bytes.

@@ -202,6 +202,10 @@ class MpiTransport final : public Transport {
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, ReduceOp op, double timeoutSeconds) override {
     const double seconds = timeoutSeconds > 0 ? timeoutSeconds : options_.timeoutSeconds;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (withdrew_) throwWithdrew();
+    }
     const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
     MPI_Request request = MPI_REQUEST_NULL;
     // MPI reduces into a buffer of the transport's: if the wait times out, the collective
@@ -226,10 +230,16 @@ class MpiTransport final : public Transport {
       }
       if (Clock::now() > deadline) {
         keepUntilExit(buffer);
-        throw Error(ErrorCode::kTransport,
-                    "rank " + std::to_string(rank_) + ": timed out after " +
-                        std::to_string(static_cast<int>(seconds)) +
-                        " s waiting for an allreduce with every rank (did a rank die or stop?)");
+        const std::string message =
+            "rank " + std::to_string(rank_) + ": timed out after " +
+            std::to_string(static_cast<int>(seconds)) +
+            " s waiting for an allreduce with every rank (did a rank die or stop?)";
+        // The collective stays posted: a late rank would meet it and go on as if agreed, and
+        // every later collective would be out of step. Nothing more goes out.
+        std::lock_guard<std::mutex> lock(mu_);
+        withdrew_ = true;
+        withdrewCause_ = message;
+        throw Error(ErrorCode::kTransport, message);
       }
       // Back off from 20 us to 1 ms: some ranks wait here long on purpose (rank 0's --check).
       if (spins > 64)
@@ -272,6 +282,16 @@ class MpiTransport final : public Transport {
     return os.str();
   }
 
+  /// The caller holds mu_.
+  [[noreturn]] void throwWithdrew() const {
+    throw Error(ErrorCode::kTransport,
+                "rank " + std::to_string(rank_) +
+                    ": this transport abandoned messages after an earlier error" +
+                    (withdrewCause_.empty() ? std::string() : " (" + withdrewCause_ + ")") +
+                    ", so its messages are out of step with its peers': expected a new "
+                    "communicator");
+  }
+
   RequestId post(bool isSend, int peer, int tag, std::byte* data, size_t bytes) {
     if (peer < 0 || peer >= size_ || tag < 0 || tag > maxTag_) {
       throwInvalidArgument("rank ", rank_, ": message to rank ", peer, " with tag ", tag,
@@ -288,12 +308,7 @@ class MpiTransport final : public Transport {
     RequestId id = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (withdrew_) {
-        throw Error(ErrorCode::kTransport,
-                    "rank " + std::to_string(rank_) +
-                        ": this transport withdrew messages after an earlier error, so its "
-                        "messages are out of step with its peers': expected a new job");
-      }
+      if (withdrew_) throwWithdrew();
       const int count = static_cast<int>(bytes);
       const int code = isSend ? MPI_Isend(data, count, MPI_BYTE, peer, tag, comm_, &slot.request)
                               : MPI_Irecv(data, count, MPI_BYTE, peer, tag, comm_, &slot.request);
@@ -373,7 +388,8 @@ class MpiTransport final : public Transport {
   std::condition_variable cv_;
   bool stop_ = false;
   bool posted_ = false;  ///< a request was posted since the progress thread's last poll
-  bool withdrew_ = false;  ///< cancelPending withdrew a request: no new ones
+  bool withdrew_ = false;      ///< a request was withdrawn or an allreduce abandoned: no new ones
+  std::string withdrewCause_;  ///< the timed-out allreduce's error, when that was the cause
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Slot> slots_;
   std::thread progress_;
