@@ -150,7 +150,7 @@ class CallbackTransport final : public runtime::Transport {
   static constexpr runtime::RequestId kDone = ~runtime::RequestId{0};
 
   // Runs a Python call; a Python exception becomes Error(kTransport) with its type and message
-  // (not its traceback: the error is one line).
+  // (not its traceback: the error is one line). fcp.Error's message needs no type.
   template <typename T, typename F>
   T call(F f) {
     try {
@@ -158,8 +158,10 @@ class CallbackTransport final : public runtime::Transport {
     } catch (py::error_already_set& e) {
       std::string text;
       try {
-        text = py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
-               py::str(e.value()).cast<std::string>();
+        const bool ours = py::str(e.type().attr("__module__")).cast<std::string>() == "fcp._fcp";
+        text =
+            (ours ? std::string() : py::str(e.type().attr("__name__")).cast<std::string>() + ": ") +
+            py::str(e.value()).cast<std::string>();
       } catch (...) {
         text = e.what();
       }

@@ -37,22 +37,23 @@ fuzz_one() {
     -max_len=65536 -artifact_prefix="$work/$t-crash/" "$work/$t" "fuzz/corpus/$t" \
     >"$work/$t.log" 2>&1
 }
+# finish TARGET: waits for its fuzzer and records how it ended.
+finish() {
+  wait "${pid[$1]}" && status[$1]=ok || status[$1]=CRASH
+  unset "pid[$1]"  # ended: the trap must not signal a PID reused since
+}
 jobs=$(nproc)
 running=()
 for t in "${targets[@]}"; do
   if [ "${#running[@]}" -ge "$jobs" ]; then
-    wait "${pid[${running[0]}]}" && status[${running[0]}]=ok || status[${running[0]}]=CRASH
-    unset "pid[${running[0]}]"  # ended: the trap must not signal a PID reused since
+    finish "${running[0]}"
     running=("${running[@]:1}")
   fi
   fuzz_one "$t" &
   pid[$t]=$!
   running+=("$t")
 done
-for t in "${running[@]}"; do
-  wait "${pid[$t]}" && status[$t]=ok || status[$t]=CRASH
-  unset "pid[$t]"
-done
+for t in "${running[@]}"; do finish "$t"; done
 failed=0
 for t in "${targets[@]}"; do
   log="$work/$t.log"

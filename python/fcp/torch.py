@@ -39,6 +39,7 @@ import math
 import operator
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -71,14 +72,14 @@ def _integers(name: str, xs) -> list:
     if isinstance(xs, torch.Tensor) and xs.dim() == 1 and xs.dtype in _FITS_INT64:
         return xs.tolist()
     kind = getattr(getattr(xs, "dtype", None), "kind", None)  # a NumPy array's: 'i', 'u', 'f', ...
-    if getattr(xs, "ndim", 0) == 1 and (kind == "i" or (kind == "u" and (
+    # A masked array's masked values are no integers: it takes the per-value path below.
+    if getattr(xs, "ndim", 0) == 1 and not hasattr(xs, "mask") and (kind == "i" or (kind == "u" and (
             xs.dtype.itemsize < 8 or xs.size == 0 or int(xs.max()) < 2 ** 63))):
         return [int(x) for x in xs.tolist()]
-    if (isinstance(xs, torch.Tensor) and xs.dim() != 1) or getattr(xs, "ndim", 1) != 1 \
-            or isinstance(xs, (str, bytes)):
-        raise _fcp.Error(f"{name} is {_describe(xs)}: expected a sequence of integers")
     try:
-        items = list(xs)
+        if getattr(xs, "ndim", 1) != 1 or isinstance(xs, (str, bytes, Mapping)):
+            raise TypeError
+        items = list(xs)  # a 0-d tensor or array raises TypeError here
     except TypeError:
         raise _fcp.Error(f"{name} is {_describe(xs)}: expected a sequence of integers") from None
     return [_integer(f"{name}[{i}]", x) for i, x in enumerate(items)]
@@ -144,7 +145,14 @@ class _GroupTransport:
     def _allreduce(self, values, op):
         # Bounded by the batch's timeout like the messages, not by the process group's own.
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=self._OPS[op], group=self.group, async_op=True).wait(self.timeout)
+        work = dist.all_reduce(t, op=self._OPS[op], group=self.group, async_op=True)
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:  # gloo says only "Operation timed out!"
+            seconds = self.timeout.total_seconds()
+            raise _fcp.Error(f"the batch's agreement did not hear from every rank of the process group "
+                             f"(timeout_seconds = {seconds:g}): {e} (did a rank fail before the batch, or not "
+                             f"make it?)") from None
         return t.tolist()
 
 
@@ -256,8 +264,9 @@ class _Settings:
         if not isinstance(strategy, str):
             raise _fcp.Error(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
         self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
-        try:  # a pair indexed 0 and 1 (a tuple, a list, a tensor or array of two)
-            pair = (local_range[0], local_range[1]) if len(local_range) == 2 else None
+        try:  # a pair indexed 0 and 1 (a tuple, a list, a tensor or array of two), not a mapping
+            pair = (local_range[0], local_range[1]) \
+                if len(local_range) == 2 and not isinstance(local_range, Mapping) else None
         except (TypeError, KeyError, IndexError):
             pair = None
         if pair is None:

@@ -402,6 +402,11 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
                                    (np.array([0, 100, 2 ** 63], dtype=np.uint64), mine,
                                     r"cu_seqlens\[2\] is 9223372036854775808: expected -9223372036854775808 to"),
                                    (cu, None, r"local_range is None: expected \(begin, end\)"),
+                                   (np.ma.masked_array(cu, mask=[0, 1, 0, 0]), mine,
+                                    r"cu_seqlens\[1\] is masked: expected an integer"),
+                                   ({0: 0, 1: 300}, mine, r"cu_seqlens is \{0: 0, 1: 300\}: expected a sequence"),
+                                   (cu, None, r"local_range is None: expected \(begin, end\)"),
+                                   (cu, {0: mine[0], 1: mine[1]}, r"local_range is \{0: .*\}: expected \(begin, end\)"),
                                    (cu, 7, r"local_range is 7: expected \(begin, end\)")]:
         with pytest.raises(fcp.Error, match=message):
             ft.Batch(given, range_, comm, **options)
@@ -415,6 +420,9 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
         ft.user_positions([10, 20], 0, 5)
     with pytest.raises(fcp.Error, match=r"cu_seqlens\[2\] is 100: expected more than cu_seqlens\[1\] = 100"):
         ft.user_positions([0, 100, 100, 160], 0, 5)
+    with pytest.raises(fcp.Error, match=r"cu_seqlens\[2\] is masked: expected an integer"):
+        ft.user_positions(np.ma.masked_array(cu, mask=[0, 0, 1, 0]), 0, 5)
+    assert ft.user_positions(np.ma.masked_array(cu), 95, 105).tolist() == [95, 96, 97, 98, 99, 0, 1, 2, 3, 4]
     assert ft.user_positions(cu, 95, 105).tolist() == [95, 96, 97, 98, 99, 0, 1, 2, 3, 4]
     transparent = ft.Batch(cu, mine, comm, **options)
     for name in ("position", "sequence"):
