@@ -8,8 +8,9 @@
 //
 // Curve format (fcp::core reads it): {"kind": "fcp-efficiency-curve", "device", "dtype",
 // "threads", "peak_gflops", "forward": [[tokens, fraction], ...], "backward": [...]}, where
-// fraction = kernel GFLOP/s / peak_gflops and peak_gflops is the best sgemm GFLOP/s on large
-// tiles measured in the same run. The curve is made from the full-mask pairs: a causal plan's
+// fraction = kernel GFLOP/s / peak_gflops and peak_gflops is the best GEMM GFLOP/s measured in
+// the same run: sgemm on large tiles, or the GEMM on the kernels' own tiles (bf16's own GEMM
+// where the CPU has it). The curve is made from the full-mask pairs: a causal plan's
 // pairs are mostly off-diagonal, i.e. full.
 #include <algorithm>
 #include <cstdio>
@@ -183,7 +184,11 @@ void runKernelBench(const KernelBenchArgs& a) {
     }
   }
   peak = std::max(peak, kernels::measurePeakGemmGflops(threads, a.minSeconds));
-  if (!a.json) std::printf("peak (best dnnl_sgemm GFLOP/s of this run): %.1f\n", peak);
+  if (!a.json)
+    std::printf(
+        "peak (best GEMM GFLOP/s of this run: dnnl_sgemm on large tiles, or a gemm "
+        "column): %.1f\n",
+        peak);
 
   nlohmann::json forwardCurve = nlohmann::json::array(), backwardCurve = nlohmann::json::array();
   // The curve: from the Zig-Zag cases if measured (what a plan's long sequences run), else the
