@@ -181,6 +181,10 @@ def _transport(group, timeout_seconds: float):
         impl = _fcp.mpi_transport(group.py2f(), timeout_seconds)
         _transports[id(group)] = (group, impl, None, timeout_seconds)
         return impl, ""
+    if group is not None and dist.is_initialized() and group is dist.distributed_c10d._get_default_group():
+        # The default group by another name (dist.group.WORLD): one transport for both, else a
+        # fresh one on the same group could take the messages an abandoned one left posted.
+        group = None
     if group is None:
         if not dist.is_initialized():
             return _single_process_transport(), ""  # not cached: a process group may be initialised later

@@ -152,18 +152,41 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
   const std::array<int64_t, kSettings> hashes = settingHashes(o);
   // Each hash and its negation (max and -min at once), then the lowest rank whose binding
-  // refused its arguments (as ranks - rank; 0 for none).
-  std::array<int64_t, 2 * kSettings + 1> same;
+  // refused its arguments (as ranks - rank; 0 for none), then what the transport's last failed
+  // call left (CallLedger), its kind and index, each with its negation.
+  const runtime::CallLedger::State left = transport.calls().state();
+  constexpr size_t kLeft = 2 * kSettings + 1;
+  std::array<int64_t, kLeft + 4> same;
   for (size_t i = 0; i < kSettings; ++i) {
     same[i] = hashes[i];
     same[kSettings + i] = -hashes[i];
   }
   same[2 * kSettings] = o.localError.empty() ? 0 : ranks - rank;
+  same[kLeft] = left.kind;
+  same[kLeft + 1] = -left.kind;
+  same[kLeft + 2] = left.call;
+  same[kLeft + 3] = -left.call;
   transport.allreduce(same, runtime::ReduceOp::kMax);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
   transport.allreduce(ranges, runtime::ReduceOp::kSum);
+  if (same[kLeft] != 0) {
+    // Safe only where every rank threw in the same call before it reached the transport.
+    if (same[kLeft] != 1 || -same[kLeft + 1] != 1 || same[kLeft + 2] != -same[kLeft + 3]) {
+      const char* how = -same[kLeft + 1] == 0 ? "on some ranks but not all"
+                        : same[kLeft] == 2    ? "after it had sent or posted messages"
+                                              : "in different calls on different ranks";
+      throwInvalidArgument("rank ", rank, ": a call of an earlier batch over this transport threw ",
+                           how, ", so messages of that call may still arrive (this rank's: ",
+                           left.kind == 0
+                               ? std::string("none threw")
+                               : "call #" + std::to_string(left.call) +
+                                     (left.kind == 1 ? " threw in its checks" : " threw"),
+                           "): expected a new transport (a new communicator or process group)");
+    }
+    transport.calls().clear();
+  }
   if (!o.localError.empty()) throw Error(ErrorCode::kInvalidArgument, o.localError);
   if (same[2 * kSettings] > 0) {
     throwInvalidArgument("rank ", rank, ": rank ", ranks - same[2 * kSettings],
@@ -305,14 +328,18 @@ plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
 
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
     : executor_(planNow(transport, options), transport, executorOptions(options)),
+      transport_(&transport),
       rank_(transport.rank()) {}
 
 AttentionBatch::AttentionBatch(PendingBatch&& pending)
     : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_),
+      transport_(pending.transport_),
       rank_(pending.transport_->rank()) {}
 
 template <typename Call>
 void AttentionBatch::collective(const char* name, Call&& call) {
+  runtime::CallLedger& ledger = transport_->calls();
+  const int64_t index = ledger.begin();
   if (!failure_.empty()) {
     // The first error last: a long one is cut at the message limit, not what to do.
     throw Error(ErrorCode::kInvalidArgument,
@@ -322,13 +349,27 @@ void AttentionBatch::collective(const char* name, Call&& call) {
                     "messages arriving on this transport; that call's error: " +
                     failure_);
   }
+  if (const runtime::CallLedger::State earlier = ledger.state(); earlier.kind != 0) {
+    // Another batch's call threw here: its peers' messages, with the tags of this batch's, may
+    // still arrive. This batch fails too (the other ranks may be inside this call now).
+    const std::string message =
+        "rank " + std::to_string(rank_) + ": this batch refuses " + name +
+        ": expected a new batch, since call #" + std::to_string(earlier.call) +
+        " of another batch over this transport threw on this rank, and the other ranks' "
+        "messages for it may still arrive here";
+    recordFailure(message);
+    throw Error(ErrorCode::kInvalidArgument, message);
+  }
+  reached_ = false;
   try {
     call();
   } catch (const std::exception& e) {
     recordFailure(e.what());
+    ledger.failed(index, reached_);
     throw;
   } catch (...) {
     recordFailure("an exception that is not a std::exception");
+    ledger.failed(index, reached_);
     throw;
   }
 }
@@ -338,18 +379,28 @@ void AttentionBatch::recordFailure(const std::string& message) {
 }
 
 void AttentionBatch::fail(const std::string& message) {
+  // In place of the call, whose own checks it makes: counted as one, before the transport.
+  runtime::CallLedger& ledger = transport_->calls();
+  const int64_t index = ledger.begin();
+  if (failure_.empty()) ledger.failed(index, false);
   recordFailure(message);
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
                               int64_t rowBytes) {
-  collective("dispatch", [&] { executor_.dispatch(user, local, rowBytes); });
+  collective("dispatch", [&] {
+    reached_ = true;
+    executor_.dispatch(user, local, rowBytes);
+  });
 }
 
 void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
                                 int64_t rowBytes) {
-  collective("undispatch", [&] { executor_.undispatch(local, user, rowBytes); });
+  collective("undispatch", [&] {
+    reached_ = true;
+    executor_.undispatch(local, user, rowBytes);
+  });
 }
 
 void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
@@ -366,6 +417,7 @@ void AttentionBatch::dispatchTensor(ConstTensorRef user, TensorRef local) {
   checkTensor("dispatch output", local, numLocalTokens(), user.numHeads, user.headDim, user.dtype,
               "this rank's tokens in FCP's layout");
   const int64_t row = user.numHeads * user.headDim * kernels::dtypeBytes(user.dtype);
+  reached_ = true;
   executor_.dispatch(
       {static_cast<const std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)},
       {static_cast<std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)}, row);
@@ -377,6 +429,7 @@ void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
   checkTensor("undispatch output", user, numUserTokens(), local.numHeads, local.headDim,
               local.dtype, "this rank's tokens in the caller's layout");
   const int64_t row = local.numHeads * local.headDim * kernels::dtypeBytes(local.dtype);
+  reached_ = true;
   executor_.undispatch(
       {static_cast<const std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)},
       {static_cast<std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)}, row);
@@ -403,6 +456,7 @@ void AttentionLayer::forwardChecked(AttentionBatch& batch, ConstTensorRef q, Con
   checkTensor("v", v, n, a.numHeadsKv, a.headDim, dt, rows);
   checkTensor("o", o, n, a.numHeadsQ, a.headDim, dt, rows);
   if (lse.data != nullptr) checkTensor("lse", lse, n, a.numHeadsQ, 1, DType::kFp32, rows);
+  batch.reached_ = true;
   batch.executor().forward(state_, q.data, k.data, v.data, o.data, static_cast<float*>(lse.data));
 }
 
@@ -416,6 +470,8 @@ void AttentionLayer::backwardChecked(AttentionBatch& batch, ConstTensorRef dO, T
   checkTensor("dq", dq, n, a.numHeadsQ, a.headDim, dt, rows);
   checkTensor("dk", dk, n, a.numHeadsKv, a.headDim, dt, rows);
   checkTensor("dv", dv, n, a.numHeadsKv, a.headDim, dt, rows);
+  batch.executor().checkBackward(state_);
+  batch.reached_ = true;
   batch.executor().backward(state_, dO.data, dq.data, dk.data, dv.data);
 }
 

@@ -968,14 +968,18 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
   if (s.options.timeline) s.options.timeline->add("forward", 2, startUs, Timeline::nowUs());
 }
 
-void Executor::backward(const LayerState& layer, const void* dO, void* dq, void* dk, void* dv) {
-  State& s = *state_;
-  if (layer.batchId != s.id) {
+void Executor::checkBackward(const LayerState& layer) const {
+  if (layer.batchId != state_->id) {
     throwInvalidArgument(
         "backward of a layer whose last forward ran with ",
         layer.batchId == 0 ? std::string("no batch") : "batch #" + std::to_string(layer.batchId),
-        ": expected a forward with this batch (#", s.id, ") first");
+        ": expected a forward with this batch (#", state_->id, ") first");
   }
+}
+
+void Executor::backward(LayerState& layer, const void* dO, void* dq, void* dk, void* dv) {
+  State& s = *state_;
+  checkBackward(layer);
   s.bwd = {};
   const auto start = Clock::now();
   const double startUs = Timeline::nowUs();
@@ -1000,12 +1004,15 @@ void Executor::backward(const LayerState& layer, const void* dO, void* dq, void*
                          {nullptr, static_cast<std::byte*>(dv), s.storage, Elem::kFp32, s.kRow,
                           s.kvRows(f8(s.dkv), s.kRow * 4, true)}},
                         s.blockTag(kBackwardKv), s.remainingPerBlock(true, true));
-  // Destroyed before the streams when an error unwinds this pass.
+  // Destroyed before the streams when an error unwinds this pass. The KV sends read the
+  // layer's K|V, which the caller would free (a Python layer's, once autograd drops it).
   const PendingGuard guard(s.transport, [&] {
     in.keepBuffersForever();
     qOut.keepBuffersForever();
     kvOut.keepBuffersForever();
     s.keepBuffersForever();
+    keepForever(layer.kv);
+    layer.batchId = 0;  // its K|V is gone: a backward needs a forward again
   });
   qOut.start();
   kvOut.start();

@@ -5,6 +5,27 @@
 
 namespace fcp::runtime {
 
+int64_t CallLedger::begin() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_++;
+}
+
+void CallLedger::failed(int64_t index, bool reachedTransport) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.kind = state_.kind == 0 && !reachedTransport ? 1 : 2;
+  state_.call = index;
+}
+
+CallLedger::State CallLedger::state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+void CallLedger::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_ = {};
+}
+
 void waitAll(Transport& transport, std::span<const RequestId> requests) {
   for (const RequestId id : requests) transport.wait(id);
 }

@@ -935,5 +935,97 @@ TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
   EXPECT_EQ(timedOut.load(), 1);
 }
 
+// A call that threw on one rank only, where the others' calls returned: rank 1 holds no
+// tokens of the caller's layout, so rank 0's dispatch only sends (this transport completes a
+// send at once, as MPI does a small one) and returns, never learning that rank 1's threw in its
+// checks. Its messages wait on rank 1's transport with the tags every batch uses. The next
+// batch's agreement makes both ranks throw, naming what happened, rather than let rank 1's next
+// dispatch take them; and so does every batch after it on that transport.
+TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEveryRank) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 160, 160};
+  p.layout = Layout::kDispatched;
+  std::atomic<int> refused = 0;
+  runtime::testing::runRanks(
+      2,
+      [&](Transport& t) {
+        AttentionBatch batch(t, optionsFor(p, t.rank()));
+        const int64_t n = batch.numLocalTokens(), u = batch.numUserTokens();
+        ASSERT_GT(n, 0);
+        std::vector<float> user(static_cast<size_t>(u * 4 * 16) + 64, 1.f),
+            local(static_cast<size_t>(n * 4 * 16), 0.f);
+        if (t.rank() == 1) {
+          EXPECT_THROW(batch.dispatch({user.data(), DType::kFp32, u + 1, 4, 16},
+                                      {local.data(), DType::kFp32, n, 4, 16}),
+                       Error);
+        } else {
+          batch.dispatch({user.data(), DType::kFp32, u, 4, 16},
+                         {local.data(), DType::kFp32, n, 4, 16});
+          EXPECT_EQ(batch.failure(), "");
+        }
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          try {
+            AttentionBatch next(t, optionsFor(p, t.rank()));
+            ADD_FAILURE() << "rank " << t.rank() << ": a batch was made, attempt " << attempt;
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+            const std::string what = e.what();
+            EXPECT_NE(what.find("a call of an earlier batch over this transport threw on some "
+                                "ranks but not all, so messages of that call may still arrive"),
+                      std::string::npos)
+                << what;
+            EXPECT_NE(what.find(t.rank() == 1 ? "(this rank's: call #0 threw in its checks)"
+                                              : "(this rank's: none threw)"),
+                      std::string::npos)
+                << what;
+            EXPECT_NE(what.find("expected a new transport"), std::string::npos) << what;
+            ++refused;
+          }
+        }
+      },
+      std::chrono::seconds(2));
+  EXPECT_EQ(refused.load(), 4);
+}
+
+// The same mistake on every rank, in the same call's checks: nothing was sent, so the next
+// batch's agreement lets the transport go on (its dispatch moves the right rows). Until then,
+// a batch made before the failure refuses its calls on every rank alike, naming the call.
+TEST(AttentionBatchErrorTest, TheSameMistakeOnEveryRankLeavesTheTransportUsable) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 70, 160};
+  p.layout = Layout::kDispatched;
+  runtime::testing::runRanks(2, [&](Transport& t) {
+    AttentionBatch first(t, optionsFor(p, t.rank()));
+    AttentionBatch second(t, optionsFor(p, t.rank()));
+    const int64_t n = first.numLocalTokens(), u = first.numUserTokens();
+    std::vector<float> user(static_cast<size_t>((u + 1) * 4 * 16)),
+        local(static_cast<size_t>(n * 4 * 16), 0.f);
+    for (size_t i = 0; i < user.size(); ++i) user[i] = static_cast<float>(t.rank() * 100000 + i);
+    EXPECT_THROW(first.dispatch({user.data(), DType::kFp32, u + 1, 4, 16},
+                                {local.data(), DType::kFp32, n, 4, 16}),
+                 Error);
+    try {
+      second.dispatch({user.data(), DType::kFp32, u, 4, 16},
+                      {local.data(), DType::kFp32, n, 4, 16});
+      ADD_FAILURE() << "the batch made before the failure was not refused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "this batch refuses dispatch: expected a new batch, since call #0 of "
+                    "another batch over this transport threw on this rank"),
+                std::string::npos)
+          << e.what();
+    }
+    AttentionBatch third(t, optionsFor(p, t.rank()));
+    ASSERT_EQ(third.numLocalTokens(), n);
+    third.dispatch({user.data(), DType::kFp32, u, 4, 16}, {local.data(), DType::kFp32, n, 4, 16});
+    std::vector<float> back(static_cast<size_t>(u * 4 * 16), -1.f);
+    third.undispatch({local.data(), DType::kFp32, n, 4, 16}, {back.data(), DType::kFp32, u, 4, 16});
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), user.begin()));
+    EXPECT_EQ(third.failure(), "");
+  });
+}
+
 }  // namespace
 }  // namespace fcp

@@ -2,7 +2,8 @@
 gloo ranks, rank 1 never makes the batch (it stays alive, so nothing but the timeout can end
 rank 0's wait); rank 0 raises fcp.Error naming the timeout at its 3 s, well before the group's
 120 s, and the group's transport then refuses every batch (its all-reduce is still posted: a
-late rank would meet it), naming what to do. Run with Debian's /usr/bin/python3 and
+late rank would meet it), naming what to do, also under the group's other name
+(dist.group.WORLD). Run with Debian's /usr/bin/python3 and
 PYTHONPATH at the build's python directory; exits nonzero on any failure."""
 import datetime
 import os
@@ -40,6 +41,14 @@ def run(rank, port, done):
             code = 1
         except fcp.Error as e:
             print(f"rank 0: the second batch: {e}", flush=True)
+            if "expected a new process group" not in str(e):
+                code = 1
+        try:  # the same group by its other name: the same (abandoned) transport, not a fresh one
+            ft.Batch([0, 100], (0, 50), dist.group.WORLD, heads=2, kv_heads=1, head_dim=16, timeout_seconds=3)
+            print("rank 0: a batch on dist.group.WORLD was made", flush=True)
+            code = 1
+        except fcp.Error as e:
+            print(f"rank 0: on dist.group.WORLD: {e}", flush=True)
             if "expected a new process group" not in str(e):
                 code = 1
         done.set()

@@ -191,7 +191,11 @@ class AttentionBatch {
   /// (FCP's tags are the same from batch to batch): continue on a new transport (a new
   /// communicator or process group) and a new batch. Where every rank failed the same call in
   /// its checks, before any message (the same mistake on every rank), a new batch on the same
-  /// transport is safe.
+  /// transport is safe. The transport keeps count (runtime::CallLedger): the next batch's
+  /// agreement makes every rank throw unless that is so, and until then this rank's other
+  /// batches over the transport refuse their calls too. A rank whose call succeeded cannot
+  /// know that the call threw elsewhere (MPI completes a small send before its receive is
+  /// posted): the agreement tells it.
   const std::string& failure() const { return failure_; }
   /// Records `message` as the batch's failure (unless it has one) and throws it as
   /// Error(kInvalidArgument): for a binding's own checks of a call, made before the call
@@ -211,8 +215,10 @@ class AttentionBatch {
   void undispatchTensor(ConstTensorRef local, TensorRef user);
 
   runtime::Executor executor_;
+  runtime::Transport* transport_;
   int rank_;
   std::string failure_;
+  bool reached_ = false;  ///< the running call has reached the executor (messages may be out)
 };
 
 /// One attention layer: what its backward needs from its forward. Reusable across batches.

@@ -103,7 +103,13 @@ class Executor {
   /// rows; keeps what backward needs in `layer`. Collective: every rank calls it.
   void forward(LayerState& layer, const void* q, const void* k, const void* v, void* o, float* lse);
   /// Attention backward of `layer`'s last forward: dO in, dQ, dK, dV out. Collective.
-  void backward(const LayerState& layer, const void* dO, void* dq, void* dk, void* dv);
+  /// `layer` is not changed, except after an error whose pending sends may still read its K|V
+  /// (the transport cannot withdraw them): that K|V is then kept for the life of the process,
+  /// and `layer` needs a forward before its next backward.
+  void backward(LayerState& layer, const void* dO, void* dq, void* dk, void* dv);
+  /// Throws what backward throws for a `layer` whose last forward was not with this batch
+  /// (before any message: a caller may check first).
+  void checkBackward(const LayerState& layer) const;
 
   /// The last forward's and backward's costs on this rank.
   const PassStats& forwardStats() const;

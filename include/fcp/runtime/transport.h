@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <utility>
 
@@ -32,6 +33,36 @@ inline constexpr int kFirstFcpTag = 1 << 20;
 
 /// Reduction of an allreduce.
 enum class ReduceOp { kSum, kMin, kMax };
+
+/// The collective calls of FCP's batches (fcp::AttentionBatch: dispatch, forward, ...) made
+/// over one transport on this rank, and the one that threw, so that the next batch's agreement
+/// can tell whether that call's messages may still arrive. A call that threw on one rank only
+/// can leave the others' messages for it in flight, or already delivered where nothing will
+/// receive them (MPI completes a small send before its receive is posted, so the sender may
+/// never learn of the failure); every batch's calls use the same tags, so a later call's
+/// receive would take them. Safe only where every rank threw in the same call before it reached
+/// the transport (the same mistake everywhere: nothing was sent). Thread-safe.
+class CallLedger {
+ public:
+  /// Counts a call; returns its index (0, 1, ... on this transport).
+  int64_t begin();
+  /// Call `index` threw on this rank; `reachedTransport`: after it may have posted messages.
+  void failed(int64_t index, bool reachedTransport);
+  /// 0: no call threw since the last clear(); 1: one did, before reaching the transport
+  /// (`call` is its index); 2: one did after reaching it, or more than one did.
+  struct State {
+    int64_t kind = 0;
+    int64_t call = -1;
+  };
+  State state() const;
+  /// Forgets the failure (every rank threw in the same call before reaching the transport).
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  int64_t calls_ = 0;
+  State state_;
+};
 
 /// Non-blocking messages between the ranks of one job. Implementations are thread-safe.
 class Transport {
@@ -72,6 +103,12 @@ class Transport {
   /// Ends every process of the job with `exitCode` (used after an error that the other
   /// ranks cannot know about, so that none of them waits forever).
   [[noreturn]] virtual void abort(int exitCode) noexcept = 0;
+
+  /// FCP's record of its batches' calls over this transport (fcp::AttentionBatch keeps it).
+  CallLedger& calls() noexcept { return calls_; }
+
+ private:
+  CallLedger calls_;
 };
 
 /// Waits for every request in `requests`, in order.
