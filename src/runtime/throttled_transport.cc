@@ -123,7 +123,11 @@ class ThrottledTransport final : public Transport {
   // is withdrawn there (a send the pacer is posting right now is in flight below or refused).
   bool cancelPending() noexcept override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      // The pacer may be posting a send (or testing a receive) with the lock released: wait
+      // for it, so that what it posts is pending below when the inner transport withdraws
+      // (else the guard could free a buffer the pacer then posts).
+      cv_.wait(lock, [this] { return !busy_; });
       queue_.clear();
       pendingRecvs_.clear();
       requests_.clear();
@@ -195,6 +199,7 @@ class ThrottledTransport final : public Transport {
       const auto found = requests_.find(id);
       if (found == requests_.end()) continue;  // withdrawn (cancelPending)
       const RequestId innerId = found->second.inner;
+      busy_ = true;
       lock.unlock();
       bool arrived = false;
       std::optional<Error> failed;
@@ -204,6 +209,8 @@ class ThrottledTransport final : public Transport {
         failed = e;
       }
       lock.lock();
+      busy_ = false;
+      cv_.notify_all();
       auto it = requests_.find(id);
       if (it == requests_.end()) continue;  // withdrawn meanwhile (cancelPending)
       Request& r = it->second;
@@ -222,6 +229,7 @@ class ThrottledTransport final : public Transport {
     Request& r = requests_.at(id);
     const auto data = r.send;
     const int peer = r.peer, tag = r.tag;
+    busy_ = true;
     lock.unlock();
     RequestId innerId = 0;
     std::optional<Error> failed;
@@ -231,8 +239,10 @@ class ThrottledTransport final : public Transport {
       failed = e;
     }
     lock.lock();
+    busy_ = false;
+    cv_.notify_all();
     auto it = requests_.find(id);
-    if (it == requests_.end()) return;  // withdrawn meanwhile: the inner transport withdraws it
+    if (it == requests_.end()) return;  // not reached: cancelPending waits for busy_
     Request& again = it->second;
     again.inner = innerId;
     again.failed = failed;
@@ -246,6 +256,7 @@ class ThrottledTransport final : public Transport {
   std::condition_variable cv_;
   bool stop_ = false;
   bool freshRecv_ = false;  ///< a receive was posted since the pacer last looked
+  bool busy_ = false;       ///< the pacer is in the inner transport with the lock released
   Clock::time_point sendFree_, recvFree_;
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Request> requests_;

@@ -4,12 +4,17 @@
 #include <algorithm>
 #include <limits>
 #include <sstream>
+#include <string>
+#include <vector>
+
+#include "fcp/core/error.h"
 
 namespace fcp::runtime {
 namespace {
 
 constexpr int kTraceSizeTag = 3;
 constexpr int kTraceTextTag = 4;
+constexpr int64_t kMaxTraceBytes = int64_t{1} << 30;  ///< a rank's serialised spans, at most
 constexpr const char* kLaneNames[] = {"compute", "communication", "pass"};
 
 std::string escapeJson(const std::string& text) {
@@ -33,19 +38,31 @@ std::string serialize(const Timeline& timeline) {
 
 std::string gatherChromeTrace(Transport& transport, const Timeline& timeline) {
   const std::string mine = serialize(timeline);
+  // Message buffers in vectors (a move keeps their storage), kept for good by the guard when a
+  // wait times out with a message still posted into or out of them.
+  std::vector<int64_t> size(1, static_cast<int64_t>(mine.size()));
+  std::vector<char> text;
+  const PendingGuard guard(transport, [&] {
+    keepForever(size);
+    keepForever(text);
+  });
   if (transport.rank() != 0) {
-    int64_t size = static_cast<int64_t>(mine.size());
-    transport.wait(transport.isend(0, kTraceSizeTag, std::as_bytes(std::span(&size, 1))));
-    transport.wait(transport.isend(0, kTraceTextTag, std::as_bytes(std::span(mine.data(), mine.size()))));
+    text.assign(mine.begin(), mine.end());
+    transport.wait(transport.isend(0, kTraceSizeTag, std::as_bytes(std::span(size))));
+    transport.wait(transport.isend(0, kTraceTextTag, std::as_bytes(std::span(text))));
     return {};
   }
   std::vector<std::string> texts{mine};
   for (int r = 1; r < transport.size(); ++r) {
-    int64_t size = 0;
-    transport.wait(transport.irecv(r, kTraceSizeTag, std::as_writable_bytes(std::span(&size, 1))));
-    std::string text(static_cast<size_t>(size), '\0');
-    transport.wait(transport.irecv(r, kTraceTextTag, std::as_writable_bytes(std::span(text.data(), text.size()))));
-    texts.push_back(std::move(text));
+    transport.wait(transport.irecv(r, kTraceSizeTag, std::as_writable_bytes(std::span(size))));
+    if (size[0] < 0 || size[0] > kMaxTraceBytes) {
+      throw Error(ErrorCode::kTransport, "rank 0: rank " + std::to_string(r) + "'s timeline is " +
+                                             std::to_string(size[0]) + " bytes: expected 0 to " +
+                                             std::to_string(kMaxTraceBytes));
+    }
+    text.assign(static_cast<size_t>(size[0]), '\0');
+    transport.wait(transport.irecv(r, kTraceTextTag, std::as_writable_bytes(std::span(text))));
+    texts.emplace_back(text.begin(), text.end());
   }
   struct Event {
     int rank, lane;
