@@ -222,7 +222,16 @@ class MpiTransport final : public Transport {
       int flag = 0;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "MPI_Test of an allreduce", -1);
+        try {
+          check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "MPI_Test of an allreduce", -1);
+        } catch (const Error& e) {
+          // Whether MPI let go of the request is not said: its buffer is kept, and nothing
+          // more goes out (as after a timeout, below).
+          keepUntilExit(buffer);
+          withdrew_ = true;
+          withdrewCause_ = e.what();
+          throw;
+        }
       }
       if (flag) {
         std::copy(buffer->begin(), buffer->end(), values.begin());
