@@ -280,6 +280,35 @@ def test_one_ranks_planning_failure_stops_every_rank(group, monkeypatch):
     assert ft.attention(q, q[:, :1].clone(), q[:, :1].clone(), batch).shape == (n, 2, 16)
 
 
+def test_a_call_that_raised_on_one_rank_only_fails_the_next_batch_on_every_rank(group):
+    """The last rank holds none of the caller's tokens, so the others' dispatch only sends to it
+    and may return; the last rank's dispatch raises in its own checks. The next batch on that
+    group raises on every rank (that dispatch's messages may still arrive there), rather than
+    let the last rank's next dispatch take them. On a communicator of its own, which it leaves
+    unusable. MPI only: there a small send completes before its receive is posted; gloo's sends
+    wait for their receives, so the other ranks time out instead."""
+    if not USE_MPI:
+        pytest.skip("gloo's sends wait for their receives")
+    comm, rank, ranks = group
+    own = comm.Dup()
+    cu = [0, 100, 160]
+    starts = [0] + [160 * (r + 1) // (ranks - 1) for r in range(ranks - 1)] + [160]
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=32, layout="dispatched")
+    batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), own, timeout_seconds=5, **options)
+    u = batch.num_user_tokens
+    if rank == ranks - 1:
+        assert u == 0
+        with pytest.raises(fcp.Error, match=r"^dispatch input has shape \(1, 1\)"):
+            batch.dispatch(torch.randn(1, 1))
+    else:  # a float per token: messages of at most a block's 128 bytes, sent eagerly
+        batch.dispatch(torch.randn(u, 1))
+    for attempt in range(2):
+        with pytest.raises(fcp.Error, match="a call of an earlier batch over this transport threw on some ranks but "
+                                             "not all, so messages of that call may still arrive"):
+            ft.Batch(cu, (starts[rank], starts[rank + 1]), own, timeout_seconds=5, **options)
+    own.Free()
+
+
 def test_a_batch_refuses_calls_after_one_raised(group):
     """A call that raises (here on every rank: the same mistake everywhere, so no rank is left
     inside it) makes the batch refuse every later call, naming the first error; a new batch on
