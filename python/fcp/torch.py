@@ -308,9 +308,12 @@ class Batch:
     this rank until their timeout: so that no later call of this rank's is taken for that one, the
     batch then refuses every call with an error naming the first (``failure``). The other ranks'
     messages for that call may still arrive on the group, where a new batch's would match them:
-    continue on a new process group (or communicator) with a new batch. Where every rank raised
-    the same error in its checks (the same mistake everywhere), no message was sent, and a new
-    batch on the same group is safe.
+    continue on a new process group (or communicator) with a new batch. A rank whose call
+    returned (its sends completed before their receives were posted, as MPI's small ones do)
+    learns of it at the next batch's agreement, where every rank raises, naming it; until then
+    this rank's other batches on the group refuse their calls. Where every rank raised the same
+    error in the same call's checks (the same mistake everywhere), no message was sent, and the
+    next batch on the same group goes on.
     """
 
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
