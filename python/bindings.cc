@@ -106,7 +106,9 @@ class CallbackTransport final : public runtime::Transport {
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
     (void)timeoutSeconds;  // the callback bounds it by the transport's timeout (fcp/torch.py)
-    if (withdrew_) throwWithdrew();
+    // Withdrawn messages do not stop a collective (gloo never matches one with the other).
+    if (!abandonedCollective_.empty())
+      runtime::throwAbandoned(rank_, abandonedCollective_, "a new process group");
     py::gil_scoped_acquire gil;
     const char* name = op == runtime::ReduceOp::kSum   ? "sum"
                        : op == runtime::ReduceOp::kMin ? "min"
@@ -119,8 +121,7 @@ class CallbackTransport final : public runtime::Transport {
     } catch (const Error& e) {
       // A collective that failed (timed out) stays posted: a late peer would meet it and go on
       // as if agreed, and every later collective would be out of step. Nothing more goes out.
-      withdrew_ = true;
-      withdrewCause_ = e.what();
+      abandonedCollective_ = e.what();
       throw;
     }
     FCP_CHECK_EQ(out.size(), values.size());
@@ -168,17 +169,10 @@ class CallbackTransport final : public runtime::Transport {
       throw Error(ErrorCode::kTransport, "rank " + std::to_string(rank_) + ": " + text);
     }
   }
-  [[noreturn]] void throwWithdrew() const {
-    throw Error(ErrorCode::kTransport,
-                "rank " + std::to_string(rank_) +
-                    ": this transport abandoned messages after an earlier error" +
-                    (withdrewCause_.empty() ? std::string() : " (" + withdrewCause_ + ")") +
-                    ", so its messages are out of step with its peers': expected a new process "
-                    "group");
-  }
   runtime::RequestId post(py::object& fn, int peer, int tag, std::byte* data, size_t bytes) {
     if (bytes == 0) return kDone;
-    if (withdrew_) throwWithdrew();
+    if (withdrew_ || !abandonedCollective_.empty())
+      runtime::throwAbandoned(rank_, abandonedCollective_, "a new process group");
     py::gil_scoped_acquire gil;
     py::object request = call<py::object>([&] {
       return fn(peer, tag, reinterpret_cast<uintptr_t>(data), static_cast<int64_t>(bytes));
@@ -193,8 +187,8 @@ class CallbackTransport final : public runtime::Transport {
   double timeoutSeconds_;
   runtime::RequestId next_ = 1;
   std::map<runtime::RequestId, py::object> requests_;
-  bool withdrew_ = false;
-  std::string withdrewCause_;  ///< the failed all-reduce's error, when that was the cause
+  bool withdrew_ = false;            ///< cancelPending withdrew a request: no new messages
+  std::string abandonedCollective_;  ///< why an all-reduce was left posted: nothing new at all
 };
 
 DType dtypeOf(const std::string& name) {

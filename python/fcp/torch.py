@@ -433,6 +433,20 @@ def _dense_or_fail(batch: Batch, name: str, x, expected: str) -> None:
         batch._impl.fail(f"{name} is {what}: expected {expected}, a dense torch.Tensor on the CPU")
 
 
+def _prepared(batch: Batch, make):
+    """make() (what a call needs before FCP's collective: contiguous inputs, outputs), where an
+    error (out of memory, an interrupt) fails the batch as a check would (fail()): the other
+    ranks may be inside the call, and the next batch's agreement must hear of it."""
+    try:
+        return make()
+    except BaseException as e:
+        try:
+            batch._impl.fail(f"{type(e).__name__} before the call reached FCP: {e}")
+        except _fcp.Error:
+            pass  # raised by fail(): the error to raise is e
+        raise
+
+
 def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
     rows_in, rows_out = ((batch.num_user_tokens, batch.num_local_tokens) if into_fcp
                          else (batch.num_local_tokens, batch.num_user_tokens))
@@ -442,8 +456,7 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
         # fail() also makes the batch refuse later calls: the other ranks may be inside this one.
         batch._impl.fail(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
                          f"{x.device}: expected {rows_in} rows on the CPU")
-    x = x.contiguous()
-    out = torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)
+    x, out = _prepared(batch, lambda: (x.contiguous(), torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)))
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     if row_bytes == 0:  # nothing to move (every rank sees the same row shape)
         return out
@@ -476,11 +489,10 @@ class _Attention(torch.autograd.Function):
             if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = torch.empty_like(q)
-        lse = torch.empty((n, batch.heads), dtype=torch.float32)
+        q, k, v, o, lse, layer = _prepared(batch, lambda: (
+            q.contiguous(), k.contiguous(), v.contiguous(), torch.empty_like(q),
+            torch.empty((n, batch.heads), dtype=torch.float32), _fcp.AttentionLayer()))
         start = time.perf_counter()
-        layer = _fcp.AttentionLayer()
         layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
                       q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
         ctx.layer, ctx.batch = layer, batch
@@ -500,14 +512,15 @@ class _Attention(torch.autograd.Function):
         if dlse is not None:
             batch._impl.fail("a gradient reached the lse that attention returned: FCP's backward takes gradients "
                              "through o only: expected lse used without gradients (lse.detach())")
-        if do is None:
-            do = torch.zeros((batch.num_call_tokens, batch.heads, batch.head_dim), dtype=batch.dtype)
         start = time.perf_counter()
         n = batch.num_call_tokens
-        do = do.contiguous().to(batch.dtype)
-        dq = torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype)
-        dk = torch.empty((n, batch.kv_heads, batch.head_dim), dtype=batch.dtype)
-        dv = torch.empty_like(dk)
+
+        def buffers():
+            d = torch.zeros((n, batch.heads, batch.head_dim), dtype=batch.dtype) if do is None \
+                else do.contiguous().to(batch.dtype)
+            dk = torch.empty((n, batch.kv_heads, batch.head_dim), dtype=batch.dtype)
+            return d, torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype), dk, torch.empty_like(dk)
+        do, dq, dk, dv = _prepared(batch, buffers)
         ctx.layer.backward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
                            do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
         ctx.layer = None  # FCP's saved state is freed once the gradients are out

@@ -152,41 +152,18 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
   const std::array<int64_t, kSettings> hashes = settingHashes(o);
   // Each hash and its negation (max and -min at once), then the lowest rank whose binding
-  // refused its arguments (as ranks - rank; 0 for none), then what the transport's last failed
-  // call left (CallLedger), its kind and index, each with its negation.
-  const runtime::CallLedger::State left = transport.calls().state();
-  constexpr size_t kLeft = 2 * kSettings + 1;
-  std::array<int64_t, kLeft + 4> same;
+  // refused its arguments (as ranks - rank; 0 for none).
+  std::array<int64_t, 2 * kSettings + 1> same;
   for (size_t i = 0; i < kSettings; ++i) {
     same[i] = hashes[i];
     same[kSettings + i] = -hashes[i];
   }
   same[2 * kSettings] = o.localError.empty() ? 0 : ranks - rank;
-  same[kLeft] = left.kind;
-  same[kLeft + 1] = -left.kind;
-  same[kLeft + 2] = left.call;
-  same[kLeft + 3] = -left.call;
   transport.allreduce(same, runtime::ReduceOp::kMax);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
   transport.allreduce(ranges, runtime::ReduceOp::kSum);
-  if (same[kLeft] != 0) {
-    // Safe only where every rank threw in the same call before it reached the transport.
-    if (same[kLeft] != 1 || -same[kLeft + 1] != 1 || same[kLeft + 2] != -same[kLeft + 3]) {
-      const char* how = -same[kLeft + 1] == 0 ? "on some ranks but not all"
-                        : same[kLeft] == 2    ? "after it had sent or posted messages"
-                                              : "in different calls on different ranks";
-      throwInvalidArgument("rank ", rank, ": a call of an earlier batch over this transport threw ",
-                           how, ", so messages of that call may still arrive (this rank's: ",
-                           left.kind == 0
-                               ? std::string("none threw")
-                               : "call #" + std::to_string(left.call) +
-                                     (left.kind == 1 ? " threw in its checks" : " threw"),
-                           "): expected a new transport (a new communicator or process group)");
-    }
-    transport.calls().clear();
-  }
   if (!o.localError.empty()) throw Error(ErrorCode::kInvalidArgument, o.localError);
   if (same[2 * kSettings] > 0) {
     throwInvalidArgument("rank ", rank, ": rank ", ranks - same[2 * kSettings],
@@ -390,6 +367,7 @@ void AttentionBatch::fail(const std::string& message) {
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
                               int64_t rowBytes) {
   collective("dispatch", [&] {
+    executor_.checkMove(true, user.size(), local.size(), rowBytes);
     reached_ = true;
     executor_.dispatch(user, local, rowBytes);
   });
@@ -398,6 +376,7 @@ void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::by
 void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
                                 int64_t rowBytes) {
   collective("undispatch", [&] {
+    executor_.checkMove(false, user.size(), local.size(), rowBytes);
     reached_ = true;
     executor_.undispatch(local, user, rowBytes);
   });

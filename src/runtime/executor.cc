@@ -874,15 +874,25 @@ int64_t Executor::tagsNeeded() const { return state_->tagsNeeded(); }
 std::span<const int32_t> Executor::localSequence() const { return state_->localSeq; }
 std::span<const int64_t> Executor::localPosition() const { return state_->localPos; }
 
-void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
-                        int64_t rowBytes) {
-  State& s = *state_;
-  if (rowBytes <= 0 || static_cast<int64_t>(user.size()) != userTokens() * rowBytes ||
-      static_cast<int64_t>(local.size()) != localTokens() * rowBytes) {
-    throwInvalidArgument("dispatch of ", user.size(), " bytes into ", local.size(), " bytes of ",
+void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes,
+                         int64_t rowBytes) const {
+  if (rowBytes > 0 && static_cast<int64_t>(userBytes) == userTokens() * rowBytes &&
+      static_cast<int64_t>(localBytes) == localTokens() * rowBytes)
+    return;
+  if (intoFcp) {
+    throwInvalidArgument("dispatch of ", userBytes, " bytes into ", localBytes, " bytes of ",
                          rowBytes, " per token: expected ", userTokens() * rowBytes, " and ",
                          localTokens() * rowBytes);
   }
+  throwInvalidArgument("undispatch of ", localBytes, " bytes into ", userBytes, " bytes of ",
+                       rowBytes, " per token: expected ", localTokens() * rowBytes, " and ",
+                       userTokens() * rowBytes);
+}
+
+void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
+                        int64_t rowBytes) {
+  State& s = *state_;
+  checkMove(true, user.size(), local.size(), rowBytes);
   Field f{user.data(), nullptr, Elem::kRaw, Elem::kRaw, rowBytes, s.rows(local.data(), rowBytes)};
   detail::Inward in({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
                     s.blockTag(kDispatch));
@@ -894,12 +904,7 @@ void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> lo
 void Executor::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
                           int64_t rowBytes) {
   State& s = *state_;
-  if (rowBytes <= 0 || static_cast<int64_t>(user.size()) != userTokens() * rowBytes ||
-      static_cast<int64_t>(local.size()) != localTokens() * rowBytes) {
-    throwInvalidArgument("undispatch of ", local.size(), " bytes into ", user.size(), " bytes of ",
-                         rowBytes, " per token: expected ", localTokens() * rowBytes, " and ",
-                         userTokens() * rowBytes);
-  }
+  checkMove(false, user.size(), local.size(), rowBytes);
   // The rows are only read: the accessor's type is shared with the inward direction.
   auto* base = const_cast<std::byte*>(local.data());
   Field f{nullptr, user.data(), Elem::kRaw, Elem::kRaw, rowBytes, s.rows(base, rowBytes)};
@@ -1036,10 +1041,12 @@ const PassStats& Executor::backwardStats() const { return state_->bwd; }
 
 namespace {
 
-// The plan agreement's one allreduce (kMax) carries three values: this rank's digest, its
-// complement (so the largest and the smallest digest come back in one call), and a failure
-// key, (ranks - rank) * 8 + code + 1 on a rank that could not plan and 0 elsewhere, whose
-// maximum names the lowest failed rank and its error code.
+// The plan agreement's one allreduce (kMax) carries: this rank's digest, its complement (so
+// the largest and the smallest digest come back in one call); a failure key, (ranks - rank) *
+// 8 + code + 1 on a rank that could not plan and 0 elsewhere, whose maximum names the lowest
+// failed rank and its error code; and the transport's CallLedger state, its kind and call
+// index, each with its negation.
+constexpr size_t kAgreementValues = 7;
 constexpr int64_t kCodeSlots = 8;
 static_assert(static_cast<int64_t>(ErrorCode::kInternal) + 1 < kCodeSlots);
 
@@ -1054,7 +1061,14 @@ void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
 }
 
 void checkPlanAgreement(uint64_t digest, Transport& transport) {
-  int64_t values[3] = {static_cast<int64_t>(digest >> 1), static_cast<int64_t>(~(digest >> 1)), 0};
+  const CallLedger::State left = transport.calls().state();
+  int64_t values[kAgreementValues] = {static_cast<int64_t>(digest >> 1),
+                                      static_cast<int64_t>(~(digest >> 1)),
+                                      0,
+                                      left.kind,
+                                      -left.kind,
+                                      left.call,
+                                      -left.call};
   transport.allreduce(values, ReduceOp::kMax);
   if (values[2] > 0) {
     const int failed = transport.size() - static_cast<int>(values[2] / kCodeSlots);
@@ -1064,6 +1078,25 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
                           " could not plan this batch (its error there, of kind '" +
                           std::string(errorCodeName(code)) +
                           "', says why): expected a batch every rank can plan");
+  }
+  if (values[3] != 0) {
+    // Safe only where every rank threw in the same call before it reached the transport (or
+    // there is no other rank): else messages of that call may still arrive (CallLedger).
+    const int64_t kindMin = -values[4];
+    if (transport.size() > 1 && (values[3] != 1 || kindMin != 1 || values[5] != -values[6])) {
+      const char* how = kindMin == 0     ? "on some ranks but not all"
+                        : values[3] == 2 ? "after it had sent or posted messages"
+                                         : "in different calls on different ranks";
+      throw Error(ErrorCode::kInvalidArgument,
+                  "rank " + std::to_string(transport.rank()) +
+                      ": a call of an earlier batch over this transport threw " + how +
+                      ", so messages of that call may still arrive (this rank's: " +
+                      (left.kind == 0 ? std::string("none threw")
+                                      : "call #" + std::to_string(left.call) +
+                                            (left.kind == 1 ? " threw in its checks" : " threw")) +
+                      "): expected a new transport (a new communicator or process group)");
+    }
+    transport.calls().clearIf(left);
   }
   const auto largest = static_cast<uint64_t>(values[0]);
   const auto smallest = static_cast<uint64_t>(~values[1]);
@@ -1088,7 +1121,9 @@ void failPlanAgreement(std::exception_ptr failure, Transport& transport) {
   } catch (...) {
   }
   constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
-  int64_t values[3] = {kNone, kNone, failureKey(transport.rank(), transport.size(), code)};
+  int64_t values[kAgreementValues] = {
+      kNone, kNone, failureKey(transport.rank(), transport.size(), code), kNone, kNone,
+      kNone, kNone};
   try {
     transport.allreduce(values, ReduceOp::kMax);
   } catch (...) {

@@ -21,9 +21,9 @@ CallLedger::State CallLedger::state() const {
   return state_;
 }
 
-void CallLedger::clear() {
+void CallLedger::clearIf(const State& seen) {
   std::lock_guard<std::mutex> lock(mu_);
-  state_ = {};
+  if (state_ == seen) state_ = {};
 }
 
 void waitAll(Transport& transport, std::span<const RequestId> requests) {

@@ -602,12 +602,12 @@ TEST(AttentionBatchTest, APendingBatchTalksToTheOtherRanksOnlyWhereItIsMadeAndTa
     EXPECT_EQ(counted.allreduces.load(), 3);
     EXPECT_EQ(counted.allreducesOffThread.load(), 0);
     const auto digest = static_cast<int64_t>(plan::planDigest(batch.plan()) >> 1);
-    ASSERT_EQ(counted.lastGiven.size(), 3u);
+    ASSERT_EQ(counted.lastGiven.size(), 7u);
     EXPECT_EQ(counted.lastGiven[0], digest);
     EXPECT_EQ(counted.lastGiven[1], ~digest);
     // And the same where the plan is made in line.
     AttentionBatch direct(counted, optionsFor(p, t.rank()));
-    ASSERT_EQ(counted.lastGiven.size(), 3u);
+    ASSERT_EQ(counted.lastGiven.size(), 7u);
     EXPECT_EQ(counted.lastGiven[0], static_cast<int64_t>(plan::planDigest(direct.plan()) >> 1));
     EXPECT_EQ(counted.lastGiven[1], ~counted.lastGiven[0]);
     EXPECT_EQ(counted.lastGiven[0], digest);
@@ -940,7 +940,8 @@ TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
 // send at once, as MPI does a small one) and returns, never learning that rank 1's threw in its
 // checks. Its messages wait on rank 1's transport with the tags every batch uses. The next
 // batch's agreement makes both ranks throw, naming what happened, rather than let rank 1's next
-// dispatch take them; and so does every batch after it on that transport.
+// dispatch take them (a batch planned ahead, before the failure, included); and so does every
+// batch after it on that transport.
 TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEveryRank) {
   Problem p;
   p.lengths = {100, 60};
@@ -951,6 +952,7 @@ TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEver
       2,
       [&](Transport& t) {
         AttentionBatch batch(t, optionsFor(p, t.rank()));
+        PendingBatch ahead(t, optionsFor(p, t.rank()));  // agreed before the failure
         const int64_t n = batch.numLocalTokens(), u = batch.numUserTokens();
         ASSERT_GT(n, 0);
         std::vector<float> user(static_cast<size_t>(u * 4 * 16) + 64, 1.f),
@@ -964,9 +966,11 @@ TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEver
                          {local.data(), DType::kFp32, n, 4, 16});
           EXPECT_EQ(batch.failure(), "");
         }
-        for (int attempt = 0; attempt < 2; ++attempt) {
+        for (int attempt = 0; attempt < 3; ++attempt) {
           try {
-            AttentionBatch next(t, optionsFor(p, t.rank()));
+            // First the batch planned ahead: its plan's agreement compares the ledgers too.
+            AttentionBatch next = attempt == 0 ? AttentionBatch(std::move(ahead))
+                                               : AttentionBatch(t, optionsFor(p, t.rank()));
             ADD_FAILURE() << "rank " << t.rank() << ": a batch was made, attempt " << attempt;
           } catch (const Error& e) {
             EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
@@ -985,7 +989,7 @@ TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEver
         }
       },
       std::chrono::seconds(2));
-  EXPECT_EQ(refused.load(), 4);
+  EXPECT_EQ(refused.load(), 6);
 }
 
 // The same mistake on every rank, in the same call's checks: nothing was sent, so the next

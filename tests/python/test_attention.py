@@ -309,6 +309,33 @@ def test_a_call_that_raised_on_one_rank_only_fails_the_next_batch_on_every_rank(
     own.Free()
 
 
+def test_an_error_before_the_call_reaches_fcp_fails_the_batch(group, monkeypatch):
+    """An error in what a call makes before FCP's collective (here torch.empty raising
+    MemoryError, on every rank) fails the batch as a check does: the error is raised as it was,
+    the batch names it and refuses the next call, and (every rank having failed the same call
+    before any message) the next batch on the group goes on."""
+    comm, rank, ranks = group
+    cu = [0, 100, 160]
+    starts = split(160, ranks, 3)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=32, layout="dispatched")
+    batch = ft.Batch(cu, mine, comm, **options)
+    x = torch.randn(batch.num_user_tokens, 4, 16)
+    real = torch.empty
+
+    def no_room(*args, **kwargs):
+        raise MemoryError("no room")
+    monkeypatch.setattr(torch, "empty", no_room)
+    with pytest.raises(MemoryError, match="no room"):
+        batch.dispatch(x)
+    monkeypatch.setattr(torch, "empty", real)
+    assert batch.failure == "MemoryError before the call reached FCP: no room", batch.failure
+    with pytest.raises(fcp.Error, match=f"^rank {rank}: this batch refuses dispatch"):
+        batch.dispatch(x)
+    again = ft.Batch(cu, mine, comm, **options)
+    assert torch.equal(again.undispatch(again.dispatch(x)), x)
+
+
 def test_a_batch_refuses_calls_after_one_raised(group):
     """A call that raises (here on every rank: the same mistake everywhere, so no rank is left
     inside it) makes the batch refuse every later call, naming the first error; a new batch on
@@ -434,7 +461,6 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
                                    (np.ma.masked_array(cu, mask=[0, 1, 0, 0]), mine,
                                     r"cu_seqlens\[1\] is masked: expected an integer"),
                                    ({0: 0, 1: 300}, mine, r"cu_seqlens is \{0: 0, 1: 300\}: expected a sequence"),
-                                   (cu, None, r"local_range is None: expected \(begin, end\)"),
                                    (cu, {0: mine[0], 1: mine[1]}, r"local_range is \{0: .*\}: expected \(begin, end\)"),
                                    (cu, 7, r"local_range is 7: expected \(begin, end\)")]:
         with pytest.raises(fcp.Error, match=message):

@@ -98,6 +98,9 @@ class Executor {
   /// rows) into the FCP layout (localTokens rows), or back. Collective.
   void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes);
   void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes);
+  /// Throws what dispatch (intoFcp) or undispatch throws for buffers of these sizes (before any
+  /// message: a caller may check first).
+  void checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int64_t rowBytes) const;
 
   /// Attention forward of one layer: q, k, v in, o (and lse unless null) out, all callTokens
   /// rows; keeps what backward needs in `layer`. Collective: every rank calls it.
@@ -124,7 +127,10 @@ class Executor {
 /// allreduce). Throws Error(kInvalidPlan) on every rank when any two differ, naming this rank's
 /// digest and the range seen, so that no rank starts a plan the others do not share. When a
 /// rank could not plan (failPlanAgreement), throws instead an Error with that rank's code that
-/// names the lowest such rank.
+/// names the lowest such rank. The same allreduce compares the ranks' CallLedger states: unless
+/// no call threw, or every rank threw in the same call before it reached the transport (then
+/// the ledger is cleared), throws Error(kInvalidArgument) on every rank, asking for a new
+/// transport.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
 /// The same, for a plan whose digest (plan::planDigest) was computed already: on the thread
 /// that made the plan, say, so that the thread taking it makes only the allreduce.

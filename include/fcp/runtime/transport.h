@@ -16,8 +16,10 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <utility>
 
+#include "fcp/core/error.h"
 #include "fcp/core/lifetime.h"
 
 namespace fcp::runtime {
@@ -41,7 +43,10 @@ enum class ReduceOp { kSum, kMin, kMax };
 /// receive them (MPI completes a small send before its receive is posted, so the sender may
 /// never learn of the failure); every batch's calls use the same tags, so a later call's
 /// receive would take them. Safe only where every rank threw in the same call before it reached
-/// the transport (the same mistake everywhere: nothing was sent). Thread-safe.
+/// the transport (the same mistake everywhere: nothing was sent). The plan agreement of every
+/// batch (runtime::checkPlanAgreement) compares the ranks' ledgers. Thread-safe. A ledger
+/// belongs to one Transport object: batches made over a wrapper and over what it wraps keep
+/// separate ones.
 class CallLedger {
  public:
   /// Counts a call; returns its index (0, 1, ... on this transport).
@@ -53,10 +58,12 @@ class CallLedger {
   struct State {
     int64_t kind = 0;
     int64_t call = -1;
+    friend bool operator==(const State&, const State&) = default;
   };
   State state() const;
-  /// Forgets the failure (every rank threw in the same call before reaching the transport).
-  void clear();
+  /// Forgets the failure, if the state is still `seen` (every rank threw in the same call
+  /// before reaching the transport, as the plan agreement found from `seen`).
+  void clearIf(const State& seen);
 
  private:
   mutable std::mutex mu_;
@@ -110,6 +117,17 @@ class Transport {
  private:
   CallLedger calls_;
 };
+
+/// Throws the one-line Error(kTransport) of a transport that refuses new work after an earlier
+/// error, naming `cause` (when not empty) and what the caller must make instead (`remedy`).
+/// Inline: the MPI transport's library does not link this module.
+[[noreturn]] inline void throwAbandoned(int rank, const std::string& cause, const char* remedy) {
+  throw Error(ErrorCode::kTransport,
+              "rank " + std::to_string(rank) +
+                  ": this transport abandoned messages after an earlier error" +
+                  (cause.empty() ? std::string() : " (" + cause + ")") +
+                  ", so its messages are out of step with its peers': expected " + remedy);
+}
 
 /// Waits for every request in `requests`, in order.
 void waitAll(Transport& transport, std::span<const RequestId> requests);

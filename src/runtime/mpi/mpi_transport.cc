@@ -204,7 +204,10 @@ class MpiTransport final : public Transport {
     const double seconds = timeoutSeconds > 0 ? timeoutSeconds : options_.timeoutSeconds;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (withdrew_) throwWithdrew();
+      // Withdrawn messages do not stop a collective (MPI never matches one with the other), so
+      // the next batch's agreement can still tell every rank what happened.
+      if (!abandonedCollective_.empty())
+        throwAbandoned(rank_, abandonedCollective_, "a new communicator");
     }
     const MPI_Op mpiOp = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
     MPI_Request request = MPI_REQUEST_NULL;
@@ -225,11 +228,8 @@ class MpiTransport final : public Transport {
         try {
           check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "MPI_Test of an allreduce", -1);
         } catch (const Error& e) {
-          // Whether MPI let go of the request is not said: its buffer is kept, and nothing
-          // more goes out (as after a timeout, below).
-          keepUntilExit(buffer);
-          withdrew_ = true;
-          withdrewCause_ = e.what();
+          // Whether MPI let go of the request is not said: as after a timeout, below.
+          abandonCollective(buffer, e.what());
           throw;
         }
       }
@@ -238,16 +238,12 @@ class MpiTransport final : public Transport {
         return;
       }
       if (Clock::now() > deadline) {
-        keepUntilExit(buffer);
         const std::string message =
             "rank " + std::to_string(rank_) + ": timed out after " +
             std::to_string(static_cast<int>(seconds)) +
             " s waiting for an allreduce with every rank (did a rank die or stop?)";
-        // The collective stays posted: a late rank would meet it and go on as if agreed, and
-        // every later collective would be out of step. Nothing more goes out.
         std::lock_guard<std::mutex> lock(mu_);
-        withdrew_ = true;
-        withdrewCause_ = message;
+        abandonCollective(buffer, message);
         throw Error(ErrorCode::kTransport, message);
       }
       // Back off from 20 us to 1 ms: some ranks wait here long on purpose (rank 0's --check).
@@ -291,14 +287,13 @@ class MpiTransport final : public Transport {
     return os.str();
   }
 
-  /// The caller holds mu_.
-  [[noreturn]] void throwWithdrew() const {
-    throw Error(ErrorCode::kTransport,
-                "rank " + std::to_string(rank_) +
-                    ": this transport abandoned messages after an earlier error" +
-                    (withdrewCause_.empty() ? std::string() : " (" + withdrewCause_ + ")") +
-                    ", so its messages are out of step with its peers': expected a new "
-                    "communicator");
+  /// An allreduce left posted (it cannot be cancelled): a late rank would meet it and go on
+  /// as if agreed, and every later collective would be out of step, so nothing more goes out.
+  /// Its buffer is kept. The caller holds mu_.
+  void abandonCollective(const std::shared_ptr<std::vector<int64_t>>& buffer,
+                         const std::string& cause) {
+    keepUntilExit(buffer);
+    abandonedCollective_ = cause;
   }
 
   RequestId post(bool isSend, int peer, int tag, std::byte* data, size_t bytes) {
@@ -317,7 +312,8 @@ class MpiTransport final : public Transport {
     RequestId id = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (withdrew_) throwWithdrew();
+      if (withdrew_ || !abandonedCollective_.empty())
+        throwAbandoned(rank_, abandonedCollective_, "a new communicator");
       const int count = static_cast<int>(bytes);
       const int code = isSend ? MPI_Isend(data, count, MPI_BYTE, peer, tag, comm_, &slot.request)
                               : MPI_Irecv(data, count, MPI_BYTE, peer, tag, comm_, &slot.request);
@@ -397,8 +393,8 @@ class MpiTransport final : public Transport {
   std::condition_variable cv_;
   bool stop_ = false;
   bool posted_ = false;  ///< a request was posted since the progress thread's last poll
-  bool withdrew_ = false;      ///< a request was withdrawn or an allreduce abandoned: no new ones
-  std::string withdrewCause_;  ///< the timed-out allreduce's error, when that was the cause
+  bool withdrew_ = false;            ///< cancelPending withdrew a request: no new messages
+  std::string abandonedCollective_;  ///< why an allreduce was left posted: nothing new at all
   RequestId nextId_ = 1;
   std::unordered_map<RequestId, Slot> slots_;
   std::thread progress_;
