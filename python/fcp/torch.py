@@ -107,7 +107,9 @@ def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
 
 
 class _GroupTransport:
-    """FCP's transport over a torch.distributed process group (gloo here, NCCL on GPUs)."""
+    """FCP's transport over a torch.distributed process group (gloo: FCP takes CPU tensors only).
+    Messages it withdrew do not stop its all-reduces (gloo's point-to-point slots and its
+    collectives' never meet), which a batch's agreement relies on; on NCCL they would."""
 
     _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -441,7 +443,11 @@ def _prepared(batch: Batch, make):
         return make()
     except BaseException as e:
         try:
-            batch._impl.fail(f"{type(e).__name__} before the call reached FCP: {e}")
+            try:
+                text = f"{type(e).__name__} before the call reached FCP: {e}"
+            except BaseException:  # noqa: BLE001 -- the message must not stop the record
+                text = "an error before the call reached FCP"
+            batch._impl.fail(text)
         except _fcp.Error:
             pass  # raised by fail(): the error to raise is e
         raise

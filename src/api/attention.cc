@@ -341,12 +341,12 @@ void AttentionBatch::collective(const char* name, Call&& call) {
   try {
     call();
   } catch (const std::exception& e) {
+    ledger.failed(index, reached_);  // first: recordFailure allocates
     recordFailure(e.what());
-    ledger.failed(index, reached_);
     throw;
   } catch (...) {
-    recordFailure("an exception that is not a std::exception");
     ledger.failed(index, reached_);
+    recordFailure("an exception that is not a std::exception");
     throw;
   }
 }
@@ -357,9 +357,11 @@ void AttentionBatch::recordFailure(const std::string& message) {
 
 void AttentionBatch::fail(const std::string& message) {
   // In place of the call, whose own checks it makes: counted as one, before the transport.
+  // Not recorded where collective() would have refused the call unrecorded: this batch
+  // failed already, or another batch's call over the transport threw.
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
-  if (failure_.empty()) ledger.failed(index, false);
+  if (failure_.empty() && ledger.state().kind == 0) ledger.failed(index, false);
   recordFailure(message);
   throw Error(ErrorCode::kInvalidArgument, message);
 }

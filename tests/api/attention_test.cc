@@ -994,7 +994,8 @@ TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEver
 
 // The same mistake on every rank, in the same call's checks: nothing was sent, so the next
 // batch's agreement lets the transport go on (its dispatch moves the right rows). Until then,
-// a batch made before the failure refuses its calls on every rank alike, naming the call.
+// a batch made before the failure refuses its calls on every rank alike, naming the call, and
+// a binding's check failing such a call (fail()) leaves the ledger as it was.
 TEST(AttentionBatchErrorTest, TheSameMistakeOnEveryRankLeavesTheTransportUsable) {
   Problem p;
   p.lengths = {100, 60};
@@ -1003,6 +1004,7 @@ TEST(AttentionBatchErrorTest, TheSameMistakeOnEveryRankLeavesTheTransportUsable)
   runtime::testing::runRanks(2, [&](Transport& t) {
     AttentionBatch first(t, optionsFor(p, t.rank()));
     AttentionBatch second(t, optionsFor(p, t.rank()));
+    AttentionBatch bound(t, optionsFor(p, t.rank()));  // failed by a binding's own check
     const int64_t n = first.numLocalTokens(), u = first.numUserTokens();
     std::vector<float> user(static_cast<size_t>((u + 1) * 4 * 16)),
         local(static_cast<size_t>(n * 4 * 16), 0.f);
@@ -1021,6 +1023,8 @@ TEST(AttentionBatchErrorTest, TheSameMistakeOnEveryRankLeavesTheTransportUsable)
                 std::string::npos)
           << e.what();
     }
+    // A binding's check failing the same call on every rank (fail()) adds nothing to it.
+    EXPECT_THROW(bound.fail("a binding's check"), Error);
     AttentionBatch third(t, optionsFor(p, t.rank()));
     ASSERT_EQ(third.numLocalTokens(), n);
     third.dispatch({user.data(), DType::kFp32, u, 4, 16}, {local.data(), DType::kFp32, n, 4, 16});
