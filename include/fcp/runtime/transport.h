@@ -53,8 +53,8 @@ class CallLedger {
   int64_t begin();
   /// Call `index` threw on this rank; `reachedTransport`: after it may have posted messages.
   void failed(int64_t index, bool reachedTransport);
-  /// 0: no call threw since the last clear(); 1: one did, before reaching the transport
-  /// (`call` is its index); 2: one did after reaching it, or more than one did.
+  /// 0: no call threw since the ledger was last cleared; 1: one did, before reaching the
+  /// transport (`call` is its index); 2: one did after reaching it, or more than one did.
   struct State {
     int64_t kind = 0;
     int64_t call = -1;
