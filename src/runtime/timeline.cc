@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,7 +15,6 @@ namespace {
 
 constexpr int kTraceSizeTag = 3;
 constexpr int kTraceTextTag = 4;
-constexpr int64_t kMaxTraceBytes = int64_t{1} << 30;  ///< a rank's serialised spans, at most
 constexpr const char* kLaneNames[] = {"compute", "communication", "pass"};
 
 std::string escapeJson(const std::string& text) {
@@ -36,8 +36,18 @@ std::string serialize(const Timeline& timeline) {
 
 }  // namespace
 
-std::string gatherChromeTrace(Transport& transport, const Timeline& timeline) {
+std::string gatherChromeTrace(Transport& transport, const Timeline& timeline,
+                              int64_t maxBytesPerRank) {
+  if (maxBytesPerRank < 0 || maxBytesPerRank > kMaxTraceBytes) {
+    throwInvalidArgument("gatherChromeTrace: maxBytesPerRank is ", maxBytesPerRank,
+                         ": expected 0 to ", kMaxTraceBytes);
+  }
   const std::string mine = serialize(timeline);
+  const auto tooLarge = [&](int rank, int64_t bytes) {
+    return Error(ErrorCode::kTransport, "rank " + std::to_string(rank) + "'s timeline is " +
+                                            std::to_string(bytes) + " bytes: expected 0 to " +
+                                            std::to_string(maxBytesPerRank));
+  };
   // Message buffers in vectors (a move keeps their storage), kept for good by the guard when a
   // wait times out with a message still posted into or out of them.
   std::vector<int64_t> size(1, static_cast<int64_t>(mine.size()));
@@ -46,24 +56,29 @@ std::string gatherChromeTrace(Transport& transport, const Timeline& timeline) {
     keepForever(size);
     keepForever(text);
   });
+  // A size out of range is sent without its text, so that no message is left behind: every
+  // rank's size is received, and only the texts of the sizes in range follow them.
   if (transport.rank() != 0) {
-    text.assign(mine.begin(), mine.end());
     transport.wait(transport.isend(0, kTraceSizeTag, std::as_bytes(std::span(size))));
+    if (size[0] > maxBytesPerRank) throw tooLarge(transport.rank(), size[0]);
+    text.assign(mine.begin(), mine.end());
     transport.wait(transport.isend(0, kTraceTextTag, std::as_bytes(std::span(text))));
     return {};
   }
   std::vector<std::string> texts{mine};
+  std::optional<Error> refused;
+  if (size[0] > maxBytesPerRank) refused = tooLarge(0, size[0]);
   for (int r = 1; r < transport.size(); ++r) {
     transport.wait(transport.irecv(r, kTraceSizeTag, std::as_writable_bytes(std::span(size))));
-    if (size[0] < 0 || size[0] > kMaxTraceBytes) {
-      throw Error(ErrorCode::kTransport, "rank 0: rank " + std::to_string(r) + "'s timeline is " +
-                                             std::to_string(size[0]) + " bytes: expected 0 to " +
-                                             std::to_string(kMaxTraceBytes));
+    if (size[0] < 0 || size[0] > maxBytesPerRank) {
+      if (!refused) refused = tooLarge(r, size[0]);
+      continue;
     }
     text.assign(static_cast<size_t>(size[0]), '\0');
     transport.wait(transport.irecv(r, kTraceTextTag, std::as_writable_bytes(std::span(text))));
     texts.emplace_back(text.begin(), text.end());
   }
+  if (refused) throw *refused;
   struct Event {
     int rank, lane;
     double start, duration;

@@ -3,6 +3,7 @@
 /// Perfetto and chrome://tracing) with one process per rank.
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,8 +38,15 @@ class Timeline {
   std::vector<Span> spans_;
 };
 
+/// A rank's serialised spans (one line each) that gatherChromeTrace accepts, at most.
+inline constexpr int64_t kMaxTraceBytes = int64_t{1} << 30;
+
 /// Gathers every rank's spans on rank 0 (collective) and returns the Chrome-trace JSON there,
-/// an empty string on the other ranks. Times start at the earliest span of any rank.
-std::string gatherChromeTrace(Transport& transport, const Timeline& timeline);
+/// an empty string on the other ranks. Times start at the earliest span of any rank. A rank
+/// whose serialised spans exceed `maxBytesPerRank` (every rank passes the same, at most
+/// kMaxTraceBytes) throws, and so does rank 0, naming the first such rank; the others return,
+/// and no message of the gather is left behind on the transport.
+std::string gatherChromeTrace(Transport& transport, const Timeline& timeline,
+                              int64_t maxBytesPerRank = kMaxTraceBytes);
 
 }  // namespace fcp::runtime
