@@ -3,7 +3,7 @@
 // fcp::Error(kTransport) within seconds instead of waiting forever. faults_test.sh launches this
 // program under mpirun and checks the exit status, the time taken and stderr.
 //
-// Usage: faults_mpi_test {none|exit|stall|short|long|slow|late} FAULT_RANK
+// Usage: faults_mpi_test {none|exit|stall|short|long|slow|late|pause} FAULT_RANK
 //   none   no fault: forward and backward complete on every rank (exit 0); shows the wrapper
 //          itself changes nothing. Rank 0 prints a checksum of the outputs and gradients.
 //   exit   FAULT_RANK exits (code 3) as a crashed process would.
@@ -16,6 +16,11 @@
 //          others' 2 s timeout; they then try the batch again on the same transport, which
 //          must refuse it (their timed-out allreduce is still posted, and the late rank would
 //          meet it as if agreed).
+//   pause  FAULT_RANK's first send waits 3 s, past the others' 2 s timeout, then throws
+//          instead: every rank's pass fails having posted messages, which their transports
+//          withdraw. The ranks meet (on a communicator of their own) and try the batch again on
+//          the same transport: every rank must hear the plan agreement's verdict on the failed
+//          call (a withdrawn message does not stop an allreduce).
 // A surviving rank that catches an fcp::Error prints one line with its code and message and
 // ends the job (exit 2 for a transport error, 4 for any other code, which the script rejects).
 // A surviving rank that the launcher ends first says so in one line.
@@ -41,11 +46,11 @@ namespace {
 
 using namespace fcp;
 
-enum class Fault { kNone, kExit, kStall, kShort, kLong, kSlow, kLate };
+enum class Fault { kNone, kExit, kStall, kShort, kLong, kSlow, kLate, kPause };
 
 /// Passes everything through to `inner`, except that once armed, rank `faultRank`'s sends go
 /// wrong: the next one never happens (the process exits or sleeps instead), is a byte short or
-/// long, or every one is late.
+/// long, or every one is late, or the first one waits past the timeout and throws.
 class FaultyTransport final : public runtime::Transport {
  public:
   FaultyTransport(runtime::Transport& inner, Fault fault, int faultRank)
@@ -80,6 +85,13 @@ class FaultyTransport final : public runtime::Transport {
         case Fault::kSlow: std::this_thread::sleep_for(std::chrono::milliseconds(50)); break;
         case Fault::kLate:
           break;  // in allreduce
+        case Fault::kPause:
+          if (!fired_.exchange(true)) {
+            std::this_thread::sleep_for(std::chrono::seconds(3));
+            throw Error(ErrorCode::kTransport, "rank " + std::to_string(faultRank_) +
+                                                   ": a send failed (injected by pause)");
+          }
+          break;
       }
     }
     return inner_.isend(peer, tag, data);
@@ -165,10 +177,11 @@ int main(int argc, char** argv) {
                       : mode == "long"  ? Fault::kLong
                       : mode == "slow"  ? Fault::kSlow
                       : mode == "late"  ? Fault::kLate
+                      : mode == "pause" ? Fault::kPause
                                         : static_cast<Fault>(-1);
   if (fault == static_cast<Fault>(-1)) {
-    std::fprintf(stderr,
-                 "usage: faults_mpi_test {none|exit|stall|short|long|slow|late} FAULT_RANK\n");
+    std::fprintf(
+        stderr, "usage: faults_mpi_test {none|exit|stall|short|long|slow|late|pause} FAULT_RANK\n");
     return 64;
   }
   const int faultRank = std::atoi(argv[2]);
@@ -186,6 +199,9 @@ int main(int argc, char** argv) {
     MPI_Finalize();
     return 64;
   }
+  // The pause case's meeting point, apart from the transport under test.
+  MPI_Comm meet = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &meet);
   double checksum = 0;
   {
     // A short timeout, so that a survivor gives up within seconds (a slow link gets a longer
@@ -198,6 +214,20 @@ int main(int argc, char** argv) {
       try {
         checksum = runBatch(t);
       } catch (const Error& e) {
+        if (fault == Fault::kPause) {
+          std::fprintf(stderr, "faults_mpi_test: rank %d: first attempt: %s\n", rank, e.what());
+          MPI_Barrier(meet);
+          try {
+            checksum = runBatch(t);  // the same transport: its agreement must refuse it
+          } catch (const Error& again) {
+            // Every rank says what it heard before any of them ends the job.
+            std::fprintf(stderr, "faults_mpi_test: rank %d: second attempt: %s error: %s\n", rank,
+                         std::string(errorCodeName(again.code())).c_str(), again.what());
+            std::fflush(stderr);
+            MPI_Barrier(meet);
+            t.abort(2);
+          }
+        }
         if (fault != Fault::kLate || rank == faultRank) throw;
         std::fprintf(stderr, "faults_mpi_test: rank %d: first attempt: %s\n", rank, e.what());
         checksum = runBatch(t);  // the same transport: must refuse
@@ -215,6 +245,7 @@ int main(int argc, char** argv) {
     std::printf("%s: forward and backward completed on %d ranks, checksum %.9e\n",
                 completes ? mode.c_str() : "FAILED: the fault never fired", size, checksum);
   }
+  MPI_Comm_free(&meet);
   MPI_Finalize();
   return completes ? 0 : 5;
 }

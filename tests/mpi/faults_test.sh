@@ -60,6 +60,18 @@ expect_error "rank late to an allreduce" \
   "rank 0: transport error: rank 0: this transport abandoned messages after an earlier error \(rank 0: timed out after 2 s waiting for an allreduce" \
   20 2 late 1
 
+# A pass that fails on every rank with messages posted (rank 1's first send waits past rank 0's
+# timeout, then throws), then the same batch again on the same transport: the transports
+# withdrew those messages but still take part in the plan agreement, so both ranks hear its
+# verdict on the failed call (a transport that refused the agreement once it had withdrawn
+# messages fails this: each rank then says only that messages were abandoned, or, where one
+# rank withdrew none, that rank times out on the agreement).
+expect_error "a failed pass, then the next agreement on every rank" \
+  "rank [01]: second attempt: invalid argument error: rank [01]: a call of an earlier batch over this transport threw" \
+  20 2 pause 1
+heard=$(grep -cE "second attempt: invalid argument error: rank [01]: a call of an earlier batch over this transport threw after it had sent or posted messages" "$dir/err")
+[ "$heard" -eq 2 ] || { fail "a failed pass, then the next agreement: $heard of 2 ranks heard the verdict"; cat "$dir/err"; }
+
 # A message a byte short or long (a peer on another plan or tensor shape): the receiver fails
 # with a transport error naming the sizes (or MPI's truncation), never reads stale bytes.
 expect_error "message one byte short" \
