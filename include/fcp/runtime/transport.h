@@ -151,10 +151,17 @@ class PendingGuard {
 };
 
 /// Moves `value` into storage that is never freed: for buffers a transport may still write
-/// into after an error (PendingGuard).
+/// into after an error (PendingGuard). Never throws (keepUntilExit): a move that allocates
+/// nothing, like a vector's, keeps the buffer itself.
 template <typename T>
-void keepForever(T& value) {
-  keepUntilExit(std::make_shared<T>(std::move(value)));
+void keepForever(T& value) noexcept {
+  std::shared_ptr<T> kept;
+  try {
+    kept = std::make_shared<T>(std::move(value));
+  } catch (...) {
+    abortKeeping();
+  }
+  keepUntilExit(std::move(kept));
 }
 
 /// Bytes of a float span, for isend/irecv.

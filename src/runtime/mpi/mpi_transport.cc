@@ -291,9 +291,13 @@ class MpiTransport final : public Transport {
   /// as if agreed, and every later collective would be out of step, so nothing more goes out.
   /// Its buffer is kept. The caller holds mu_.
   void abandonCollective(const std::shared_ptr<std::vector<int64_t>>& buffer,
-                         const std::string& cause) {
+                         const std::string& cause) noexcept {
     keepUntilExit(buffer);
-    abandonedCollective_ = cause;
+    try {
+      abandonedCollective_ = cause;
+    } catch (...) {
+      abandonedCollective_ = "no memory";  // short: no allocation
+    }
   }
 
   RequestId post(bool isSend, int peer, int tag, std::byte* data, size_t bytes) {
