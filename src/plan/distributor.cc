@@ -248,10 +248,15 @@ class SparseFirst {
     const auto w = static_cast<size_t>(worker);
     if (!fresh_[w]) {
       lists_[w] = loads.blocks[w];
+      // One rounded quotient per block, so that the order is a strict weak order (products of
+      // two blocks' figures, each rounded, need not be transitive, and std::sort may then read
+      // out of bounds). Block tokens are positive.
+      const auto density = [&](int32_t i) {
+        return costs_[static_cast<size_t>(i)] /
+               static_cast<double>(tokens_[static_cast<size_t>(i)]);
+      };
       std::sort(lists_[w].begin(), lists_[w].end(), [&](int32_t a, int32_t b) {
-        // c_a / m_a < c_b / m_b, cross-multiplied (block tokens are positive).
-        const double da = costs_[static_cast<size_t>(a)] * static_cast<double>(tokens_[static_cast<size_t>(b)]);
-        const double db = costs_[static_cast<size_t>(b)] * static_cast<double>(tokens_[static_cast<size_t>(a)]);
+        const double da = density(a), db = density(b);
         return da != db ? da < db : a < b;
       });
       // Running sums in list order, added one block at a time as a loop over the list would,

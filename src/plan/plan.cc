@@ -22,6 +22,15 @@
 #include "parallel.h"
 #include "violations.h"
 
+// Every rank must compute the same plan, so the arithmetic that decides one follows IEEE-754
+// exactly: a build that lets the compiler reassociate, take reciprocals or assume finite
+// values (-ffast-math, -Ofast and their parts) could plan differently from another build.
+#if defined(__FAST_MATH__) || defined(__ASSOCIATIVE_MATH__) || defined(__RECIPROCAL_MATH__) || \
+    (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
+#error \
+    "FCP's planner must be built without -ffast-math or its parts (plans would differ between builds)"
+#endif
+
 namespace fcp::plan {
 namespace {
 
