@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include "fcp/api/attention.h"
@@ -88,7 +89,7 @@ class CallbackTransport final : public runtime::Transport {
     py::gil_scoped_acquire gil;
     auto it = requests_.find(request);
     FCP_CHECK(it != requests_.end(), "test of unknown request ", request);
-    if (!call<bool>([&] { return test_(it->second).cast<bool>(); })) return false;
+    if (!call<bool>([&] { return test_(it->second.work).cast<bool>(); })) return false;
     requests_.erase(it);
     return true;
   }
@@ -97,10 +98,22 @@ class CallbackTransport final : public runtime::Transport {
     py::gil_scoped_acquire gil;
     auto it = requests_.find(request);
     FCP_CHECK(it != requests_.end(), "wait of unknown request ", request);
-    call<int>([&] {
-      wait_(it->second, timeoutSeconds_);
-      return 0;
-    });
+    try {
+      call<int>([&] {
+        wait_(it->second.work, timeoutSeconds_);
+        return 0;
+      });
+    } catch (const Error& e) {
+      // The callback's own error names no peer (gloo: "Timed out waiting 300000ms for recv
+      // operation to complete"): say which message it was, as the MPI transport does.
+      const Request& r = it->second;
+      throw Error(e.code(),
+                  std::string(e.what()) + " (" + (r.isSend ? "a send of " : "a receive of ") +
+                      std::to_string(r.bytes) + " bytes " + (r.isSend ? "to" : "from") + " rank " +
+                      std::to_string(r.peer) + ", tag " + std::to_string(r.tag) +
+                      ", waited for up to " + seconds(timeoutSeconds_) +
+                      " s: did that rank raise in this call, or stop?)");
+    }
     requests_.erase(it);
   }
   using Transport::allreduce;
@@ -174,11 +187,11 @@ class CallbackTransport final : public runtime::Transport {
     if (withdrew_ || !abandonedCollective_.empty())
       runtime::throwAbandoned(rank_, abandonedCollective_, "a new process group");
     py::gil_scoped_acquire gil;
-    py::object request = call<py::object>([&] {
+    py::object work = call<py::object>([&] {
       return fn(peer, tag, reinterpret_cast<uintptr_t>(data), static_cast<int64_t>(bytes));
     });
     const runtime::RequestId id = next_++;
-    requests_.emplace(id, std::move(request));
+    requests_.emplace(id, Request{std::move(work), &fn == &isend_, peer, tag, bytes});
     return id;
   }
 
@@ -186,7 +199,19 @@ class CallbackTransport final : public runtime::Transport {
   py::object isend_, irecv_, test_, wait_, allreduce_;
   double timeoutSeconds_;
   runtime::RequestId next_ = 1;
-  std::map<runtime::RequestId, py::object> requests_;
+  /// A posted message: the callback's request, and what it is, for errors.
+  struct Request {
+    py::object work;
+    bool isSend = false;
+    int peer = 0, tag = 0;
+    size_t bytes = 0;
+  };
+  static std::string seconds(double value) {
+    std::ostringstream os;
+    os << value;
+    return os.str();
+  }
+  std::map<runtime::RequestId, Request> requests_;
   bool withdrew_ = false;            ///< cancelPending withdrew a request: no new messages
   std::string abandonedCollective_;  ///< why an all-reduce was left posted: nothing new at all
 };

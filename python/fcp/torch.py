@@ -299,7 +299,8 @@ class Batch:
 
     ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
     each rank may use). ``timeout_seconds`` bounds every wait for another rank, the batch's
-    agreement included; it applies to a process group's transport from this batch on. An
+    agreement included (an MPI transport then takes up to 1 s more to withdraw the call's other
+    messages); it applies to a process group's transport from this batch on. An
     agreement that times out leaves its all-reduce posted on the group (a late rank would meet
     it), so the group's transport then refuses every batch: continue on a new process group. An
     mpi4py communicator's transport keeps the timeout it was made with: a batch with another
@@ -496,7 +497,7 @@ class _Attention(torch.autograd.Function):
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
         q, k, v, o, lse, layer = _prepared(batch, lambda: (
-            q.contiguous(), k.contiguous(), v.contiguous(), torch.empty_like(q),
+            q.contiguous(), k.contiguous(), v.contiguous(), torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype),
             torch.empty((n, batch.heads), dtype=torch.float32), _fcp.AttentionLayer()))
         start = time.perf_counter()
         layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,

@@ -1,4 +1,5 @@
-"""A batch's agreement is bounded by timeout_seconds, not by the process group's timeout: on 2
+"""A call that raised on one rank: the other's wait for its messages ends at timeout_seconds and
+names the message it waited for. A batch's agreement is bounded by timeout_seconds, not by the process group's timeout: on 2
 gloo ranks, rank 1 never makes the batch (it stays alive, so nothing but the timeout can end
 rank 0's wait); rank 0 raises fcp.Error naming the timeout at its 3 s, well before the group's
 120 s, and the group's transport then refuses every batch (its all-reduce is still posted: a
@@ -11,6 +12,7 @@ import socket
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,6 +24,24 @@ def run(rank, port, done):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     code = 0
+    # First, on a group of its own: rank 1 passes q of the wrong shape, so its call raises at once
+    # and rank 0 waits for rank 1's messages until its timeout, then names the message it waited
+    # for (gloo's own error names no peer).
+    group = dist.new_group([0, 1])
+    batch = ft.Batch([0, 100], (50 * rank, 50 * rank + 50), group, heads=2, kv_heads=1, head_dim=16,
+                     block_size=16, timeout_seconds=3)
+    rows = 51 if rank == 1 else 50
+    try:
+        ft.attention(torch.zeros(rows, 2, 16), torch.zeros(50, 1, 16), torch.zeros(50, 1, 16), batch)
+        print(f"rank {rank}: attention returned", flush=True)
+        code = 1
+    except fcp.Error as e:
+        print(f"rank {rank}: attention raised: {e}", flush=True)
+        if rank == 1 and "q is (51, 2, 16)" not in str(e):
+            code = 1
+        if rank == 0 and not ("bytes from rank 1, tag" in str(e) and "waited for up to 3 s" in str(e)
+                              and "did that rank raise in this call, or stop?" in str(e)):
+            code = 1
     if rank == 0:
         start = time.monotonic()
         try:

@@ -116,6 +116,46 @@ def test_outputs_and_gradients_match_float64_reference(group, seed, dtype, layou
             assert rel(mine[n].grad, ref_inputs[n].grad[begin:end]) <= tolerance, n
 
 
+def test_inputs_in_any_memory_layout_give_contiguous_correct_outputs(group):
+    """q dense but permuted (a [heads, tokens, dim] tensor transposed), k a strided slice of a
+    fused projection, v expanded from one head: o and the gradients as for contiguous copies, and
+    o contiguous (o once took q's strides while FCP wrote it in [tokens, heads, dim] order)."""
+    comm, rank, ranks = group
+    g = torch.Generator().manual_seed(7)
+    cu = [0, 150, 190, 400]
+    total, heads, kv_heads, dim = cu[-1], 4, 2, 16
+    begin, end = total * rank // ranks, total * (rank + 1) // ranks
+    n = end - begin
+    whole_q = torch.randn(heads, total, dim, generator=g, dtype=torch.float64)
+    whole_kv = torch.randn(total, 2 * kv_heads, dim, generator=g, dtype=torch.float64)
+    whole_v = torch.randn(total, 1, dim, generator=g, dtype=torch.float64)
+    batch = ft.Batch(cu, (begin, end), comm, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=64)
+
+    def inputs():
+        q = whole_q[:, begin:end].float().clone().requires_grad_()
+        kv = whole_kv[begin:end].float().clone().requires_grad_()
+        v = whole_v[begin:end].float().clone().requires_grad_()
+        return q, kv, v
+
+    q, kv, v = inputs()
+    odd = (q.transpose(0, 1), kv[:, 0::2], v.expand(n, kv_heads, dim))
+    assert not odd[0].is_contiguous() and not odd[1].is_contiguous() and not odd[2].is_contiguous()
+    o = ft.attention(*odd, batch)
+    q2, kv2, v2 = inputs()
+    o2 = ft.attention(q2.transpose(0, 1).contiguous(), kv2[:, 0::2].contiguous(),
+                      v2.expand(n, kv_heads, dim).contiguous(), batch)
+    assert o.is_contiguous() and o.shape == (n, heads, dim)
+    ref = reference(whole_q.transpose(0, 1), whole_kv[:, 0::2], whole_v.expand(total, kv_heads, dim), cu, True)
+    if n > 0:
+        assert rel(o, ref[begin:end]) <= 1e-5
+        assert torch.equal(o, o2)
+    do = torch.randn(total, heads, dim, generator=g)[begin:end]
+    (o * do).sum().backward()
+    (o2 * do).sum().backward()
+    for a, b in ((q, q2), (kv, kv2), (v, v2)):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_dispatch_names_each_local_token_and_round_trips(group):
     comm, rank, ranks = group
     cu = [0, 70, 75, 205, 238]

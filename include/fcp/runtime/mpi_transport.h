@@ -11,7 +11,8 @@ namespace fcp::runtime {
 /// Settings of the MPI transport.
 struct MpiOptions {
   /// A wait that has not completed after this many seconds throws Error(kTransport): a peer
-  /// that stopped answering ends the job with a message instead of a hang.
+  /// that stopped answering ends the job with a message instead of a hang. Withdrawing the
+  /// call's other messages then takes at most 1 s more (Transport::cancelPending).
   double timeoutSeconds = 60;
   /// Drive MPI from a communication thread, so that messages progress while a kernel computes
   /// (OpenMPI moves large messages only inside MPI calls). Off: progress only in test/wait.

@@ -30,6 +30,8 @@ namespace fcp::runtime {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+/// How long cancelPending waits for withdrawn messages to let go of their buffers.
+constexpr double kWithdrawSeconds = 1.0;
 
 std::string mpiErrorText(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -165,7 +167,9 @@ class MpiTransport final : public Transport {
 
   // Receives are cancelled reliably unless already matched; a matched one, or a send, is
   // cancelled or completes as soon as its peer moves the data. A peer that stopped midway
-  // leaves it pending: after the timeout the buffers are declared unsafe (false).
+  // leaves it pending: after a short grace (kWithdrawSeconds, or the timeout if shorter) the
+  // buffers are declared unsafe (false) and kept. Waiting a whole timeout more would double
+  // the time a rank takes to report a peer that failed (a user's timeout_seconds of 4 took 8).
   bool cancelPending() noexcept override {
     std::unique_lock<std::mutex> lock(mu_);
     bool any = false;
@@ -175,7 +179,8 @@ class MpiTransport final : public Transport {
       any = true;
     }
     if (any) withdrew_ = true;
-    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeoutSeconds);
+    const auto deadline = Clock::now() + std::chrono::duration<double>(
+                                             std::min(kWithdrawSeconds, options_.timeoutSeconds));
     for (;;) {
       bool all = true;
       for (auto& [id, slot] : slots_) {
