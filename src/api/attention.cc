@@ -191,9 +191,13 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
                   end = ranges[2 * static_cast<size_t>(r) + 1];
     const int64_t expected = starts[static_cast<size_t>(r)];
     if (begin != expected || end < begin || end > total) {
+      const std::string before =
+          r == 0 ? std::string("the first range starts at 0")
+                 : "rank " + std::to_string(r - 1) + "'s range ends at " + std::to_string(expected);
       throwInvalidArgument("rank ", r, "'s token range is [", begin, ", ", end, "): expected [",
-                           expected, ", e) with ", expected, " <= e <= ", total,
-                           " (the ranks' ranges, in rank order, must tile the batch)");
+                           expected, ", e) with ", expected, " <= e <= ", total, " (", before,
+                           ", and cu_seqlens ends at ", total,
+                           ": the ranks' ranges, in rank order, must tile the batch)");
     }
     starts[static_cast<size_t>(r) + 1] = end;
   }

@@ -618,7 +618,18 @@ TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 70, 160};  // rank 1's range runs backwards
-  expectErrorOnEveryRank(3, "rank 1's token range is [80, 70)",
+  expectErrorOnEveryRank(3,
+                         "rank 1's token range is [80, 70): expected [80, e) with 80 <= e <= 160 "
+                         "(rank 0's range ends at 80, and cu_seqlens ends at 160",
+                         [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
+  p.starts = {10, 80, 160};  // the first range does not start at 0
+  expectErrorOnEveryRank(2,
+                         "rank 0's token range is [10, 80): expected [0, e) with 0 <= e <= 160 "
+                         "(the first range starts at 0, and cu_seqlens ends at 160",
+                         [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
+  p.starts = {0, 80, 170};  // past the end of cu_seqlens (the ranks' ranges say 170 tokens)
+  expectErrorOnEveryRank(2,
+                         "rank 1's token range is [80, 170): expected [80, e) with 80 <= e <= 160",
                          [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
   p.starts = {0, 80, 150, 150};  // ends short of the batch
   expectErrorOnEveryRank(3, "end at 150: expected 160",
