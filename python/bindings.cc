@@ -277,7 +277,7 @@ PYBIND11_MODULE(_fcp, m) {
       [](std::vector<int64_t> cuSeqlens, int64_t begin, int64_t end, int64_t heads, int64_t kvHeads,
          int64_t headDim, bool causal, const std::string& dtype, bool dispatched,
          const std::string& strategy, int64_t blockSize, int threads, double commRatio,
-         const std::string& localError) {
+         double softmaxScale, const std::string& localError) {
         BatchOptions o;
         o.localError = localError;
         o.cuSeqlens = std::move(cuSeqlens);
@@ -293,12 +293,13 @@ PYBIND11_MODULE(_fcp, m) {
         o.planConfig.blockSize = blockSize;
         o.planConfig.commRatio = commRatio;
         o.numThreads = threads;
+        o.softmaxScale = softmaxScale;
         return o;
       },
       py::arg("cu_seqlens"), py::arg("begin"), py::arg("end"), py::arg("heads"),
       py::arg("kv_heads"), py::arg("head_dim"), py::arg("causal"), py::arg("dtype"),
       py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"), py::arg("threads"),
-      py::arg("comm_ratio"), py::arg("local_error") = "");
+      py::arg("comm_ratio"), py::arg("softmax_scale"), py::arg("local_error") = "");
 
   // Planned on a thread of its own (collective checks first); AttentionBatch(pending) waits.
   // Dropped unused, it waits for its planning to end, with the GIL released (WithoutGil).

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import math
+import numbers
 import operator
 import time
 import weakref
@@ -238,7 +239,7 @@ class _Settings:
     this one with its own message. Only a timeout FCP cannot make a transport with raises here."""
 
     def __init__(self, cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
-                 strategy, block_size, threads, comm_ratio, timeout_seconds):
+                 strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds):
         if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
                 and 0 < timeout_seconds <= 86400):
             raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
@@ -248,16 +249,16 @@ class _Settings:
                 raise _fcp.Error(transport_error)
             self.options = _fcp.batch_options(*self._check(cu_seqlens, local_range, heads, kv_heads, head_dim,
                                                            causal, dtype, layout, strategy, block_size, threads,
-                                                           comm_ratio), local_error="")
+                                                           comm_ratio, softmax_scale), local_error="")
         except Exception as e:  # noqa: BLE001 -- whatever it is, the other ranks must hear of it
             # Anything valid: the agreement fails on every rank before it is read. An error the
             # checks did not foresee (not an fcp.Error) is named by its type.
             message = str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
-            self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0,
+            self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0, 0.0,
                                               local_error=message)
 
     def _check(self, cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
-               block_size, threads, comm_ratio):
+               block_size, threads, comm_ratio, softmax_scale):
         """The arguments checked, as batch_options takes them; sets this object's fields."""
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
             raise _fcp.Error(f"dtype {_describe(dtype)} is not supported: expected torch.float32 or torch.bfloat16")
@@ -288,17 +289,27 @@ class _Settings:
             comm_ratio = float(comm_ratio)
         except (TypeError, ValueError, OverflowError):
             raise _fcp.Error(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
+        # FCP checks the value on every rank alike (finite, positive); here only that it is a number.
+        if softmax_scale is None:
+            softmax_scale = 0.0  # FCP's 1/sqrt(head_dim)
+        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
+                or not softmax_scale > 0:
+            raise _fcp.Error(f"softmax_scale is {_describe(softmax_scale)}: expected a number above 0, or None "
+                             f"for 1/sqrt(head_dim)")
         self.dtype = dtype
         self.layout = layout
         return (self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads, self.head_dim, causal,
-                _DTYPES[dtype], layout == "dispatched", strategy, block_size, threads, comm_ratio)
+                _DTYPES[dtype], layout == "dispatched", strategy, block_size, threads, comm_ratio,
+                float(softmax_scale))
 
 
 class Batch:
     """One training step's batch, planned on every rank (collective). See the module docstring.
 
     ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
-    each rank may use). ``timeout_seconds`` bounds every wait for another rank, the batch's
+    each rank may use). ``softmax_scale`` scales q·k before the softmax in every attention call of
+    the batch, forward and backward (None: 1/sqrt(head_dim)); the same on every rank.
+    ``timeout_seconds`` bounds every wait for another rank, the batch's
     agreement included (an MPI transport then takes up to 1 s more to withdraw the call's other
     messages); it applies to a process group's transport from this batch on. An
     agreement that times out leaves its all-reduce posted on the group (a late rank would meet
@@ -322,9 +333,9 @@ class Batch:
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
                  layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
+                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0):
         settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
-                             strategy, block_size, threads, comm_ratio, timeout_seconds)
+                             strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds)
         self._attach(settings, _fcp.AttentionBatch(settings.transport, settings.options))
 
     def _attach(self, settings: _Settings, impl) -> None:
@@ -412,9 +423,10 @@ class PendingBatch:
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
                  layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 comm_ratio: float = 0.0, timeout_seconds: float = 300.0):
+                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0):
         self._settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype,
-                                   layout, strategy, block_size, threads, comm_ratio, timeout_seconds)
+                                   layout, strategy, block_size, threads, comm_ratio, softmax_scale,
+                                   timeout_seconds)
         self._impl = _fcp.PendingBatch(self._settings.transport, self._settings.options)
 
     @property
@@ -538,7 +550,7 @@ class _Attention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
               return_lse: bool = False):
     """Attention of every sequence of ``batch`` (causal or full, GQA when k, v have fewer heads),
-    scaled by 1/sqrt(head_dim). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
+    scaled by the batch's ``softmax_scale`` (1/sqrt(head_dim) by default). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
     with ``return_lse``). Differentiable in q, k, v, once (no double backward, one backward per
     forward), through o: a gradient that reaches lse raises fcp.Error rather than be dropped.
     lse is in the graph for that reason: use ``lse.detach()`` to log or keep it (``.numpy()``).

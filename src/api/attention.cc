@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -92,9 +93,9 @@ class OptionsHash {
 
 /// What every rank must pass alike, one hash per setting (named in kSettingNames), so that
 /// ranks that differ fail together before planning, with the settings that differ named.
-constexpr std::array<const char*, 10> kSettingNames = {
-    "cu_seqlens", "heads",    "head dim",         "mask",       "dtype",
-    "layout",     "strategy", "planner settings", "cost model", "first tag"};
+constexpr std::array<const char*, 11> kSettingNames = {
+    "cu_seqlens",       "heads",      "head dim",  "mask",         "dtype", "layout", "strategy",
+    "planner settings", "cost model", "first tag", "softmax scale"};
 /// The thread count may differ between ranks, but one rank refusing its own would leave the
 /// others waiting, so its validity is agreed on too (after the named settings).
 constexpr size_t kSettings = kSettingNames.size() + 1;
@@ -128,7 +129,8 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
     }
   }
   h[9].add(int64_t{o.firstTag});
-  h[10].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
+  h[10].add(o.softmaxScale == 0 ? 0.0 : o.softmaxScale);  // -0 is 0
+  h[11].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
   std::array<int64_t, kSettings> out;
   for (size_t i = 0; i < kSettings; ++i) out[i] = h[i].value();
   return out;
@@ -210,6 +212,10 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
                          o.headDim,
                          ": expected positive counts with Q heads a multiple of KV heads");
   }
+  if (!(o.softmaxScale >= 0) || !std::isfinite(o.softmaxScale)) {
+    throwInvalidArgument("softmax scale ", o.softmaxScale,
+                         ": expected a finite value >= 0 (0 for 1/sqrt(head dim))");
+  }
   plan::PlanConfig config = o.planConfig;
   config.numWorkers = ranks;
   config.tokensPerWorker = std::max<int64_t>(1, (total + ranks - 1) / ranks);
@@ -276,7 +282,8 @@ plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
-  return {o.numThreads, o.timeline, o.dtype, o.layout, o.firstTag};
+  return {o.numThreads, o.timeline, o.dtype,
+          o.layout,     o.firstTag, static_cast<float>(o.softmaxScale)};
 }
 
 }  // namespace

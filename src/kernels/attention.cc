@@ -277,6 +277,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
   const Prepared p = prepare(q, k, v, mask);
   const Shape& s = p.shape;
   const int numThreads = detail::resolveThreads(options.numThreads);
+  const float scale = softmaxScaleOf(options, s.d);
   if (s.nq == 0) return 0.0;
   FCP_CHECK(o != nullptr && lse != nullptr, "forward needs output buffers");
   fillUntouchedRows(p, o, lse);
@@ -288,7 +289,7 @@ double runForward(const TensorView& q, const TensorView& k, const TensorView& v,
   const GroupMajor kg = toGroupMajor(k, s.hkv, bf16, ops);
   const GroupMajor vg = toGroupMajor(v, s.hkv, bf16, ops);
   const std::vector<Task> tasks = makeTasks(p.map, s.hkv, /*perQTile=*/true);
-  const float alpha = kLog2e / std::sqrt(static_cast<float>(s.d));
+  const float alpha = kLog2e * scale;
   const int64_t maxRows = p.qTileTokens * s.g;
 
   struct Scratch {
@@ -407,6 +408,7 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
   const Shape& s = p.shape;
   checkLike(dO, q, "dO", "q");
   const int numThreads = detail::resolveThreads(options.numThreads);
+  const float scale = softmaxScaleOf(options, s.d);
   if (s.nq == 0 || s.nk == 0) return 0.0;
   FCP_CHECK(lse && delta && dq && dk && dv, "backward needs lse, delta and gradient buffers");
 
@@ -419,7 +421,6 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
   const std::vector<float> lse2 = rowsToGroupMajor(lse, s, kLog2e);
   const std::vector<float> deltaG = rowsToGroupMajor(delta, s, 1.0f);
   const std::vector<Task> tasks = makeTasks(p.map, s.hkv, /*perQTile=*/false);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(s.d));
   const float alpha = kLog2e * scale;
   const int64_t maxRows = p.qTileTokens * s.g;
 
@@ -508,6 +509,15 @@ double runBackward(const TensorView& q, const TensorView& k, const TensorView& v
 }
 
 }  // namespace detail
+
+float softmaxScaleOf(const KernelOptions& options, int headDim) {
+  const float scale = options.softmaxScale;
+  if (!(scale >= 0) || !std::isfinite(scale)) {
+    throwInvalidArgument("softmax scale ", scale, ": expected a finite value >= 0 (0 for 1/sqrt(",
+                         headDim, "))");
+  }
+  return scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(headDim));
+}
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
              float* o, float* lse, const KernelOptions& options) {

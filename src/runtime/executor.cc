@@ -276,6 +276,8 @@ void Executor::State::setup() {
     throwInvalidArgument("invalid kernel thread count ", options.numThreads, ": expected 1 to ",
                          kMaxKernelThreads);
   }
+  kernels::softmaxScaleOf({options.numThreads, options.softmaxScale},
+                          static_cast<int>(a.headDim));  // throws on a bad scale
   rank = transport.rank();
   hq = a.numHeadsQ;
   hkv = a.numHeadsKv;
@@ -663,7 +665,7 @@ void Executor::State::forwardPair(int32_t p) {
   const int64_t row = pv.row;
   const double start = Timeline::nowUs();
   kernels::forward(pv.q, pv.k, pv.v, maskOf(pair), partO.data(), partLse.data(),
-                   {options.numThreads});
+                   {options.numThreads, options.softmaxScale});
   kernels::mergePartials(pv.q.numTokens, pv.q.numHeads, pv.q.headDim, layer->o.data() + row * qRow,
                          layer->lse.data() + row * hq, partO.data(), partLse.data());
   const double end = Timeline::nowUs();
@@ -696,7 +698,7 @@ void Executor::State::backwardPair(int32_t p) {
   const double start = Timeline::nowUs();
   kernels::backward(pv.q, pv.k, pv.v, dov, constLayer->lse.data() + row * hq,
                     delta.data() + row * hq, maskOf(pair), dq.data() + row * qRow, grad,
-                    grad + nk * kRow, {options.numThreads});
+                    grad + nk * kRow, {options.numThreads, options.softmaxScale});
   const double end = Timeline::nowUs();
   bwd.kernelMs += (end - start) / 1e3;
   bwd.flops += backwardFlops(plan.config.attention, pair.visible);

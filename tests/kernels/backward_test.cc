@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
 
+#include "fcp/core/error.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/kernels/cpu_dispatch.h"
 #include "kernel_test_util.h"
@@ -43,7 +45,7 @@ double gradientError(const std::vector<float>& got, const std::vector<double>& r
   return std::sqrt(num / std::max({den, scale, 1e-300}));
 }
 
-void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout) {
+void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout, float softmaxScale = 0) {
   std::mt19937_64 rng(testing::testSeed() ^ (n * 977 + hq * 13 + static_cast<int>(layout)));
   SCOPED_TRACE("seed " + std::to_string(testing::testSeed()));
   HostTensor q(n, hq, d), k(n, hkv, d), v(n, hkv, d), dO(n, hq, d);
@@ -53,8 +55,8 @@ void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout) {
   for (DType dtype : {DType::kFp32, DType::kBf16}) {
     // Reference on the inputs as the kernel sees them (bf16-rounded for bf16), see forward.
     const testing::Reference ref = testing::referenceBackward(
-        q.asDouble(dtype), k.asDouble(dtype), v.asDouble(dtype), dO.asDouble(dtype), n, n, hq,
-        hkv, d, testing::expand(m.q), testing::expand(m.k), m.kind == MaskKind::kCausal);
+        q.asDouble(dtype), k.asDouble(dtype), v.asDouble(dtype), dO.asDouble(dtype), n, n, hq, hkv,
+        d, testing::expand(m.q), testing::expand(m.k), m.kind == MaskKind::kCausal, softmaxScale);
     for (CpuPath path : {CpuPath::kPortable, CpuPath::kAvx2, CpuPath::kAvx512}) {
       if (!cpuSupports(path)) continue;
       for (Bf16Gemm gemm : testing::bf16GemmsFor(dtype)) {
@@ -64,12 +66,18 @@ void checkBackward(int64_t n, int hq, int hkv, int d, Layout layout) {
         setBf16Gemm(gemm);
         const double tol = dtype == DType::kFp32 ? 1e-5 : 1e-2;
         std::vector<float> o(q.f32.size()), lse(n * hq), delta(n * hq);
-        forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data());
+        const KernelOptions options{0, softmaxScale};
+        forward(q.view(dtype), k.view(dtype), v.view(dtype), m.mask(), o.data(), lse.data(),
+                options);
         computeDelta({o.data(), n, hq, d, DType::kFp32}, dO.view(dtype), delta.data());
         std::vector<float> dq(q.f32.size(), 0.0f), dk(k.f32.size(), 0.0f),
             dv(k.f32.size(), 0.0f);
         backward(q.view(dtype), k.view(dtype), v.view(dtype), dO.view(dtype), lse.data(),
-                 delta.data(), m.mask(), dq.data(), dk.data(), dv.data());
+                 delta.data(), m.mask(), dq.data(), dk.data(), dv.data(), options);
+        if (softmaxScale > 0) {
+          EXPECT_LE(testing::relativeL2(o.data(), ref.o), tol) << "o";
+          EXPECT_LE(testing::relativeL2(lse.data(), ref.lse), tol) << "lse";
+        }
         EXPECT_LE(gradientError(dq, ref.dq, ref.dv), tol) << "dq";
         EXPECT_LE(gradientError(dk, ref.dk, ref.dv), tol) << "dk";
         EXPECT_LE(gradientError(dv, ref.dv, ref.dv), tol) << "dv";
@@ -96,6 +104,47 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(param_info.param)) + "_" +
              testing::layoutName(std::get<2>(param_info.param));
     });
+
+// A scale other than 1/sqrt(d) (a model's own: 1/d, or none), forward and backward, on every
+// path and mask.
+TEST(SoftmaxScaleTest, ForwardAndBackwardMatchFloat64Reference) {
+  for (const float scale : {1.0f / 64, 0.05f, 1.0f}) {
+    for (Layout layout : {Layout::kCausalOffsets, Layout::kFull, Layout::kVarlen}) {
+      SCOPED_TRACE("scale " + std::to_string(scale) + " " + testing::layoutName(layout));
+      checkBackward(129, 4, 2, 64, layout, scale);
+    }
+  }
+}
+
+TEST(SoftmaxScaleTest, AScaleThatIsNegativeOrNotFiniteIsNamed) {
+  HostTensor q(4, 2, 8), k(4, 1, 8);
+  std::mt19937_64 rng(1);
+  q.randomize(rng);
+  k.randomize(rng);
+  const testing::MaskSetup m = testing::makeMask(Layout::kFull, 4, 4, rng);
+  std::vector<float> o(q.f32.size()), lse(8), dq(q.f32.size()), dk(k.f32.size()), dv(k.f32.size());
+  for (const float bad :
+       {-0.5f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    const KernelOptions options{0, bad};
+    for (const bool forwardPass : {true, false}) {
+      try {
+        if (forwardPass) {
+          forward(q.view(DType::kFp32), k.view(DType::kFp32), k.view(DType::kFp32), m.mask(),
+                  o.data(), lse.data(), options);
+        } else {
+          backward(q.view(DType::kFp32), k.view(DType::kFp32), k.view(DType::kFp32),
+                   q.view(DType::kFp32), lse.data(), lse.data(), m.mask(), dq.data(), dk.data(),
+                   dv.data(), options);
+        }
+        ADD_FAILURE() << "scale " << bad << " accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find("expected a finite value >= 0"), std::string::npos)
+            << e.what();
+      }
+    }
+  }
+}
 
 TEST(BackwardLongTest, MatchesFloat64ReferenceAt4096) {
   checkBackward(4096, 4, 1, 16, Layout::kCausalOffsets);

@@ -96,17 +96,18 @@ inline bool refVisible(const Tokens& q, int64_t i, const Tokens& k, int64_t j, b
 }
 
 /// Forward reference for the query tokens in `rows` (all if empty); other rows stay NaN.
+/// Scores are scaled by `softmaxScale`, 0 meaning 1/sqrt(d).
 inline Reference referenceForward(const std::vector<double>& q, const std::vector<double>& k,
                                   const std::vector<double>& v, int64_t nq, int64_t nk, int hq,
                                   int hkv, int d, const Tokens& qt, const Tokens& kt, bool causal,
-                                  std::vector<int64_t> rows = {}) {
+                                  std::vector<int64_t> rows = {}, double softmaxScale = 0) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   Reference ref;
   ref.o.assign(nq * hq * d, nan);
   ref.lse.assign(nq * hq, nan);
   if (rows.empty())
     for (int64_t i = 0; i < nq; ++i) rows.push_back(i);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = softmaxScale > 0 ? softmaxScale : 1.0 / std::sqrt(static_cast<double>(d));
   const int g = hq / hkv;
   std::vector<double> s(nk);
   for (int64_t i : rows) {
@@ -143,13 +144,13 @@ inline Reference referenceForward(const std::vector<double>& q, const std::vecto
 /// Full forward and backward reference for upstream gradient dO.
 inline Reference referenceBackward(const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v, const std::vector<double>& dO,
-                                   int64_t nq, int64_t nk, int hq, int hkv, int d,
-                                   const Tokens& qt, const Tokens& kt, bool causal) {
-  Reference ref = referenceForward(q, k, v, nq, nk, hq, hkv, d, qt, kt, causal);
+                                   int64_t nq, int64_t nk, int hq, int hkv, int d, const Tokens& qt,
+                                   const Tokens& kt, bool causal, double softmaxScale = 0) {
+  Reference ref = referenceForward(q, k, v, nq, nk, hq, hkv, d, qt, kt, causal, {}, softmaxScale);
   ref.dq.assign(nq * hq * d, 0);
   ref.dk.assign(nk * hkv * d, 0);
   ref.dv.assign(nk * hkv * d, 0);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = softmaxScale > 0 ? softmaxScale : 1.0 / std::sqrt(static_cast<double>(d));
   const int g = hq / hkv;
   for (int64_t i = 0; i < nq; ++i) {
     for (int h = 0; h < hq; ++h) {

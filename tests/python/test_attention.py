@@ -36,15 +36,16 @@ def group():
         dist.destroy_process_group()
 
 
-def reference(q, k, v, cu, causal):
-    """Plain attention per sequence in float64 (autograd-capable)."""
+def reference(q, k, v, cu, causal, scale=None):
+    """Plain attention per sequence in float64 (autograd-capable); scores scaled by `scale`
+    (1/sqrt(head_dim) when None)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = []
     for s in range(len(cu) - 1):
         a, b = cu[s], cu[s + 1]
         qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-        scores = qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5
+        scores = qs @ ks.transpose(1, 2) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if causal:
             n = b - a
             scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -154,6 +155,60 @@ def test_inputs_in_any_memory_layout_give_contiguous_correct_outputs(group):
     (o2 * do).sum().backward()
     for a, b in ((q, q2), (kv, kv2), (v, v2)):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("scale,dtype,layout", [(1 / 32, torch.float32, "dispatched"),
+                                                  (0.7, torch.bfloat16, "transparent")])
+def test_a_models_own_softmax_scale(group, scale, dtype, layout):
+    """softmax_scale (1/head_dim as muP has it, or larger than the default) in forward and
+    backward, against the float64 reference with that scale."""
+    comm, rank, ranks = group
+    g = torch.Generator().manual_seed(11)
+    cu = [0, 170, 200, 420]
+    total, heads, kv_heads, dim = cu[-1], 4, 2, 32
+    starts = split(total, ranks, 3)
+    begin, end = starts[rank], starts[rank + 1]
+    whole = {name: torch.randn(total, h, dim, generator=g).to(dtype).double()
+             for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("do", heads))}
+    batch = ft.Batch(cu, (begin, end), comm, heads=heads, kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+                     layout=layout, block_size=64, softmax_scale=scale)
+    mine = {name: t[begin:end].to(dtype).clone().requires_grad_(name != "do") for name, t in whole.items()}
+    if layout == "dispatched":
+        o = batch.undispatch(ft.attention(*(batch.dispatch(mine[n]) for n in ("q", "k", "v")), batch))
+    else:
+        o = ft.attention(mine["q"], mine["k"], mine["v"], batch)
+    (o.float() * mine["do"].float()).sum().backward()
+    ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
+    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, True, scale)
+    (ref * ref_inputs["do"]).sum().backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    if end > begin:
+        assert rel(o, ref[begin:end]) <= tolerance
+        for n in ("q", "k", "v"):
+            assert rel(mine[n].grad, ref_inputs[n].grad[begin:end]) <= tolerance, n
+        # Not the default scale's result: the scale reached the kernels.
+        assert rel(o, reference(whole["q"], whole["k"], whole["v"], cu, True)[begin:end]) > 10 * tolerance
+
+
+def test_a_softmax_scale_that_is_not_a_positive_number_or_differs_between_ranks(group):
+    """A bad softmax_scale on one rank fails every rank at once; different scales on different
+    ranks are named; a good batch follows on the same group."""
+    comm, rank, ranks = group
+    cu = [0, 100, 300]
+    starts = split(300, ranks, 9)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=16, block_size=64)
+    last = ranks - 1
+    for bad in (0, -1.0, float("nan"), "0.1", True):
+        expected = (r"softmax_scale is .*: expected a number above 0, or None for 1/sqrt\(head_dim\)" if rank == last
+                    else r"rank %d: rank %d's arguments were refused there" % (rank, last))
+        with pytest.raises(fcp.Error, match=expected):
+            ft.Batch([0, 100, 300], mine, comm, **dict(options, softmax_scale=bad if rank == last else None))
+    with pytest.raises(fcp.Error, match=r"softmax scale inf: expected a finite value >= 0"):
+        ft.Batch(cu, mine, comm, softmax_scale=float("inf"), **options)
+    with pytest.raises(fcp.Error, match=r"the ranks passed different batches or settings \(softmax scale\)"):
+        ft.Batch(cu, mine, comm, softmax_scale=0.1 * (rank + 1), **options)
+    assert ft.Batch(cu, mine, comm, softmax_scale=0.1, **options).num_user_tokens == mine[1] - mine[0]
 
 
 def test_dispatch_names_each_local_token_and_round_trips(group):

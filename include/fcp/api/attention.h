@@ -95,6 +95,9 @@ struct BatchOptions {
   runtime::Timeline* timeline = nullptr;
   /// First tag of FCP's messages (runtime::kFirstFcpTag; see transport.h).
   int firstTag = runtime::kFirstFcpTag;
+  /// The scale of Q Kᵀ before the softmax in every layer's forward and backward; 0 (the
+  /// default) means 1/sqrt(headDim). Finite and not negative; the same on every rank.
+  double softmaxScale = 0;
   /// Set by a binding whose own checks of this rank's arguments failed, to their one-line
   /// message (the other fields may then hold anything valid). The batch then fails on every
   /// rank in the agreement, this rank with this message and the others naming it, rather than

@@ -11,8 +11,8 @@
 /// by *segments*: runs of consecutive tokens of one sequence with consecutive positions. A Zig-Zag
 /// block is two segments of one sequence; a varlen block is one segment per packed sequence.
 /// Token q sees token k iff they share a sequence id and (the mask is full or pos_k <= pos_q).
-/// Scores are scaled by 1/sqrt(head_dim). GQA: Q has `g` times as many heads as K and V, and Q
-/// head h reads KV head h / g.
+/// Scores are scaled by KernelOptions::softmaxScale, by default 1/sqrt(head_dim). GQA: Q has `g`
+/// times as many heads as K and V, and Q head h reads KV head h / g.
 ///
 /// A *partial* is (O, LSE) for one pair: O = softmax(S) V over the visible keys of that pair and
 /// LSE = log(sum exp(S)) per (token, head), natural log. A row with no visible key has LSE = -inf
@@ -67,7 +67,14 @@ struct BlockMask {
 struct KernelOptions {
   /// Worker threads; 0 means all the threads OpenMP would use (omp_get_max_threads()).
   int numThreads = 0;
+  /// The scale of Q Kᵀ before the softmax; 0 means 1/sqrt(head_dim). Forward and backward of a
+  /// pair must use the same. Finite and not negative (checkSoftmaxScale).
+  float softmaxScale = 0;
 };
+
+/// The scale KernelOptions::softmaxScale asks for with head dim `headDim`; throws
+/// Error(kInvalidArgument) naming the value when it is negative, infinite or NaN.
+float softmaxScaleOf(const KernelOptions& options, int headDim);
 
 /// Number of visible (q, k) token pairs of `mask` (per head). Useful forward FLOPs of a pair are
 /// 4 * visiblePairs * numHeadsQ * headDim; the backward counts 2.5 times that (DESIGN.md).

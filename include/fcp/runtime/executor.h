@@ -47,6 +47,8 @@ struct ExecutorOptions {
   Layout layout = Layout::kTransparent;
   /// First message tag; the executor uses [firstTag, firstTag + tagsNeeded()).
   int firstTag = kFirstFcpTag;
+  /// The scale of Q Kᵀ before the softmax; 0 means 1/sqrt(head_dim) (kernels::KernelOptions).
+  float softmaxScale = 0;
 };
 
 /// What one pass cost on this rank.
