@@ -15,7 +15,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 
 #include "fcp/api/attention.h"
@@ -111,8 +110,7 @@ class CallbackTransport final : public runtime::Transport {
                   std::string(e.what()) + " (" + (r.isSend ? "a send of " : "a receive of ") +
                       std::to_string(r.bytes) + " bytes " + (r.isSend ? "to" : "from") + " rank " +
                       std::to_string(r.peer) + ", tag " + std::to_string(r.tag) +
-                      ", waited for up to " + seconds(timeoutSeconds_) +
-                      " s: did that rank raise in this call, or stop?)");
+                      ": did that rank raise in this call, or stop?)");
     }
     requests_.erase(it);
   }
@@ -206,11 +204,6 @@ class CallbackTransport final : public runtime::Transport {
     int peer = 0, tag = 0;
     size_t bytes = 0;
   };
-  static std::string seconds(double value) {
-    std::ostringstream os;
-    os << value;
-    return os.str();
-  }
   std::map<runtime::RequestId, Request> requests_;
   bool withdrew_ = false;            ///< cancelPending withdrew a request: no new messages
   std::string abandonedCollective_;  ///< why an all-reduce was left posted: nothing new at all

@@ -143,7 +143,12 @@ class _GroupTransport:
         return work.is_completed()
 
     def _wait(self, work, timeout_seconds):
-        work.wait(self.timeout)
+        # The batch's timeout, which a later batch may have changed (not the one the C++ transport
+        # was made with); the transport adds which message it was.
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise _fcp.Error(f"{e} (timeout_seconds = {self.timeout.total_seconds():g})") from None
 
     def _allreduce(self, values, op):
         # Bounded by the batch's timeout like the messages, not by the process group's own.
@@ -289,7 +294,8 @@ class _Settings:
             comm_ratio = float(comm_ratio)
         except (TypeError, ValueError, OverflowError):
             raise _fcp.Error(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
-        # FCP checks the value on every rank alike (finite, positive); here only that it is a number.
+        # FCP checks the value on every rank alike (finite, in fp32's range); here only that it is a
+        # number above 0.
         if softmax_scale is None:
             softmax_scale = 0.0  # FCP's 1/sqrt(head_dim)
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -194,7 +195,7 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
     const int64_t expected = starts[static_cast<size_t>(r)];
     if (begin != expected || end < begin || end > total) {
       const std::string before =
-          r == 0 ? std::string("the first range starts at 0")
+          r == 0 ? std::string("the first range must start at 0")
                  : "rank " + std::to_string(r - 1) + "'s range ends at " + std::to_string(expected);
       throwInvalidArgument("rank ", r, "'s token range is [", begin, ", ", end, "): expected [",
                            expected, ", e) with ", expected, " <= e <= ", total, " (", before,
@@ -212,9 +213,14 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
                          o.headDim,
                          ": expected positive counts with Q heads a multiple of KV heads");
   }
-  if (!(o.softmaxScale >= 0) || !std::isfinite(o.softmaxScale)) {
+  // The kernels take it as a float: a value float cannot hold would become 0 (the default) or
+  // infinity.
+  if (o.softmaxScale != 0 && !(o.softmaxScale >= std::numeric_limits<float>::min() &&
+                               o.softmaxScale <= std::numeric_limits<float>::max())) {
     throwInvalidArgument("softmax scale ", o.softmaxScale,
-                         ": expected a finite value >= 0 (0 for 1/sqrt(head dim))");
+                         ": expected 0 (for 1/sqrt(head dim)) or ",
+                         std::numeric_limits<float>::min(), " to ",
+                         std::numeric_limits<float>::max(), " (the kernels' fp32)");
   }
   plan::PlanConfig config = o.planConfig;
   config.numWorkers = ranks;

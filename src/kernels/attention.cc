@@ -14,7 +14,8 @@
 // the key columns they execute, largest first, so that causal work stays balanced over the
 // workers.
 //
-// Scores are kept in the log2 domain: S2 = log2(e) / sqrt(d) * Q K^T, so the softmax uses exp2.
+// Scores are kept in the log2 domain: S2 = log2(e) * scale * Q K^T (scale: KernelOptions'
+// softmaxScale, by default 1/sqrt(d)), so the softmax uses exp2.
 #include "fcp/kernels/attention.h"
 
 #include <algorithm>

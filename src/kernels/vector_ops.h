@@ -6,7 +6,7 @@
 //
 // Terms: a *row* is one (token, head) of a tile; `cols` is the number of keys in the tile, `ld`
 // the distance between rows. Scores are in the log2 domain (already multiplied by
-// log2(e) / sqrt(head_dim)), so every exponential is an exp2.
+// log2(e) times the softmax scale), so every exponential is an exp2.
 
 #include <cstdint>
 

@@ -1,8 +1,9 @@
 // Float64 attention, written as plainly as possible so that it is obviously right.
 //
-// Terms. For one sequence and one Q head h (KV head h / g): S = Q Kᵀ / sqrt(d) with masked
-// entries removed, P = softmax(S) row-wise, O = P V. Backward: dP = dO Vᵀ, D = rowsum(dO ∘ O),
-// dS = P ∘ (dP − D), dQ = dS K / sqrt(d), dK = dSᵀ Q / sqrt(d), dV = Pᵀ dO.
+// Terms. For one sequence and one Q head h (KV head h / g): S = c Q Kᵀ with masked entries
+// removed (c the softmax scale, 1/sqrt(d) by default), P = softmax(S) row-wise, O = P V.
+// Backward: dP = dO Vᵀ, D = rowsum(dO ∘ O), dS = P ∘ (dP − D), dQ = c dS K, dK = c dSᵀ Q,
+// dV = Pᵀ dO.
 #include "fcp/runtime/reference.h"
 
 #include <algorithm>
@@ -14,7 +15,8 @@ namespace fcp::runtime {
 
 ReferenceResult referenceAttention(const Batch& batch, const AttentionConfig& a,
                                    std::span<const float> q, std::span<const float> k,
-                                   std::span<const float> v, std::span<const float> dO) {
+                                   std::span<const float> v, std::span<const float> dO,
+                                   double softmaxScale) {
   const int64_t tokens = batch.numTokens(), hq = a.numHeadsQ, hkv = a.numHeadsKv, d = a.headDim;
   const int64_t group = hq / hkv;
   if (static_cast<int64_t>(q.size()) != tokens * hq * d || static_cast<int64_t>(dO.size()) != tokens * hq * d ||
@@ -26,7 +28,7 @@ ReferenceResult referenceAttention(const Batch& batch, const AttentionConfig& a,
   r.dq.assign(q.size(), 0.0);
   r.dk.assign(k.size(), 0.0);
   r.dv.assign(v.size(), 0.0);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = softmaxScale != 0 ? softmaxScale : 1.0 / std::sqrt(static_cast<double>(d));
   auto qi = [&](int64_t t, int64_t h) { return (t * hq + h) * d; };
   auto ki = [&](int64_t t, int64_t h) { return (t * hkv + h) * d; };
   int64_t begin = 0;

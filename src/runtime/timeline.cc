@@ -38,45 +38,64 @@ std::string serialize(const Timeline& timeline) {
 
 std::string gatherChromeTrace(Transport& transport, const Timeline& timeline,
                               int64_t maxBytesPerRank) {
-  if (maxBytesPerRank < 0 || maxBytesPerRank > kMaxTraceBytes) {
-    throwInvalidArgument("gatherChromeTrace: maxBytesPerRank is ", maxBytesPerRank,
-                         ": expected 0 to ", kMaxTraceBytes);
-  }
+  const auto validLimit = [](int64_t limit) { return limit >= 0 && limit <= kMaxTraceBytes; };
   const std::string mine = serialize(timeline);
-  const auto tooLarge = [&](int rank, int64_t bytes) {
-    return Error(ErrorCode::kTransport, "rank " + std::to_string(rank) + "'s timeline is " +
-                                            std::to_string(bytes) + " bytes: expected 0 to " +
-                                            std::to_string(maxBytesPerRank));
-  };
   // Message buffers in vectors (a move keeps their storage), kept for good by the guard when a
   // wait times out with a message still posted into or out of them.
-  std::vector<int64_t> size(1, static_cast<int64_t>(mine.size()));
+  std::vector<int64_t> head{static_cast<int64_t>(mine.size()), maxBytesPerRank};  // size, limit
   std::vector<char> text;
   const PendingGuard guard(transport, [&] {
-    keepForever(size);
+    keepForever(head);
     keepForever(text);
   });
-  // A size out of range is sent without its text, so that no message is left behind: every
-  // rank's size is received, and only the texts of the sizes in range follow them.
+  // Each rank sends its size and its limit, then its text only where the limit is valid and the
+  // size within it; rank 0 knows from the two whether a text follows, receives every message of
+  // every rank, and only then throws. So no message is left behind, whatever a rank passed.
+  const auto textFollows = [&](int64_t size, int64_t limit) {
+    return validLimit(limit) && size >= 0 && size <= limit;
+  };
+  const auto badLimit = [&](int rank, int64_t limit) {
+    return Error(ErrorCode::kInvalidArgument,
+                 "gatherChromeTrace: rank " + std::to_string(rank) + "'s maxBytesPerRank is " +
+                     std::to_string(limit) + ": expected 0 to " + std::to_string(kMaxTraceBytes) +
+                     ", the same on every rank (rank 0's is " + std::to_string(maxBytesPerRank) +
+                     ")");
+  };
+  const auto tooLarge = [&](int rank, int64_t size, int64_t limit) {
+    return Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + "'s timeline is " +
+                                                  std::to_string(size) + " bytes: expected 0 to " +
+                                                  std::to_string(limit));
+  };
   if (transport.rank() != 0) {
-    transport.wait(transport.isend(0, kTraceSizeTag, std::as_bytes(std::span(size))));
-    if (size[0] > maxBytesPerRank) throw tooLarge(transport.rank(), size[0]);
+    transport.wait(transport.isend(0, kTraceSizeTag, std::as_bytes(std::span(head))));
+    if (!validLimit(maxBytesPerRank)) throw badLimit(transport.rank(), maxBytesPerRank);
+    if (!textFollows(head[0], maxBytesPerRank))
+      throw tooLarge(transport.rank(), head[0], maxBytesPerRank);
     text.assign(mine.begin(), mine.end());
     transport.wait(transport.isend(0, kTraceTextTag, std::as_bytes(std::span(text))));
     return {};
   }
   std::vector<std::string> texts{mine};
   std::optional<Error> refused;
-  if (size[0] > maxBytesPerRank) refused = tooLarge(0, size[0]);
+  if (!validLimit(maxBytesPerRank)) {
+    refused = badLimit(0, maxBytesPerRank);
+  } else if (!textFollows(head[0], maxBytesPerRank)) {
+    refused = tooLarge(0, head[0], maxBytesPerRank);
+  }
   for (int r = 1; r < transport.size(); ++r) {
-    transport.wait(transport.irecv(r, kTraceSizeTag, std::as_writable_bytes(std::span(size))));
-    if (size[0] < 0 || size[0] > maxBytesPerRank) {
-      if (!refused) refused = tooLarge(r, size[0]);
-      continue;
+    transport.wait(transport.irecv(r, kTraceSizeTag, std::as_writable_bytes(std::span(head))));
+    const int64_t size = head[0], limit = head[1];
+    if (textFollows(size, limit)) {
+      text.assign(static_cast<size_t>(size), '\0');
+      transport.wait(transport.irecv(r, kTraceTextTag, std::as_writable_bytes(std::span(text))));
+      texts.emplace_back(text.begin(), text.end());
     }
-    text.assign(static_cast<size_t>(size[0]), '\0');
-    transport.wait(transport.irecv(r, kTraceTextTag, std::as_writable_bytes(std::span(text))));
-    texts.emplace_back(text.begin(), text.end());
+    if (refused) continue;
+    if (!validLimit(limit) || limit != maxBytesPerRank) {
+      refused = badLimit(r, limit);
+    } else if (!textFollows(size, limit)) {
+      refused = tooLarge(r, size, limit);
+    }
   }
   if (refused) throw *refused;
   struct Event {

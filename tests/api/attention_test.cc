@@ -39,6 +39,7 @@ struct Problem {
   int64_t blockSize = 64;
   plan::Placement placement = plan::Placement::kLocal;
   double localitySlack = 0.01;
+  double softmaxScale = 0;
 };
 
 struct Whole {  // whole-batch tensors, fp32 (bf16-rounded when the problem is bf16)
@@ -110,6 +111,7 @@ BatchOptions optionsFor(const Problem& p, int rank) {
   o.planConfig.coalesce = 2;
   o.planConfig.placement = p.placement;
   o.planConfig.localitySlack = p.localitySlack;
+  o.softmaxScale = p.softmaxScale;
   return o;
 }
 
@@ -214,7 +216,7 @@ void expectMatchesReference(const Problem& p, const Whole& in, const Outputs& go
                             const std::string& what) {
   const AttentionConfig a{p.hq, p.hkv, p.dim, dtypeBytes(p.dtype), p.mask};
   const runtime::ReferenceResult ref =
-      runtime::referenceAttention(Batch{p.lengths}, a, in.q, in.k, in.v, in.dO);
+      runtime::referenceAttention(Batch{p.lengths}, a, in.q, in.k, in.v, in.dO, p.softmaxScale);
   EXPECT_LE(runtime::relativeL2(got.o, ref.o), tolerance) << what << ": out";
   EXPECT_LE(runtime::relativeL2(got.dq, ref.dq), tolerance) << what << ": dq";
   EXPECT_LE(runtime::relativeL2(got.dk, ref.dk), tolerance) << what << ": dk";
@@ -313,6 +315,29 @@ TEST(AttentionBatchTest, AnyCallerSplitMatchesTheReference) {
     p.strategy = trial % 3 == 2 ? "ring" : "fcp";
     const Whole in = randomInputs(p, rng.next());
     expectMatchesReference(p, in, run(p, {in})[0], 1e-5, "trial " + std::to_string(trial));
+  }
+}
+
+// A model's own scale (1/head_dim, or larger than the default) in forward and backward, in
+// either layout; the default's outputs differ from it, so the scale reached the kernels.
+TEST(AttentionBatchTest, AModelsOwnSoftmaxScaleMatchesTheReference) {
+  Rng rng(23);
+  for (const double scale : {1.0 / 16, 0.9}) {
+    for (const Layout layout : {Layout::kTransparent, Layout::kDispatched}) {
+      Problem p;
+      p.lengths = randomLengths(rng, 400, 180);
+      p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+      p.layout = layout;
+      p.softmaxScale = scale;
+      const Whole in = randomInputs(p, rng.next());
+      const Outputs got = run(p, {in})[0];
+      expectMatchesReference(p, in, got, 1e-5, "scale " + std::to_string(scale));
+      const AttentionConfig a{p.hq, p.hkv, p.dim, dtypeBytes(p.dtype), p.mask};
+      EXPECT_GT(
+          runtime::relativeL2(
+              got.o, runtime::referenceAttention(Batch{p.lengths}, a, in.q, in.k, in.v, in.dO).o),
+          1e-3);
+    }
   }
 }
 
@@ -625,7 +650,7 @@ TEST(AttentionBatchErrorTest, RangesThatDoNotTileTheBatch) {
   p.starts = {10, 80, 160};  // the first range does not start at 0
   expectErrorOnEveryRank(2,
                          "rank 0's token range is [10, 80): expected [0, e) with 0 <= e <= 160 "
-                         "(the first range starts at 0, and cu_seqlens ends at 160",
+                         "(the first range must start at 0, and cu_seqlens ends at 160",
                          [&](Transport& t) { AttentionBatch batch(t, optionsFor(p, t.rank())); });
   p.starts = {0, 80, 170};  // past the end of cu_seqlens (the ranks' ranges say 170 tokens)
   expectErrorOnEveryRank(2,
@@ -717,6 +742,7 @@ TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
        },
        "(cost model)"},
       {[](BatchOptions& o) { o.firstTag += 2; }, "(first tag)"},
+      {[](BatchOptions& o) { o.softmaxScale = 0.5; }, "(softmax scale)"},
   };
   // Every planner setting the planning reads (the rest of PlanConfig is set from the batch).
   const std::vector<std::function<void(plan::PlanConfig&)>> planner = {

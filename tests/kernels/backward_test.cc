@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -139,8 +140,9 @@ TEST(SoftmaxScaleTest, AScaleThatIsNegativeOrNotFiniteIsNamed) {
         ADD_FAILURE() << "scale " << bad << " accepted";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-        EXPECT_NE(std::string(e.what()).find("expected a finite value >= 0"), std::string::npos)
-            << e.what();
+        std::ostringstream named;
+        named << "softmax scale " << bad << ": expected a finite value >= 0";
+        EXPECT_NE(std::string(e.what()).find(named.str()), std::string::npos) << e.what();
       }
     }
   }

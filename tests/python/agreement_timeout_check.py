@@ -26,8 +26,10 @@ def run(rank, port, done):
     code = 0
     # First, on a group of its own: rank 1 passes q of the wrong shape, so its call raises at once
     # and rank 0 waits for rank 1's messages until its timeout, then names the message it waited
-    # for (gloo's own error names no peer).
+    # for (gloo's own error names no peer) and the batch's timeout.
     group = dist.new_group([0, 1])
+    # A first batch with another timeout: the wait must name the batch's own, not this one.
+    ft.Batch([0, 100], (50 * rank, 50 * rank + 50), group, heads=2, kv_heads=1, head_dim=16, timeout_seconds=20)
     batch = ft.Batch([0, 100], (50 * rank, 50 * rank + 50), group, heads=2, kv_heads=1, head_dim=16,
                      block_size=16, timeout_seconds=3)
     rows = 51 if rank == 1 else 50
@@ -39,7 +41,7 @@ def run(rank, port, done):
         print(f"rank {rank}: attention raised: {e}", flush=True)
         if rank == 1 and "q is (51, 2, 16)" not in str(e):
             code = 1
-        if rank == 0 and not ("bytes from rank 1, tag" in str(e) and "waited for up to 3 s" in str(e)
+        if rank == 0 and not ("bytes from rank 1, tag" in str(e) and "(timeout_seconds = 3)" in str(e)
                               and "did that rank raise in this call, or stop?" in str(e)):
             code = 1
     if rank == 0:

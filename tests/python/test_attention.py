@@ -204,8 +204,12 @@ def test_a_softmax_scale_that_is_not_a_positive_number_or_differs_between_ranks(
                     else r"rank %d: rank %d's arguments were refused there" % (rank, last))
         with pytest.raises(fcp.Error, match=expected):
             ft.Batch([0, 100, 300], mine, comm, **dict(options, softmax_scale=bad if rank == last else None))
-    with pytest.raises(fcp.Error, match=r"softmax scale inf: expected a finite value >= 0"):
-        ft.Batch(cu, mine, comm, softmax_scale=float("inf"), **options)
+    # Past fp32's range (the kernels'), refused on every rank rather than turned into inf, or into
+    # 0 (which would mean the default).
+    for bad in (float("inf"), 1e39, 1e-50):
+        with pytest.raises(fcp.Error, match=r"softmax scale %s: expected 0 \(for 1/sqrt\(head dim\)\) or "
+                                            r"1\.17549e-38 to 3\.40282e\+38" % repr(bad).replace("+", r"\+")):
+            ft.Batch(cu, mine, comm, softmax_scale=bad, **options)
     with pytest.raises(fcp.Error, match=r"the ranks passed different batches or settings \(softmax scale\)"):
         ft.Batch(cu, mine, comm, softmax_scale=0.1 * (rank + 1), **options)
     assert ft.Batch(cu, mine, comm, softmax_scale=0.1, **options).num_user_tokens == mine[1] - mine[0]

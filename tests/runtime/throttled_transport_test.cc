@@ -24,15 +24,17 @@ using testing::runRanks;
 using testing::ThreadTransport;
 
 TEST(ThrottledTransportTest, MessagesArriveIntactAfterTheirLinkTime) {
-  // Rank 0 sends three messages of 100,000 bytes at 10 MB/s: the last cannot complete on
-  // rank 1 before 30 ms after the first was posted (a lower bound, whatever the machine's speed).
+  // Rank 0 sends three messages of 100,000 bytes at 10 MB/s. Rank 1's receive link is capped
+  // too: each receive completes no sooner than 10 ms after the one before, the first 10 ms
+  // after rank 1's transport was made. So the last cannot complete before 30 ms after rank 1
+  // began: a lower bound, whatever the machine's speed.
   constexpr size_t kBytes = 100'000;
   constexpr double kRate = 10e6;
   double elapsedMs = 0;
   runRanks(2, [&](ThreadTransport& inner) {
+    const auto start = Clock::now();
     const auto t = makeThrottledTransport(inner, kRate, 30);
     std::vector<std::vector<std::byte>> messages(3, std::vector<std::byte>(kBytes));
-    const auto start = Clock::now();
     std::vector<RequestId> requests;
     for (size_t m = 0; m < messages.size(); ++m) {
       if (inner.rank() == 0) {
@@ -128,7 +130,9 @@ TEST(ThrottledTransportTest, WithdrawingWaitsForASendThePacerIsPosting) {
   bool safe = false;
   std::thread withdraw([&] { safe = t->cancelPending(); });
   // However long the pacer stays there, the inner transport is not asked to withdraw before
-  // the send it is posting is pending there.
+  // the send it is posting is pending there. The pause gives a withdrawal that does not wait
+  // time to happen (it would, at once, on any machine not stalled for 50 ms); the test cannot
+  // fail for a correct transport, however slow the machine.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(inner.events(), std::vector<std::string>{});
   inner.release();

@@ -81,7 +81,7 @@ TEST(GatherChromeTraceTest, ATimelineOverTheLimitLeavesNoMessageBehind) {
     try {
       gatherChromeTrace(t, spansOf(r, r == 1 ? 40 : 1), kLimit);
     } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kTransport);
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
       errors[static_cast<size_t>(r)] = e.what();
     }
     // The same transport again: rank 0 must see these spans, not rank 1's refused ones.
@@ -100,6 +100,36 @@ TEST(GatherChromeTraceTest, ATimelineOverTheLimitLeavesNoMessageBehind) {
     const int rank = e.at("pid").get<int>();
     EXPECT_EQ(e.at("name").get<std::string>(), spansOf(rank, 1).spans()[0].name);
   }
+  EXPECT_EQ(spans, 3);
+}
+
+TEST(GatherChromeTraceTest, LimitsThatDifferOrAreOutOfRangeAreNamedOnRankZero) {
+  // Rank 1's limit is larger than rank 0's, rank 2's out of range: rank 1 sends its text (it is
+  // within its own limit) and returns; rank 2 sends its size alone and throws; rank 0 receives
+  // everything sent and throws naming rank 1. A second gather on the same transport is whole.
+  std::vector<std::string> errors(3);
+  std::string second;
+  runRanks(3, [&](ThreadTransport& t) {
+    const int r = t.rank();
+    const int64_t limit = r == 0 ? 200 : r == 1 ? 100000 : -5;
+    try {
+      gatherChromeTrace(t, spansOf(r, r == 1 ? 40 : 1), limit);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+    std::string out = gatherChromeTrace(t, spansOf(r, 1), 200);
+    if (r == 0) second = std::move(out);
+  });
+  EXPECT_NE(errors[0].find("rank 1's maxBytesPerRank is 100000: expected 0 to 1073741824, the "
+                           "same on every rank (rank 0's is 200)"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_EQ(errors[1], "");
+  EXPECT_NE(errors[2].find("rank 2's maxBytesPerRank is -5"), std::string::npos) << errors[2];
+  const nlohmann::json json = nlohmann::json::parse(second);
+  int spans = 0;
+  for (const nlohmann::json& e : json.at("traceEvents")) spans += e.at("ph") == "X";
   EXPECT_EQ(spans, 3);
 }
 

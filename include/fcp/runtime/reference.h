@@ -21,10 +21,12 @@ struct ReferenceResult {
 
 /// Attention of every sequence of `batch` over the packed tensors q [T, Hq, d], k, v [T, Hkv, d],
 /// dO [T, Hq, d] (fp32 in, float64 arithmetic), with the mask and GQA of `attention` and
-/// scores scaled by 1/sqrt(d). Throws Error(kInvalidArgument) when a size does not match.
+/// scores scaled by `softmaxScale` (0: 1/sqrt(d)). Throws Error(kInvalidArgument) when a size
+/// does not match.
 ReferenceResult referenceAttention(const Batch& batch, const AttentionConfig& attention,
                                    std::span<const float> q, std::span<const float> k,
-                                   std::span<const float> v, std::span<const float> dO);
+                                   std::span<const float> v, std::span<const float> dO,
+                                   double softmaxScale = 0);
 
 /// ||a − b||₂ / ||b||₂ (0 when both are empty or zero).
 double relativeL2(std::span<const float> a, std::span<const double> b);

@@ -44,7 +44,8 @@ inline constexpr int64_t kMaxTraceBytes = int64_t{1} << 30;
 /// Gathers every rank's spans on rank 0 (collective) and returns the Chrome-trace JSON there,
 /// an empty string on the other ranks. Times start at the earliest span of any rank. A rank
 /// whose serialised spans exceed `maxBytesPerRank` (every rank passes the same, at most
-/// kMaxTraceBytes) throws, and so does rank 0, naming the first such rank; the others return,
+/// kMaxTraceBytes) throws Error(kInvalidArgument), and so does rank 0, naming the first such
+/// rank (or a rank whose limit is out of range or differs from rank 0's); the others return,
 /// and no message of the gather is left behind on the transport.
 std::string gatherChromeTrace(Transport& transport, const Timeline& timeline,
                               int64_t maxBytesPerRank = kMaxTraceBytes);
