@@ -99,8 +99,16 @@ def test_outputs_and_gradients_match_float64_reference(group, seed, dtype, layou
 
     batch = ft.Batch(cu, (begin, end), comm, heads=heads, kv_heads=kv_heads, head_dim=dim, causal=causal,
                      dtype=dtype, layout=layout, strategy=strategy, block_size=128)
+    expect_reference(batch, whole, cu, causal)
+
+
+def expect_reference(batch, whole, cu, causal, scale=None):
+    """Runs attention of this rank's rows of `whole` (float64 q, k, v, do of the whole batch)
+    through `batch`, forward and backward, and compares o and the gradients with the float64
+    reference; returns o."""
+    dtype, begin, end = batch.dtype, batch.begin, batch.end
     mine = {name: t[begin:end].to(dtype).clone().requires_grad_(name != "do") for name, t in whole.items()}
-    if layout == "dispatched":
+    if batch.layout == "dispatched":
         q, k, v = (batch.dispatch(mine[n]) for n in ("q", "k", "v"))
         o = batch.undispatch(ft.attention(q, k, v, batch))
     else:
@@ -108,13 +116,14 @@ def test_outputs_and_gradients_match_float64_reference(group, seed, dtype, layou
     (o.float() * mine["do"].float()).sum().backward()
 
     ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
-    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, causal)
+    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, causal, scale)
     (ref * ref_inputs["do"]).sum().backward()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     if end > begin:
         assert rel(o, ref[begin:end]) <= tolerance
         for n in ("q", "k", "v"):
             assert rel(mine[n].grad, ref_inputs[n].grad[begin:end]) <= tolerance, n
+    return o
 
 
 def test_inputs_in_any_memory_layout_give_contiguous_correct_outputs(group):
@@ -172,22 +181,9 @@ def test_a_models_own_softmax_scale(group, scale, dtype, layout):
              for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("do", heads))}
     batch = ft.Batch(cu, (begin, end), comm, heads=heads, kv_heads=kv_heads, head_dim=dim, dtype=dtype,
                      layout=layout, block_size=64, softmax_scale=scale)
-    mine = {name: t[begin:end].to(dtype).clone().requires_grad_(name != "do") for name, t in whole.items()}
-    if layout == "dispatched":
-        o = batch.undispatch(ft.attention(*(batch.dispatch(mine[n]) for n in ("q", "k", "v")), batch))
-    else:
-        o = ft.attention(mine["q"], mine["k"], mine["v"], batch)
-    (o.float() * mine["do"].float()).sum().backward()
-    ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
-    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, True, scale)
-    (ref * ref_inputs["do"]).sum().backward()
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    if end > begin:
-        assert rel(o, ref[begin:end]) <= tolerance
-        for n in ("q", "k", "v"):
-            assert rel(mine[n].grad, ref_inputs[n].grad[begin:end]) <= tolerance, n
-        # Not the default scale's result: the scale reached the kernels.
-        assert rel(o, reference(whole["q"], whole["k"], whole["v"], cu, True)[begin:end]) > 10 * tolerance
+    o = expect_reference(batch, whole, cu, True, scale)
+    if end > begin:  # not the default scale's result: the scale reached the kernels
+        assert rel(o, reference(whole["q"], whole["k"], whole["v"], cu, True)[begin:end]) > 0.1
 
 
 def test_a_softmax_scale_that_is_not_a_positive_number_or_differs_between_ranks(group):
