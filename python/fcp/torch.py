@@ -315,9 +315,9 @@ class Batch:
     ``threads`` is how many threads FCP's kernels use on this rank (default 1: set it to the cores
     each rank may use). ``softmax_scale`` scales q·k before the softmax in every attention call of
     the batch, forward and backward (None: 1/sqrt(head_dim)); the same on every rank.
-    ``timeout_seconds`` bounds every wait for another rank, the batch's
-    agreement included (an MPI transport then takes up to 1 s more to withdraw the call's other
-    messages); it applies to a process group's transport from this batch on. An
+    ``timeout_seconds`` bounds every wait for another rank, the batch's agreement included (an MPI
+    transport then takes up to 1 s more to withdraw the call's other messages); it applies to a
+    process group's transport from this batch on. An
     agreement that times out leaves its all-reduce posted on the group (a late rank would meet
     it), so the group's transport then refuses every batch: continue on a new process group. An
     mpi4py communicator's transport keeps the timeout it was made with: a batch with another
@@ -515,7 +515,8 @@ class _Attention(torch.autograd.Function):
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
         q, k, v, o, lse, layer = _prepared(batch, lambda: (
-            q.contiguous(), k.contiguous(), v.contiguous(), torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype),
+            q.contiguous(), k.contiguous(), v.contiguous(),
+            torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype),
             torch.empty((n, batch.heads), dtype=torch.float32), _fcp.AttentionLayer()))
         start = time.perf_counter()
         layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
@@ -556,9 +557,10 @@ class _Attention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
               return_lse: bool = False):
     """Attention of every sequence of ``batch`` (causal or full, GQA when k, v have fewer heads),
-    scaled by the batch's ``softmax_scale`` (1/sqrt(head_dim) by default). Returns o (and the fp32 log-sum-exp [tokens, heads], natural log,
-    with ``return_lse``). Differentiable in q, k, v, once (no double backward, one backward per
-    forward), through o: a gradient that reaches lse raises fcp.Error rather than be dropped.
+    scaled by the batch's ``softmax_scale`` (1/sqrt(head_dim) by default). Returns o (and the fp32
+    log-sum-exp [tokens, heads], natural log, with ``return_lse``). Differentiable in q, k, v, once
+    (no double backward, one backward per forward), through o: a gradient that reaches lse raises
+    fcp.Error rather than be dropped.
     lse is in the graph for that reason: use ``lse.detach()`` to log or keep it (``.numpy()``).
     A call that raises on this rank (a tensor of the wrong shape) may leave the other ranks inside
     it until their timeout; the batch then refuses every later call (see Batch)."""

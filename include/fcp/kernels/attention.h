@@ -68,7 +68,7 @@ struct KernelOptions {
   /// Worker threads; 0 means all the threads OpenMP would use (omp_get_max_threads()).
   int numThreads = 0;
   /// The scale of Q Kᵀ before the softmax; 0 means 1/sqrt(head_dim). Forward and backward of a
-  /// pair must use the same. Finite and not negative (checkSoftmaxScale).
+  /// pair must use the same. Finite and not negative (softmaxScaleOf).
   float softmaxScale = 0;
 };
 
