@@ -230,12 +230,27 @@ PYBIND11_MODULE(_fcp, m) {
   m.doc() = "FCP's C++ library (use the fcp and fcp.torch modules instead)";
 
   m.attr("max_kernel_threads") = runtime::kMaxKernelThreads;
-  static py::exception<Error> error(m, "Error");
+  // fcp.Error, a RuntimeError, is every error FCP raises. Bad input is fcp.InvalidArgument, a
+  // ValueError too (a training loop's `except ValueError` catches it); failed or timed-out
+  // communication is fcp.TransportError.
+  static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  static py::exception<Error> invalid(m, "InvalidArgument",
+                                      py::make_tuple(error, py::handle(PyExc_ValueError)));
+  static py::exception<Error> transportError(m, "TransportError", error);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      error(e.what());
+      switch (e.code()) {
+        case ErrorCode::kInvalidArgument:
+          invalid(e.what());
+          break;
+        case ErrorCode::kTransport:
+          transportError(e.what());
+          break;
+        default:
+          error(e.what());
+      }
     }
   });
 

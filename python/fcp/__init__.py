@@ -4,6 +4,8 @@ The C++ library's Python face. ``fcp.torch`` has what a PyTorch training loop us
 ``Batch`` made once per step over the caller's process group (or mpi4py communicator) and an
 ``attention`` autograd function per layer. This module only re-exports the binding.
 """
-from ._fcp import Error  # noqa: F401  (raised for bad input, with a one-line message)
+# Every error FCP raises is an Error (a RuntimeError) with a one-line message: bad input an
+# InvalidArgument (a ValueError too), failed or timed-out communication a TransportError.
+from ._fcp import Error, InvalidArgument, TransportError  # noqa: F401
 
-__all__ = ["Error"]
+__all__ = ["Error", "InvalidArgument", "TransportError"]

@@ -30,6 +30,10 @@ Make the PendingBatch on the training thread, at the same point on every rank: i
 Every call is collective over the group: every rank calls it, in the same order. Planning fails
 on every rank or on none: where one rank's planning raises (its own environment, memory), the
 others raise ``fcp.Error`` naming it at the same point, so a loop may skip the batch and go on.
+
+Errors: every one is an ``fcp.Error`` (a ``RuntimeError``) with a one-line message; bad input is
+an ``fcp.InvalidArgument`` (a ``ValueError`` too), failed or timed-out communication an
+``fcp.TransportError``.
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ def _integers(name: str, xs) -> list:
             raise TypeError
         items = list(xs)  # a 0-d tensor or array raises TypeError here
     except TypeError:
-        raise _fcp.Error(f"{name} is {_describe(xs)}: expected a sequence of integers") from None
+        raise _fcp.InvalidArgument(f"{name} is {_describe(xs)}: expected a sequence of integers") from None
     return [_integer(f"{name}[{i}]", x) for i, x in enumerate(items)]
 
 
@@ -96,9 +100,9 @@ def _integer(name: str, x) -> int:
     except TypeError:
         value = None
     if value is None:
-        raise _fcp.Error(f"{name} is {_describe(x)}: expected an integer")
+        raise _fcp.InvalidArgument(f"{name} is {_describe(x)}: expected an integer")
     if not -2 ** 63 <= value < 2 ** 63:
-        raise _fcp.Error(f"{name} is {value}: expected {-2 ** 63} to {2 ** 63 - 1}")
+        raise _fcp.InvalidArgument(f"{name} is {value}: expected {-2 ** 63} to {2 ** 63 - 1}")
     return value
 
 
@@ -148,7 +152,7 @@ class _GroupTransport:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise _fcp.Error(f"{e} (timeout_seconds = {self.timeout.total_seconds():g})") from None
+            raise _fcp.TransportError(f"{e} (timeout_seconds = {self.timeout.total_seconds():g})") from None
 
     def _allreduce(self, values, op):
         # Bounded by the batch's timeout like the messages, not by the process group's own.
@@ -158,7 +162,7 @@ class _GroupTransport:
             work.wait(self.timeout)
         except RuntimeError as e:  # gloo says only "Operation timed out!"
             seconds = self.timeout.total_seconds()
-            raise _fcp.Error(f"the batch's agreement did not hear from every rank of the process group "
+            raise _fcp.TransportError(f"the batch's agreement did not hear from every rank of the process group "
                              f"(timeout_seconds = {seconds:g}): {e} (did a rank fail before the batch, or not "
                              f"make it?)") from None
         return t.tolist()
@@ -222,15 +226,15 @@ def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Ten
     """Each token's position inside its sequence, for tokens [begin, end) of the packed stream."""
     cu_list = _integers("cu_seqlens", cu_seqlens)
     if not cu_list or cu_list[0] != 0:
-        raise _fcp.Error(f"cu_seqlens starts {cu_list[:1]}: expected [0, ...]")
+        raise _fcp.InvalidArgument(f"cu_seqlens starts {cu_list[:1]}: expected [0, ...]")
     for i in range(1, len(cu_list)):
         if cu_list[i] <= cu_list[i - 1]:
-            raise _fcp.Error(f"cu_seqlens[{i}] is {cu_list[i]}: expected more than cu_seqlens[{i - 1}] = "
+            raise _fcp.InvalidArgument(f"cu_seqlens[{i}] is {cu_list[i]}: expected more than cu_seqlens[{i - 1}] = "
                              f"{cu_list[i - 1]} (every sequence at least one token)")
     begin, end = _integer("begin", begin), _integer("end", end)
     total = cu_list[-1]
     if not 0 <= begin <= end <= total:
-        raise _fcp.Error(f"tokens [{begin}, {end}): expected 0 <= begin <= end <= {total}, the batch's tokens")
+        raise _fcp.InvalidArgument(f"tokens [{begin}, {end}): expected 0 <= begin <= end <= {total}, the batch's tokens")
     cu = torch.as_tensor(cu_list, dtype=torch.int64)
     tokens = torch.arange(begin, end, dtype=torch.int64)
     seq = torch.searchsorted(cu, tokens, right=True) - 1
@@ -247,11 +251,11 @@ class _Settings:
                  strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds):
         if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
                 and 0 < timeout_seconds <= 86400):
-            raise _fcp.Error(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
+            raise _fcp.InvalidArgument(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         self.transport, transport_error = _transport(group, timeout_seconds)
         try:
             if transport_error:
-                raise _fcp.Error(transport_error)
+                raise _fcp.InvalidArgument(transport_error)
             self.options = _fcp.batch_options(*self._check(cu_seqlens, local_range, heads, kv_heads, head_dim,
                                                            causal, dtype, layout, strategy, block_size, threads,
                                                            comm_ratio, softmax_scale), local_error="")
@@ -266,15 +270,15 @@ class _Settings:
                block_size, threads, comm_ratio, softmax_scale):
         """The arguments checked, as batch_options takes them; sets this object's fields."""
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
-            raise _fcp.Error(f"dtype {_describe(dtype)} is not supported: expected torch.float32 or torch.bfloat16")
+            raise _fcp.InvalidArgument(f"dtype {_describe(dtype)} is not supported: expected torch.float32 or torch.bfloat16")
         if layout not in ("transparent", "dispatched"):
-            raise _fcp.Error(f"layout {_describe(layout)} is not supported: expected transparent or dispatched")
+            raise _fcp.InvalidArgument(f"layout {_describe(layout)} is not supported: expected transparent or dispatched")
         if type(causal).__name__ == "bool_":  # a NumPy bool
             causal = bool(causal)
         if not isinstance(causal, bool):
-            raise _fcp.Error(f"causal is {_describe(causal)}: expected True or False")
+            raise _fcp.InvalidArgument(f"causal is {_describe(causal)}: expected True or False")
         if not isinstance(strategy, str):
-            raise _fcp.Error(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
+            raise _fcp.InvalidArgument(f"strategy is {_describe(strategy)}: expected a name such as 'fcp' or 'ring'")
         self.cu_seqlens = _integers("cu_seqlens", cu_seqlens)
         try:  # a pair indexed 0 and 1 (a tuple, a list, a tensor or array of two), not a mapping
             pair = (local_range[0], local_range[1]) \
@@ -282,25 +286,25 @@ class _Settings:
         except (TypeError, KeyError, IndexError):
             pair = None
         if pair is None:
-            raise _fcp.Error(f"local_range is {_describe(local_range)}: expected (begin, end)")
+            raise _fcp.InvalidArgument(f"local_range is {_describe(local_range)}: expected (begin, end)")
         self.begin, self.end = _integer("local_range[0]", pair[0]), _integer("local_range[1]", pair[1])
         self.heads, self.kv_heads, self.head_dim = (_integer("heads", heads), _integer("kv_heads", kv_heads),
                                                     _integer("head_dim", head_dim))
         block_size, threads = _integer("block_size", block_size), _integer("threads", threads)
         # FCP checks the thread count on every rank alike; here only that it fits in a C int.
         if not -2 ** 31 <= threads < 2 ** 31:
-            raise _fcp.Error(f"thread count {threads}: expected 1 to {_fcp.max_kernel_threads}")
+            raise _fcp.InvalidArgument(f"thread count {threads}: expected 1 to {_fcp.max_kernel_threads}")
         try:
             comm_ratio = float(comm_ratio)
         except (TypeError, ValueError, OverflowError):
-            raise _fcp.Error(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
+            raise _fcp.InvalidArgument(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
         # FCP checks the value on every rank alike (finite, in fp32's range); here only that it is a
         # number above 0.
         if softmax_scale is None:
             softmax_scale = 0.0  # FCP's 1/sqrt(head_dim)
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
                 or not softmax_scale > 0:
-            raise _fcp.Error(f"softmax_scale is {_describe(softmax_scale)}: expected a number above 0, or None "
+            raise _fcp.InvalidArgument(f"softmax_scale is {_describe(softmax_scale)}: expected a number above 0, or None "
                              f"for 1/sqrt(head_dim)")
         self.dtype = dtype
         self.layout = layout
@@ -374,7 +378,7 @@ class Batch:
 
     def _fcp_layout_rows(self, name: str) -> None:
         if self.layout != "dispatched":
-            raise _fcp.Error(f"batch.{name} describes the rows of FCP's layout, which a transparent batch keeps inside "
+            raise _fcp.InvalidArgument(f"batch.{name} describes the rows of FCP's layout, which a transparent batch keeps inside "
                              f"attention(): expected a batch with layout='dispatched' (a transparent batch's rows are "
                              f"the caller's own: user_positions(cu_seqlens, begin, end))")
 

@@ -232,11 +232,16 @@ def test_bad_input_is_one_line_error(group):
     starts = split(160, ranks, 1)
     batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16, block_size=64)
     n = batch.num_call_tokens
-    with pytest.raises(fcp.Error, match=r"q is \(%d, 2, 8\)" % n):
+    # Bad input is an fcp.InvalidArgument: an fcp.Error (a RuntimeError) and a ValueError too.
+    assert issubclass(fcp.Error, RuntimeError) and issubclass(fcp.TransportError, fcp.Error)
+    with pytest.raises(ValueError, match=r"q is \(%d, 2, 8\)" % n) as raised:
         ft.attention(torch.zeros(n, 2, 8), torch.zeros(n, 1, 16), torch.zeros(n, 1, 16), batch)
-    with pytest.raises(fcp.Error, match="dtype"):
+    assert type(raised.value) is fcp.InvalidArgument and isinstance(raised.value, fcp.Error)
+    with pytest.raises(fcp.InvalidArgument, match="dtype"):  # fcp.torch's own check, through the agreement
         ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16,
                  dtype=torch.float16)
+    with pytest.raises(fcp.InvalidArgument, match=r"cu_seqlens starts \[10\]"):  # fcp.torch's, here only
+        ft.user_positions([10, 20], 0, 5)
     # Options out of range (every rank passes the same, so every rank refuses alike).
     for options, message in [({"threads": 1000}, "thread count 1000: expected 1 to 256"),
                              ({"block_size": 2 ** 40}, "block size 1099511627776: expected 1 to"),
