@@ -53,9 +53,9 @@ EfficiencyCurve::EfficiencyCurve(std::vector<std::pair<int64_t, double>> points)
     if (tokens <= 0) {
       throwInvalidArgument("efficiency curve point ", i, " has ", tokens, " tokens: expected > 0");
     }
-    if (!(fraction > 0 && fraction <= 1)) {
+    if (!(fraction >= kMinEfficiency && fraction <= 1)) {
       throwInvalidArgument("efficiency curve point ", i, " has efficiency ", fraction,
-                           ": expected a fraction of peak in (0, 1]");
+                           ": expected a fraction of peak from ", kMinEfficiency, " to 1");
     }
     if (i > 0 && tokens <= points_[i - 1].first) {
       throwInvalidArgument("efficiency curve point ", i, " has ", tokens,

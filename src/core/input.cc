@@ -196,13 +196,30 @@ void checkOutputPath(const std::string& path, std::string_view what) {
   if (path.empty()) throwInvalidArgument("empty ", what, " path: expected a file name");
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return;  // a new file
-    throwInvalidArgument("cannot write ", what, " '", shown, "': ", std::strerror(errno));
-  }
-  if (!S_ISREG(st.st_mode)) {
+    if (errno != ENOENT)
+      throwInvalidArgument("cannot write ", what, " '", shown, "': ", std::strerror(errno));
+  } else if (!S_ISREG(st.st_mode)) {
     throwInvalidArgument("cannot write ", what, " '", shown, "': it is ",
                          describeFileType(st.st_mode),
                          ", expected a regular file or a new path");
+  }
+  // The file is written through a temporary beside it (writeUserFile), so its directory must
+  // exist and take new files: checked now, not after the work whose result it is for.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  struct stat dirSt {};
+  if (::stat(dir.c_str(), &dirSt) != 0) {
+    throwInvalidArgument("cannot write ", what, " '", shown, "': its directory '", printable(dir),
+                         "': ", std::strerror(errno), ", expected an existing directory");
+  }
+  if (!S_ISDIR(dirSt.st_mode)) {
+    throwInvalidArgument("cannot write ", what, " '", shown, "': '", printable(dir), "' is ",
+                         describeFileType(dirSt.st_mode), ", expected a directory");
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    throwInvalidArgument("cannot write ", what, " '", shown, "': its directory '", printable(dir),
+                         "': ", std::strerror(errno));
   }
 }
 

@@ -130,10 +130,12 @@ Batch readTrace(const std::string& path) {
 namespace {
 
 /// The lengths in a trace's text, one per line; a total over kMaxBatchTokens is refused only
-/// when `limitTotal` (a batch), not for a length list (a distribution).
+/// when `limitTotal` (a batch: a "trace"), not for a length list (a distribution: a "workload
+/// file"), and errors name the file as what it is.
 std::vector<int64_t> parseLengths(std::string_view content, const std::string& source,
                                   bool limitTotal) {
   const std::string shown = printable(source);
+  const char* const what = limitTotal ? "trace" : "workload file";
   std::vector<int64_t> lengths;
   int64_t total = 0;
   int64_t lineNumber = 0;
@@ -154,22 +156,22 @@ std::vector<int64_t> parseLengths(std::string_view content, const std::string& s
       len = static_cast<int64_t>(v);
     }
     if (!digits || len <= 0) {
-      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": '", printable(text),
+      throwInvalidArgument(what, " '", shown, "' line ", lineNumber, ": '", printable(text),
                            "' is not a positive integer sequence length");
     }
     if (len > kMaxSequenceLength) {
-      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": sequence length ", len,
+      throwInvalidArgument(what, " '", shown, "' line ", lineNumber, ": sequence length ", len,
                            " is over the limit: expected at most ", kMaxSequenceLength, " tokens");
     }
     if (limitTotal && len > kMaxBatchTokens - total) {
-      throwInvalidArgument("trace '", shown, "' line ", lineNumber, ": the batch passes ",
+      throwInvalidArgument(what, " '", shown, "' line ", lineNumber, ": the batch passes ",
                            kMaxBatchTokens, " tokens: expected a smaller total");
     }
     total = limitTotal ? total + len : 0;
     lengths.push_back(len);
   }
   if (lengths.empty()) {
-    throwInvalidArgument("trace '", shown, "' has no sequence lengths: expected one per line");
+    throwInvalidArgument(what, " '", shown, "' has no sequence lengths: expected one per line");
   }
   return lengths;
 }

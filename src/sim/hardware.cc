@@ -1,11 +1,13 @@
 #include "fcp/sim/hardware.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
 
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
@@ -44,12 +46,32 @@ json parseJson(const std::string& text, const char* what, const std::string& sou
 /// Largest number a profile field may hold (TFLOP/s, GB/s, microseconds, workers per node):
 /// far above any device, and small enough that scaled to FLOP/s or bytes/s it stays finite.
 constexpr double kMaxProfileNumber = 1e9;
+/// Least peak or bandwidth (TFLOP/s, GB/s): far below any device, and large enough that the
+/// largest batch's work over it takes a finite time (1e-310 GB/s made the simulated times
+/// infinite, and the simulator's event order broke on them).
+constexpr double kMinProfileRate = 1e-6;
 
-double positiveNumber(const json& j, const char* field, const std::string& source) {
-  if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() > 0) ||
+/// The fields a profile may have; any other is refused, so a misspelt optional field (a
+/// latency, say) is named rather than silently read as absent.
+constexpr std::array<std::string_view, 12> kProfileFields = {"kind",
+                                                             "name",
+                                                             "note",
+                                                             "peak_tflops",
+                                                             "workers_per_node",
+                                                             "intra_node_gbps",
+                                                             "inter_node_gbps",
+                                                             "intra_node_latency_us",
+                                                             "inter_node_latency_us",
+                                                             "merge_ps_per_element",
+                                                             "forward",
+                                                             "backward"};
+
+double positiveNumber(const json& j, const char* field, const std::string& source,
+                      double least = kMinProfileRate) {
+  if (!j.contains(field) || !j[field].is_number() || !(j[field].get<double>() >= least) ||
       !(j[field].get<double>() <= kMaxProfileNumber)) {
     throwInvalidArgument("hardware profile ", source, ": field '", field,
-                         "' must be a positive number of at most ", kMaxProfileNumber);
+                         "' must be a number from ", least, " to ", kMaxProfileNumber);
   }
   return j[field].get<double>();
 }
@@ -113,11 +135,20 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
     throwInvalidArgument("hardware profile ", source,
                          ": expected an object with \"kind\": \"fcp-hardware\"");
   }
+  for (const auto& [key, unused] : j.items()) {
+    if (std::find(kProfileFields.begin(), kProfileFields.end(), key) == kProfileFields.end()) {
+      std::string known;
+      for (const std::string_view f : kProfileFields) (known += known.empty() ? "" : ", ") += f;
+      throwInvalidArgument("hardware profile ", source, ": unknown field '", printable(key),
+                           "': expected ", known);
+    }
+  }
   HardwareProfile h;
-  h.name = optionalString(j, "name", source, source);
+  // Printed in headers and tables: one printable line, as every echo of user input.
+  h.name = printable(optionalString(j, "name", source, source));
   h.note = optionalString(j, "note", "", source);
   h.peakFlops = positiveNumber(j, "peak_tflops", source) * 1e12;
-  const double perNode = positiveNumber(j, "workers_per_node", source);
+  const double perNode = positiveNumber(j, "workers_per_node", source, 1);
   if (perNode != static_cast<double>(static_cast<int64_t>(perNode))) {
     throwInvalidArgument("hardware profile ", source, ": workers_per_node ", perNode,
                          " must be a whole number");
@@ -140,10 +171,19 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
 
 namespace {
 
-/// A built-in profile's name, not a file: no '/', no ".json", and no such file here.
+/// The directory of the built-in profiles.
+std::string profileDir() {
+  const char* env = std::getenv("FCP_DATA_DIR");
+  return std::string(env && *env ? env : FCP_SOURCE_DATA_DIR) + "/hardware";
+}
+
+/// A built-in profile's name, not a file: no '/' and no ".json", and either a built-in profile
+/// of that name exists (it wins over a file of the same name here, as built-in workloads do:
+/// `./h100` names the file) or no such file exists here (an unknown name).
 bool isProfileName(const std::string& nameOrPath) {
-  return nameOrPath.find('/') == std::string::npos &&
-         nameOrPath.find(".json") == std::string::npos &&
+  if (nameOrPath.find('/') != std::string::npos || nameOrPath.find(".json") != std::string::npos)
+    return false;
+  return std::filesystem::exists(profileDir() + "/" + nameOrPath + ".json") ||
          !std::filesystem::is_regular_file(nameOrPath);
 }
 
@@ -159,9 +199,7 @@ HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
   if (nameOrPath.empty()) throwInvalidArgument("empty hardware profile: expected a name or a file");
   std::string path = nameOrPath;
   if (isProfileName(nameOrPath)) {
-    const char* env = std::getenv("FCP_DATA_DIR");
-    const std::string dir = env && *env ? env : FCP_SOURCE_DATA_DIR;
-    path = dir + "/hardware/" + nameOrPath + ".json";
+    path = profileDir() + "/" + nameOrPath + ".json";
     if (!std::filesystem::exists(path)) {
       throwInvalidArgument("unknown hardware profile '", nameOrPath,
                            "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path,

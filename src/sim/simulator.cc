@@ -1,6 +1,7 @@
 #include "fcp/sim/simulator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <queue>
@@ -147,7 +148,21 @@ class Engine {
     int32_t flow;
   };
 
-  void push(double time, Kind kind, int32_t id) { queue_.push({time, seq_++, kind, id}); }
+  /// A time that is not finite (work over rates so small that a duration overflows) would
+  /// break both queues' order: refused, never simulated. Profiles bound their rates
+  /// (hardware.cc), so this is a last guard.
+  static void checkFinite(double time) {
+    if (!std::isfinite(time)) {
+      throwInvalidArgument("a simulated time of ", time,
+                           " s: expected finite times (is a rate in the hardware profile far too "
+                           "small?)");
+    }
+  }
+
+  void push(double time, Kind kind, int32_t id) {
+    checkFinite(time);
+    queue_.push({time, seq_++, kind, id});
+  }
 
   // The indexed 4-ary min-heap of drain times; ties broken by flow id, so the order is
   // deterministic.
@@ -185,6 +200,7 @@ class Engine {
   }
   /// Sets flow f's drain time, inserting it or moving it within the heap.
   void scheduleDrain(int32_t f, double time) {
+    checkFinite(time);
     FlowState& s = flow_[static_cast<size_t>(f)];
     if (s.heapPos < 0) {
       heap_.push_back({time, f});

@@ -4,11 +4,14 @@
 
 #include <cmath>
 
+#include "../common/error_of.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 
 namespace fcp {
 namespace {
+
+using fcp::testing::errorOf;
 
 /// Counts mask entries one by one: the obviously correct reference.
 int64_t bruteForceVisible(MaskKind mask, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
@@ -90,6 +93,13 @@ TEST(CostModelTest, CurveRejectsBadPoints) {
   EXPECT_THROW(EfficiencyCurve({{512, 0.0}}), Error);
   EXPECT_THROW(EfficiencyCurve({{512, 1.5}}), Error);
   EXPECT_THROW(EfficiencyCurve({{512, 0.3}, {512, 0.4}}), Error);
+  // A fraction so small that costs would overflow (1e-300 made a planner error about a block
+  // of infinite cost): refused at the curve, naming the point; the least allowed is kept.
+  EXPECT_NE(errorOf([] {
+              EfficiencyCurve({{512, 1e-300}});
+            }).find("point 0 has efficiency 1e-300: expected a fraction of peak from 1e-06 to 1"),
+            std::string::npos);
+  EXPECT_EQ(EfficiencyCurve({{512, kMinEfficiency}}).at(512), kMinEfficiency);
 }
 
 TEST(CostModelTest, CheckAttentionConfigNamesTheBadField) {

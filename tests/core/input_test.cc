@@ -146,6 +146,25 @@ TEST(InputTest, WriteUserFileWritesOnlyRegularFilesOrNewPaths) {
             3);
 }
 
+TEST(InputTest, AnOutputPathWhoseDirectoryCannotTakeItIsRefusedBeforeTheWork) {
+  // `fcp run --timeline nodir/t.json` ran the whole job and then failed to write (a review).
+  const std::string dir = freshDir("output_dir");
+  EXPECT_TRUE(contains(errorOf([&] { checkOutputPath(dir + "/none/t.json", "--timeline file"); }),
+                       "cannot write --timeline file '" + dir + "/none/t.json': its directory '" +
+                           dir +
+                           "/none': No such file or directory, expected an existing directory"));
+  const std::string file = dir + "/file";
+  std::ofstream(file) << "x";
+  EXPECT_TRUE(contains(errorOf([&] { checkOutputPath(file + "/t.json", "--plan-out file"); }),
+                       "Not a directory"));
+  checkOutputPath(dir + "/new.json", "--plan-out file");  // a new file in a directory: fine
+  checkOutputPath(file, "--plan-out file");               // a regular file to replace: fine
+  const std::string cwd = std::filesystem::current_path().string();
+  std::filesystem::current_path(dir);
+  checkOutputPath("bare.json", "--plan-out file");  // no directory named: the current one
+  std::filesystem::current_path(cwd);
+}
+
 TEST(InputTest, JsonDepthIsBounded) {
   const auto nested = [](int depth) {
     return std::string(static_cast<size_t>(depth), '[') + std::string(static_cast<size_t>(depth), ']');

@@ -221,10 +221,15 @@ TEST(WorkloadTest, LoadWorkloadPrefersBuiltinNamesAndNamesBadFiles) {
   const std::string missing = errorOf([] { loadWorkload("zipf"); });
   EXPECT_NE(missing.find("unknown workload 'zipf'"), std::string::npos) << missing;
   EXPECT_NE(missing.find("lognormal-narrow"), std::string::npos) << missing;
+  // A workload file's errors call it one (not a trace, as they did).
   const std::string bad = writeTemp("empirical_bad.txt", "100\n-5\n");
-  EXPECT_NE(errorOf([&] { loadWorkload(bad); }).find("line 2: '-5'"), std::string::npos);
+  EXPECT_NE(errorOf([&] { loadWorkload(bad); }).find("workload file '" + bad + "' line 2: '-5'"),
+            std::string::npos);
   const std::string empty = writeTemp("empirical_empty.txt", "# nothing\n");
-  EXPECT_NE(errorOf([&] { loadWorkload(empty); }).find("no sequence lengths"), std::string::npos);
+  EXPECT_NE(errorOf([&] {
+              loadWorkload(empty);
+            }).find("workload file '" + empty + "' has no sequence lengths"),
+            std::string::npos);
   // A length list is a distribution, not a batch: its total may pass kMaxBatchTokens.
   std::string many;
   for (int i = 0; i < 5; ++i) many += std::to_string(kMaxSequenceLength) + "\n";
@@ -240,7 +245,8 @@ TEST(WorkloadTest, TraceErrorsNameTheProblem) {
   EXPECT_NE(errorOf([] { readTrace("/nonexistent/trace.txt"); }).find("/nonexistent/trace.txt"),
             std::string::npos);
   const std::string bad = writeTemp("trace_bad.txt", "100\n200\n3x0\n");
-  EXPECT_NE(errorOf([&] { readTrace(bad); }).find("line 3: '3x0'"), std::string::npos);
+  EXPECT_NE(errorOf([&] { readTrace(bad); }).find("trace '" + bad + "' line 3: '3x0'"),
+            std::string::npos);
   const std::string zero = writeTemp("trace_zero.txt", "100\n0\n");
   EXPECT_NE(errorOf([&] { readTrace(zero); }).find("line 2"), std::string::npos);
   const std::string negative = writeTemp("trace_neg.txt", "-5\n");

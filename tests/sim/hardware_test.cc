@@ -134,6 +134,80 @@ TEST(HardwareInputTest, NumbersOutOfRangeAndWrongTypesAreOneLine) {
   std::filesystem::remove(huge);
 }
 
+TEST(HardwareInputTest, RatesSoSmallThatTimesOverflowAreRefused) {
+  // 1e-310 GB/s made the simulated times infinite and the simulator crashed (a review); 1e-300
+  // printed a 300-digit step time. The fields now start at 1e-6.
+  const auto profile = [](const std::string& field, const std::string& value) {
+    std::string text =
+        R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8, "intra_node_gbps": 1,)"
+        R"( "inter_node_gbps": 1, "forward": [[256, 0.5]]})";
+    const std::string key = "\"" + field + "\": ";
+    const size_t at = text.find(key) + key.size();
+    text.replace(at, text.find(',', at) - at, value);
+    return text;
+  };
+  for (const std::string field : {"peak_tflops", "intra_node_gbps", "inter_node_gbps"}) {
+    for (const std::string value : {"1e-310", "1e-300", "9e-7", "0"}) {
+      EXPECT_NE(
+          errorOf([&] {
+            parseHardwareProfile(profile(field, value), "p");
+          }).find("hardware profile p: field '" + field + "' must be a number from 1e-06 to 1e+09"),
+          std::string::npos)
+          << field << " " << value;
+    }
+    EXPECT_NO_THROW(parseHardwareProfile(profile(field, "1e-6"), "p")) << field;
+  }
+  EXPECT_NE(errorOf([&] {
+              parseHardwareProfile(profile("workers_per_node", "0.5"), "p");
+            }).find("'workers_per_node' must be a number from 1 to"),
+            std::string::npos);
+}
+
+TEST(HardwareInputTest, AnUnknownFieldIsNamed) {
+  // A misspelt latency was read as absent (0) without a word (a review).
+  const std::string text =
+      R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8, "intra_node_gbps": 1,)"
+      R"( "inter_node_gbps": 1, "intra_node_latency_usec": 1000, "forward": [[256, 0.5]]})";
+  EXPECT_NE(errorOf([&] { parseHardwareProfile(text, "p"); })
+                .find("hardware profile p: unknown field 'intra_node_latency_usec': expected kind, "
+                      "name, note,"),
+            std::string::npos);
+  // Every built-in profile uses only known fields.
+  for (const std::string name : {"h100", "gpu-x", "gpu-y", "cpu"})
+    EXPECT_NO_THROW(loadHardwareProfile(name)) << name;
+}
+
+TEST(HardwareInputTest, TheNameIsOnePrintableLine) {
+  const std::string text =
+      R"({"kind": "fcp-hardware", "name": "evil\u001b[31m\nline", "peak_tflops": 1,)"
+      R"( "workers_per_node": 8, "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]]})";
+  EXPECT_EQ(parseHardwareProfile(text, "p").name, "evil\\x1B[31m\\nline");
+}
+
+TEST(HardwareInputTest, ABuiltInNameWinsOverAFileOfThatNameHere) {
+  // As for workloads: `./h100` names the file, `h100` the built-in profile (a file named h100
+  // in the current directory silently replaced it).
+  const std::string dir = writeTemp("fcp_profile_dir", "");
+  std::filesystem::remove(dir);
+  std::filesystem::create_directory(dir);
+  std::ofstream(dir + "/h100")
+      << R"({"kind": "fcp-hardware", "name": "mine", "peak_tflops": 1, "workers_per_node": 8,)"
+         R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]]})";
+  std::ofstream(dir + "/myprofile")
+      << R"({"kind": "fcp-hardware", "name": "other", "peak_tflops": 1, "workers_per_node": 8,)"
+         R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]]})";
+  const std::string cwd = std::filesystem::current_path().string();
+  std::filesystem::current_path(dir);
+  const std::string builtIn = loadHardwareProfile("h100").name;
+  const std::string file = loadHardwareProfile("./h100").name;
+  const std::string other = loadHardwareProfile("myprofile").name;  // no such built-in: the file
+  std::filesystem::current_path(cwd);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(builtIn, "h100");
+  EXPECT_EQ(file, "mine");
+  EXPECT_EQ(other, "other");
+}
+
 TEST(HardwareInputTest, ADirectoryOrFifoIsRefusedWithoutBlocking) {
   const std::string dir = writeTemp("fcp_dir_curve.json", "");
   std::filesystem::remove(dir);

@@ -8,12 +8,15 @@
 #include <string>
 #include <vector>
 
+#include "../common/error_of.h"
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
 #include "fcp/sim/hardware.h"
 
 namespace fcp::sim {
 namespace {
+
+using fcp::testing::errorOf;
 
 /// 1 TFLOP/s at every block size, 1 GB/s everywhere, no latency, every worker its own node
 /// unless told.
@@ -91,6 +94,25 @@ TEST(SimulatorTest, OneTransferTakesBytesOverBandwidth) {
   EXPECT_NEAR(r.forward.timeMs, 1000.0, 1e-6);
   // Inside one node the NVLink-class link is four times faster.
   EXPECT_NEAR(simulate(p, unitHardware(2), forwardOnly()).forward.timeMs, 250.0, 1e-6);
+}
+
+TEST(SimulatorTest, ATimeThatIsNotFiniteIsAnErrorNotACrash) {
+  // A profile made in code is not bounded as a parsed one is: 1e-301 bytes/s made the drain
+  // times infinite, and the event order broke on them (a segfault, found through the CLI).
+  plan::Plan p = barePlan(2, 1);
+  addTransfer(p, 0, 1, 1'000'000'000, 0);
+  HardwareProfile h = unitHardware();
+  h.interNodeBytesPerSecond = 1e-301;
+  EXPECT_NE(errorOf([&] {
+              simulate(p, h, forwardOnly());
+            }).find("a simulated time of inf s: expected finite times"),
+            std::string::npos);
+  HardwareProfile slow = unitHardware();
+  slow.peakFlops = 1e-301;
+  plan::Plan q = barePlan(1, 1);
+  addCompute(q, 0, 1.0, 0);
+  EXPECT_NE(errorOf([&] { simulate(q, slow, forwardOnly()); }).find("expected finite times"),
+            std::string::npos);
 }
 
 TEST(SimulatorTest, LatencyIsAddedOncePerTransfer) {

@@ -59,6 +59,10 @@ inline constexpr double kBackwardFlopsPerForward = 2.5;
 /// Useful backward FLOPs: kBackwardFlopsPerForward × forward.
 double backwardFlops(const AttentionConfig& config, int64_t visible);
 
+/// The least efficiency a curve may give: a block's cost is its FLOPs over it, and 1e-300 made
+/// costs infinite (a planner error naming a block, not the curve).
+inline constexpr double kMinEfficiency = 1e-6;
+
 /// Kernel efficiency f(tokens): the fraction of peak a kernel reaches on blocks of `tokens`
 /// tokens. Piecewise linear in log2(tokens) between measured or assumed points, constant
 /// beyond the ends.

@@ -41,7 +41,8 @@ std::string readUserFile(const std::string& path, std::string_view what, int64_t
 
 /// Throws unless `path` names a regular file or nothing yet (a path FCP may create or
 /// replace): a symlink, FIFO, device, socket or directory there is refused, so writing never
-/// replaces something that is not an ordinary file.
+/// replaces something that is not an ordinary file; and its directory must exist and take new
+/// files, so a command refuses a bad path before its work rather than after.
 void checkOutputPath(const std::string& path, std::string_view what);
 
 /// Writes `text` to `path` through a uniquely named temporary file in the same directory,
