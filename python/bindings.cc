@@ -48,7 +48,8 @@ struct WithoutGil {
 /// A Transport over Python callables:
 ///   isend(peer, tag, address, nbytes) -> request     irecv(peer, tag, address, nbytes) -> request
 ///   test(request) -> bool                            wait(request, timeout_seconds) -> None
-///   allreduce(list_of_int64, op_name) -> list        (op_name: "sum", "min" or "max")
+///   allreduce(list_of_int64, op_name, timeout_seconds) -> list  (op_name: "sum", "min" or
+///                                                    "max"; timeout_seconds 0: the usual)
 /// A request is any Python object. Zero-byte messages never reach Python (both sides agree on
 /// every size, so both skip them).
 class CallbackTransport final : public runtime::Transport {
@@ -76,6 +77,7 @@ class CallbackTransport final : public runtime::Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int maxTag() const override { return (1 << 30) - 1; }
+  double timeoutSeconds() const noexcept override { return timeoutSeconds_; }
 
   runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
     return post(isend_, peer, tag, const_cast<std::byte*>(data.data()), data.size());
@@ -116,7 +118,7 @@ class CallbackTransport final : public runtime::Transport {
   }
   using Transport::allreduce;
   void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double timeoutSeconds) override {
-    (void)timeoutSeconds;  // the callback bounds it by the transport's timeout (fcp/torch.py)
+    // The callback bounds it by the batch's timeout, or this one when longer (fcp/torch.py).
     // Withdrawn messages do not stop a collective (gloo never matches one with the other).
     if (!abandonedCollective_.empty())
       runtime::throwAbandoned(rank_, abandonedCollective_, "a new process group");
@@ -128,7 +130,7 @@ class CallbackTransport final : public runtime::Transport {
     std::vector<int64_t> out;
     try {
       out = call<std::vector<int64_t>>(
-          [&] { return allreduce_(in, name).cast<std::vector<int64_t>>(); });
+          [&] { return allreduce_(in, name, timeoutSeconds).cast<std::vector<int64_t>>(); });
     } catch (const Error& e) {
       // A collective that failed (timed out) stays posted: a late peer would meet it and go on
       // as if agreed, and every later collective would be out of step. Nothing more goes out.

@@ -154,14 +154,16 @@ class _GroupTransport:
         except RuntimeError as e:
             raise _fcp.TransportError(f"{e} (timeout_seconds = {self.timeout.total_seconds():g})") from None
 
-    def _allreduce(self, values, op):
-        # Bounded by the batch's timeout like the messages, not by the process group's own.
+    def _allreduce(self, values, op, timeout_seconds=0.0):
+        # Bounded by the batch's timeout like the messages, not by the process group's own; or by
+        # FCP's, when longer (the agreement after a failed call waits for ranks still inside it).
+        timeout = max(self.timeout, datetime.timedelta(seconds=timeout_seconds))
         t = torch.tensor(values, dtype=torch.int64)
         work = dist.all_reduce(t, op=self._OPS[op], group=self.group, async_op=True)
         try:
-            work.wait(self.timeout)
+            work.wait(timeout)
         except RuntimeError as e:  # gloo says only "Operation timed out!"
-            seconds = self.timeout.total_seconds()
+            seconds = timeout.total_seconds()
             raise _fcp.TransportError(f"the batch's agreement did not hear from every rank of the process group "
                              f"(timeout_seconds = {seconds:g}): {e} (did a rank fail before the batch, or not "
                              f"make it?)") from None
@@ -219,7 +221,7 @@ def _single_process_transport():
     """A transport of one rank: no messages, and an allreduce that returns its input."""
     def never(*unused):
         raise _fcp.Error("a one-rank transport sends no messages")
-    return _fcp.callback_transport(0, 1, never, never, never, never, lambda values, op: values, 60.0)
+    return _fcp.callback_transport(0, 1, never, never, never, never, lambda values, *unused: values, 60.0)
 
 
 def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Tensor:

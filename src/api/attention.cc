@@ -21,9 +21,16 @@
 namespace fcp {
 namespace {
 
+/// The dtype's name; a value outside the enum is named as one, never shown as fp32 (a review
+/// saw "q is [450, 4, 16] fp32, expected [450, 4, 16] fp32").
+std::string dtypeText(DType dtype) {
+  if (dtype == DType::kFp32 || dtype == DType::kBf16) return std::string(kernels::dtypeName(dtype));
+  return "dtype " + std::to_string(static_cast<int>(dtype)) + " (not fp32 or bf16)";
+}
+
 std::string shapeText(int64_t tokens, int64_t heads, int64_t dim, DType dtype) {
   std::ostringstream text;  // (not string operator+: GCC 12 warns falsely on it, -Wrestrict)
-  text << '[' << tokens << ", " << heads << ", " << dim << "] " << kernels::dtypeName(dtype);
+  text << '[' << tokens << ", " << heads << ", " << dim << "] " << dtypeText(dtype);
   return text.str();
 }
 
@@ -130,12 +137,21 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
     }
   }
   h[9].add(int64_t{o.firstTag});
-  h[10].add(o.softmaxScale == 0 ? 0.0 : o.softmaxScale);  // -0 is 0
+  // The scale the kernels will use (fp32): 0 (the default) and 1/sqrt(head dim) given outright
+  // are the same setting.
+  const double scale = o.softmaxScale == 0 && o.headDim > 0
+                           ? 1.0 / std::sqrt(static_cast<double>(o.headDim))
+                           : o.softmaxScale;
+  h[10].add(static_cast<double>(static_cast<float>(scale)) + 0.0);  // -0 is 0
   h[11].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
   std::array<int64_t, kSettings> out;
   for (size_t i = 0; i < kSettings; ++i) out[i] = h[i].value();
   return out;
 }
+
+/// How long past twice the transport's timeout the agreement after a failed call waits: the
+/// others' wait in that call, then their withdrawing of its messages (MPI: at most 1 s).
+constexpr double kAfterFailureSeconds = 5;
 
 /// What every rank has agreed on before planning: the inputs of the planning itself, which
 /// talks to no other rank.
@@ -162,7 +178,15 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
     same[kSettings + i] = -hashes[i];
   }
   same[2 * kSettings] = o.localError.empty() ? 0 : ranks - rank;
-  transport.allreduce(same, runtime::ReduceOp::kMax);
+  // After a call of an earlier batch threw here, the other ranks may still be inside that call,
+  // waiting out their timeout for this rank's messages (a tensor of the wrong shape here): wait
+  // for them, so that every rank hears the plan agreement's verdict on that call
+  // (checkPlanAgreement) rather than a timeout of its own, which it met just before the others
+  // arrived (a review: both ranks timed out, 41 s for a 20 s timeout).
+  const double timeout = transport.timeoutSeconds();
+  const bool afterFailure = transport.calls().state().kind != 0 && timeout > 0;
+  transport.allreduce(same, runtime::ReduceOp::kMax,
+                      afterFailure ? 2 * timeout + kAfterFailureSeconds : 0);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
@@ -185,6 +209,21 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   if (!differ.empty()) {
     throwInvalidArgument("rank ", rank, ": the ranks passed different batches or settings (",
                          differ, "): expected the same on every rank");
+  }
+  // Every rank passed these alike (hashed above), so every rank refuses alike. Values outside
+  // the enums were taken for one of their members, differently by different layers (a mask of
+  // 7 planned as causal and computed as full: wrong output, no error).
+  if (o.mask != MaskKind::kCausal && o.mask != MaskKind::kFull)
+    throwInvalidArgument("mask ", static_cast<int>(o.mask), ": expected causal or full");
+  if (o.dtype != DType::kFp32 && o.dtype != DType::kBf16)
+    throwInvalidArgument("dtype ", static_cast<int>(o.dtype), ": expected fp32 or bf16");
+  if (o.layout != Layout::kTransparent && o.layout != Layout::kDispatched) {
+    throwInvalidArgument("layout ", static_cast<int>(o.layout),
+                         ": expected transparent or dispatched");
+  }
+  if (o.planConfig.memoryLimitTokens < 0) {
+    throwInvalidArgument("memory budget ", o.planConfig.memoryLimitTokens,
+                         " tokens: expected 0 (the tokens per rank) or more");
   }
   const Batch batch = batchOf(o.cuSeqlens);
   const int64_t total = batch.numTokens();
@@ -409,7 +448,18 @@ void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
   collective("undispatch", [&] { undispatchTensor(local, user); });
 }
 
+/// A tensor that dispatch and undispatch move takes its heads and dim from the caller: they must
+/// be positive (0 heads read as a dispatch of 0 bytes "expected 0 and 0"; -1 heads of -4 moved
+/// 16-byte rows), and its dtype one the kernels know.
+void checkMovedShape(const char* name, int64_t heads, int64_t dim, DType dtype) {
+  if (heads <= 0 || dim <= 0 || (dtype != DType::kFp32 && dtype != DType::kBf16)) {
+    throwInvalidArgument(name, " has ", heads, " heads of ", dim, " in ", dtypeText(dtype),
+                         ": expected positive heads and head dim, fp32 or bf16");
+  }
+}
+
 void AttentionBatch::dispatchTensor(ConstTensorRef user, TensorRef local) {
+  checkMovedShape("dispatch input", user.numHeads, user.headDim, user.dtype);
   checkTensor("dispatch input", user, numUserTokens(), user.numHeads, user.headDim, user.dtype,
               "this rank's tokens in the caller's layout");
   checkTensor("dispatch output", local, numLocalTokens(), user.numHeads, user.headDim, user.dtype,
@@ -422,6 +472,7 @@ void AttentionBatch::dispatchTensor(ConstTensorRef user, TensorRef local) {
 }
 
 void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
+  checkMovedShape("undispatch input", local.numHeads, local.headDim, local.dtype);
   checkTensor("undispatch input", local, numLocalTokens(), local.numHeads, local.headDim,
               local.dtype, "this rank's tokens in FCP's layout");
   checkTensor("undispatch output", user, numUserTokens(), local.numHeads, local.headDim,

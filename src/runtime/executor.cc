@@ -266,7 +266,10 @@ void Executor::State::setup() {
     throwInvalidArgument("plan for ", plan.config.numWorkers, " workers run on ", transport.size(),
                          " ranks: expected the same number");
   }
-  if (options.firstTag < 0 || tagsNeeded() > int64_t{transport.maxTag()} - options.firstTag) {
+  if (options.firstTag < 0) {
+    throwInvalidArgument("first tag ", options.firstTag, ": expected 0 or more");
+  }
+  if (tagsNeeded() > int64_t{transport.maxTag()} - options.firstTag) {
     throwInvalidArgument(
         "plan needs tags ", options.firstTag, " to ", options.firstTag + tagsNeeded(), " (",
         plan.transfers.size(), " transfers, ", plan.blocks.size(),
@@ -878,6 +881,10 @@ std::span<const int64_t> Executor::localPosition() const { return state_->localP
 
 void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes,
                          int64_t rowBytes) const {
+  if (rowBytes <= 0) {
+    throwInvalidArgument(intoFcp ? "dispatch" : "undispatch", " of ", rowBytes,
+                         " bytes per token: expected at least 1");
+  }
   if (rowBytes > 0 && static_cast<int64_t>(userBytes) == userTokens() * rowBytes &&
       static_cast<int64_t>(localBytes) == localTokens() * rowBytes)
     return;

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -736,7 +737,7 @@ TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
          o.headDim = 32;
          o.mask = MaskKind::kFull;
        },
-       "(head dim, mask)"},
+       "(head dim, mask, softmax scale)"},  // the default scale, 1/sqrt(head dim), differs too
       {[](BatchOptions& o) {
          o.costModel.forward = EfficiencyCurve({{512, 0.5}});
        },
@@ -819,6 +820,44 @@ TEST(AttentionBatchErrorTest, OneRankWithABadThreadCountFailsEveryRank) {
   }
 }
 
+// Values no member of their enum has were taken for one (a mask of 7 planned as causal and
+// computed as full: wrong output and no error, from a review), and a negative budget for none.
+TEST(AttentionBatchErrorTest, ValuesOutsideTheEnumsANegativeBudgetAndTagAreNamed) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  const std::vector<std::pair<std::function<void(BatchOptions&)>, std::string>> cases = {
+      {[](BatchOptions& o) { o.mask = static_cast<MaskKind>(7); },
+       "mask 7: expected causal or full"},
+      {[](BatchOptions& o) { o.dtype = static_cast<DType>(9); }, "dtype 9: expected fp32 or bf16"},
+      {[](BatchOptions& o) { o.layout = static_cast<Layout>(9); },
+       "layout 9: expected transparent or dispatched"},
+      {[](BatchOptions& o) { o.planConfig.memoryLimitTokens = -5; },
+       "memory budget -5 tokens: expected 0 (the tokens per rank) or more"},
+      {[](BatchOptions& o) { o.firstTag = -1; }, "first tag -1: expected 0 or more"},
+  };
+  for (const auto& [change, text] : cases) {
+    expectErrorOnEveryRank(2, text, [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      change(o);
+      AttentionBatch batch(t, o);
+    });
+  }
+}
+
+// The softmax scale is agreed as the kernels use it: the default (0) and 1/sqrt(head dim)
+// given outright are one setting (they were refused as different).
+TEST(AttentionBatchTest, TheDefaultScaleAndItsValueGivenOutrightAreTheSameSetting) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  runtime::testing::runRanks(2, [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.softmaxScale = 1.0 / std::sqrt(static_cast<double>(p.dim));  // 0.25
+    EXPECT_NO_THROW(AttentionBatch(t, o));
+  });
+}
+
 TEST(AttentionBatchErrorTest, BadCuSeqlens) {
   Problem p;
   p.lengths = {100, 60};
@@ -867,6 +906,46 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
                         {o.data(), DType::kFp32, n, 4, 16});
         },
         "k is [" + std::to_string(n) + ", 2, 16] bf16, expected");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(  // a dtype outside the enum is named, not shown as fp32
+        [&] {
+          layer.forward(*batch, {q.data(), static_cast<DType>(5), n, 4, 16},
+                        {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                        {o.data(), DType::kFp32, n, 4, 16});
+        },
+        "q is [" + std::to_string(n) + ", 4, 16] dtype 5 (not fp32 or bf16), expected [" +
+            std::to_string(n) + ", 4, 16] fp32");
+    // What dispatch moves takes its shape from the caller: it must make sense.
+    const int64_t u = batch->numUserTokens(), l = batch->numLocalTokens();
+    std::vector<float> user(static_cast<size_t>(u * 64)), local(static_cast<size_t>(l * 64));
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->dispatch({user.data(), DType::kFp32, u, 0, 16},
+                          {local.data(), DType::kFp32, l, 0, 16});
+        },
+        "dispatch input has 0 heads of 16 in fp32: expected positive heads and head dim");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->undispatch({local.data(), DType::kFp32, l, -1, -4},
+                            {user.data(), DType::kFp32, u, -1, -4});
+        },
+        "undispatch input has -1 heads of -4 in fp32: expected positive");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->dispatch({user.data(), static_cast<DType>(5), u, 1, 16},
+                          {local.data(), static_cast<DType>(5), l, 1, 16});
+        },
+        "dispatch input has 1 heads of 16 in dtype 5 (not fp32 or bf16)");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->dispatch(std::as_bytes(std::span(user)), std::as_writable_bytes(std::span(local)),
+                          0);
+        },
+        "dispatch of 0 bytes per token: expected at least 1");
     batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {

@@ -286,6 +286,65 @@ bool oneRanksPlanningFailureStopsEveryRank(MPI_Comm comm) {
   return all == 1;
 }
 
+// A call that throws on one rank only (the last passes q with a row too many), then a new batch
+// on the same transport, as a training loop that catches the error would make. The other ranks
+// wait out their timeout (4 s) in the forward for the last rank's messages (a full mask: every
+// rank reads the last rank's KV); the last rank is in
+// the new batch's agreement at once, and must wait for them there, so that every rank hears the
+// agreement's verdict on the failed call. Before, the last rank gave up on the agreement just
+// before the others arrived, and they then waited a timeout more alone: every rank ended on a
+// timeout, none on what happened. On one rank there is no one to wait for: the forward fails in
+// its checks, and the next batch is fine.
+bool aCallThatFailedOnOneRankIsNamedByTheNextBatch(MPI_Comm comm) {
+  constexpr double kTimeout = 4;
+  std::unique_ptr<runtime::Transport> t = runtime::makeMpiTransport(
+      runtime::MpiCommHandle{MPI_Comm_c2f(comm)}, {.timeoutSeconds = kTimeout});
+  const int rank = t->rank(), ranks = t->size(), last = ranks - 1;
+  BatchOptions o;
+  o.cuSeqlens = {0, 300 * ranks};
+  o.localBegin = 300 * rank;
+  o.localEnd = 300 * (rank + 1);
+  o.numHeadsQ = o.numHeadsKv = 1;
+  o.headDim = 8;
+  o.mask = MaskKind::kFull;  // every rank reads KV the last rank holds: every rank waits for it
+  o.planConfig.blockSize = 64;
+  std::string first = "(no error)", second = "(no error)";
+  const double start = MPI_Wtime();
+  try {
+    AttentionBatch batch(*t, o);
+    const int64_t rows = 300 + (rank == last ? 1 : 0);
+    std::vector<float> q(static_cast<size_t>(rows * 8), 0.5f), kv(300 * 8, 0.5f), out(300 * 8);
+    AttentionLayer layer;
+    layer.forward(batch, {q.data(), DType::kFp32, rows, 1, 8}, {kv.data(), DType::kFp32, 300, 1, 8},
+                  {kv.data(), DType::kFp32, 300, 1, 8}, {out.data(), DType::kFp32, 300, 1, 8});
+  } catch (const Error& e) {
+    first = e.what();
+  }
+  try {
+    AttentionBatch again(*t, o);
+  } catch (const Error& e) {
+    second = e.what();
+  }
+  const double seconds = MPI_Wtime() - start;
+  const std::string verdict =
+      "rank " + std::to_string(rank) + ": a call of an earlier batch over this transport threw ";
+  const bool ok = first.find(rank == last ? "q is [301, 1, 8] fp32, expected [300, 1, 8] fp32"
+                                          : "timed out") != std::string::npos &&
+                  (ranks == 1 ? second == "(no error)" : second.rfind(verdict, 0) == 0) &&
+                  seconds < 3 * kTimeout + 10;
+  if (!ok) {
+    std::fprintf(stderr, "rank %d: after %.1f s: first: %s; second: %s\n", rank, seconds,
+                 first.c_str(), second.c_str());
+  }
+  int all = ok ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm);
+  if (rank == 0) {
+    std::printf("a call that failed on one rank: the next batch names it on every rank: %s\n",
+                all ? "ok" : "FAILED");
+  }
+  return all == 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -298,6 +357,7 @@ int main(int argc, char** argv) {
   try {
     passed = runAll(MPI_COMM_WORLD, "world", 2024) ? 1 : 0;
     if (!oneRanksPlanningFailureStopsEveryRank(MPI_COMM_WORLD)) passed = 0;
+    if (!aCallThatFailedOnOneRankIsNamedByTheNextBatch(MPI_COMM_WORLD)) passed = 0;
     if (worldSize >= 4) {
       // Two context-parallel groups (even and odd ranks) running different batches at once,
       // while WORLD carries the caller's own traffic.

@@ -82,6 +82,10 @@ class Transport {
   virtual int size() const = 0;
   /// Largest tag accepted by isend/irecv.
   virtual int maxTag() const = 0;
+  /// How long a wait may last before it fails, in seconds; 0 when the transport sets no limit.
+  /// After a call threw on this rank, the next batch's agreement waits about twice this for
+  /// the ranks still inside that call (fcp::AttentionBatch).
+  virtual double timeoutSeconds() const noexcept { return 0; }
 
   /// Posts a send of `data` to `peer` with `tag`; `data` must outlive the request.
   virtual RequestId isend(int peer, int tag, std::span<const std::byte> data) = 0;

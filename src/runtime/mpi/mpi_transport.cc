@@ -119,6 +119,7 @@ class MpiTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int maxTag() const override { return maxTag_; }
+  double timeoutSeconds() const noexcept override { return options_.timeoutSeconds; }
 
   RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
     return post(true, peer, tag, const_cast<std::byte*>(data.data()), data.size());
