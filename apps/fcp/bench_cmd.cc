@@ -101,10 +101,27 @@ std::string formatOptional(const std::optional<double>& value) {
 void runKernelBench(const KernelBenchArgs& a) {
   const kernels::DType dtype = parseDtype(a.dtype);
   if (!a.curveOut.empty()) checkOutputPath(a.curveOut, "--curve-out file");
-  for (const std::string& m : a.masks) parseMask(m);
+  for (size_t i = 0; i < a.masks.size(); ++i) {
+    parseMask(a.masks[i]);
+    // A mask measured twice would give the curve each length twice.
+    const auto at = a.masks.begin() + static_cast<std::ptrdiff_t>(i);
+    if (std::find(a.masks.begin(), at, *at) != at)
+      throwInvalidArgument("--mask lists ", a.masks[i], " twice: expected distinct masks");
+  }
   std::vector<int64_t> tokens;
   for (const std::string& t : a.tokens) {
-    tokens.push_back(parseTokenCount(t, "--tokens"));
+    const int64_t n = parseTokenCount(t, "--tokens");
+    // The curve's lengths must increase strictly (its loader refuses a repeated one), and a
+    // length measured twice says nothing new: refuse it here, before minutes of measurement.
+    // Compared after the suffixes, so "1K 1024" is a repeat.
+    const auto same = std::find(tokens.begin(), tokens.end(), n);
+    if (same != tokens.end()) {
+      const std::string& first = a.tokens[static_cast<size_t>(same - tokens.begin())];
+      throwInvalidArgument("--tokens lists ", n, " twice",
+                           first == t ? std::string() : " ('" + first + "' and '" + t + "')",
+                           ": expected distinct lengths");
+    }
+    tokens.push_back(n);
     if (tokens.back() > kMaxBenchTokens) {
       throwInvalidArgument("invalid --tokens ", tokens.back(), ": expected at most ", kMaxBenchTokens,
                            " (one measurement of a larger block takes minutes)");

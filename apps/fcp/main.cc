@@ -1,5 +1,8 @@
 // The `fcp` command. Errors end here: one line on stderr (one write, so several MPI ranks'
 // lines never interleave), exit code 1 (2 for usage errors).
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -7,6 +10,25 @@
 #include "commands.h"
 #include "common.h"
 #include "fcp/core/error.h"
+
+namespace {
+
+/// `code`, or 1 with one line when what the command printed did not all reach stdout: a full
+/// disk under `fcp simulate --csv > out.csv` must not end in exit 0 and a truncated file.
+int finish(int code) {
+  errno = 0;
+  std::cout.flush();  // (in sync with stdio, this flushes stdout: errno says why it failed)
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout.good()) {
+    const int saved = errno;
+    fcp::app::printErrorLine("error",
+                             std::string("cannot write standard output: ") +
+                                 (saved != 0 ? std::strerror(saved) : "an earlier write failed"));
+    return 1;
+  }
+  return code;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"fcp: flexible context parallelism"};
@@ -23,10 +45,10 @@ int main(int argc, char** argv) {
     const CLI::App* target = &app;
     while (!target->get_subcommands().empty()) target = target->get_subcommands().front();
     std::cout << target->help();
-    return 0;
+    return finish(0);
   } catch (const CLI::CallForAllHelp&) {
     std::cout << app.help("", CLI::AppFormatMode::All);
-    return 0;
+    return finish(0);
   } catch (const CLI::ParseError& e) {
     fcp::app::printErrorLine("error", std::string(e.what()) + " (see fcp --help)");
     return 2;
@@ -40,5 +62,5 @@ int main(int argc, char** argv) {
     fcp::app::printErrorLine("internal error", e.what());
     return 1;
   }
-  return 0;
+  return finish(0);
 }

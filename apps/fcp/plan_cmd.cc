@@ -83,7 +83,8 @@ void printSharding(const plan::Plan& p) {
   }
 }
 
-void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings& t,
+/// `t` is null for a plan loaded from a file: it was not planned here, so there are no times.
+void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::PlanTimings* t,
                   const std::string& source) {
   const auto& c = p.config;
   std::printf("FCP plan: %s, %lld sequences, %lld tokens\n", source.c_str(),
@@ -134,10 +135,14 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
       std::string(plan::placementName(p.placement)).c_str(),
       static_cast<long long>(p.localityMoves), static_cast<double>(s.stepBytes),
       static_cast<double>(s.maxWorkerStepBytes));
+  if (!t) {
+    std::printf("  loaded, not planned here: no planning times\n");
+    return;
+  }
   std::printf(
       "  planned in %.2f ms (shard %.2f, assign %.2f, balance %.2f, transfers %.2f, "
       "colour %.2f, schedule %.2f)\n",
-      t.totalMs, t.shardMs, t.assignMs, t.balanceMs, t.transfersMs, t.colorMs, t.scheduleMs);
+      t->totalMs, t->shardMs, t->assignMs, t->balanceMs, t->transfersMs, t->colorMs, t->scheduleMs);
 }
 
 /// The plan's digest as the ranks compare it and name it when they disagree: its top 63 bits,
@@ -150,7 +155,8 @@ std::string digestHex(uint64_t digest) {
 
 /// `fcp plan --plan-in FILE`: a saved plan, checked, then summarised like a new one.
 /// Its pair costs are recomputed with --curve (the paper-shaped curve by default), so a plan
-/// made with `--curve X` must be loaded with `--curve X`.
+/// made with `--curve X` must be loaded with `--curve X`. Its JSON has no plan_ms: the plan was
+/// not made here.
 void runLoadedPlan(const PlanArgs& a) {
   const plan::Plan p =
       plan::planFromJson(readUserFile(a.planIn, "--plan-in file", kMaxPlanFileBytes));
@@ -179,8 +185,20 @@ void runLoadedPlan(const PlanArgs& a) {
                      .dump()
               << '\n';
   } else {
-    printSummary(p, s, plan::PlanTimings{}, "loaded from " + a.planIn);
+    printSummary(p, s, nullptr, "loaded from " + a.planIn);
     std::printf("  digest %s\n", digestHex(plan::planDigest(p)).c_str());
+  }
+}
+
+/// Refuses an option given with --plan-in that a loaded plan does not use (every one but
+/// --curve and --json): it would be silently ignored, the plan keeping its own settings.
+void checkPlanInOptions(const CLI::App& cmd) {
+  for (const CLI::Option* o : cmd.get_options()) {
+    const std::string name = o->get_name();
+    if (o->count() == 0 || name == "--plan-in" || name == "--curve" || name == "--json") continue;
+    throwInvalidArgument("--plan-in with ", name,
+                         ": expected only --curve and --json beside it (a loaded plan is "
+                         "checked as saved, not planned again)");
   }
 }
 
@@ -253,7 +271,7 @@ void runPlan(const PlanArgs& a) {
   if (!a.planOut.empty()) writeUserFile(a.planOut, "--plan-out file", plan::planToJson(p) + "\n");
 
   if (!a.json) {
-    printSummary(p, s, timings, source);
+    printSummary(p, s, &timings, source);
     std::printf("  checked in %.2f ms; digest %s in %.2f ms\n", validateMs, digestText.c_str(),
                 digestMs);
     std::printf("  reshuffle without the locality preference: %.4g bytes\n",
@@ -354,8 +372,10 @@ void addPlanCommand(CLI::App& app) {
   addNumber(cmd, "--memory-slack", args->memorySlack, 0, 100, "Tolerated overshoot delta of M");
   addNumber(cmd, "--alpha", args->alpha, 1e-6, 1e6, "Weight of memory in the distributor's score");
   addNumber(cmd, "--beta", args->beta, 1e-6, 1e6, "Weight of compute in the distributor's score");
+  // A trace is used as given: a seed would change nothing.
   addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
-              "Seed of the batch sampler");
+              "Seed of the batch sampler")
+      ->excludes(trace);
   addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
              "Draw the first batch of the seed's stream with at least this many sequences "
              "(default 1)")
@@ -395,8 +415,12 @@ void addPlanCommand(CLI::App& app) {
                 "large part of a worker's share");
   addText(cmd, "--plan-out", args->planOut, "Also write the whole plan as JSON to this file");
   addText(cmd, "--plan-in", args->planIn,
-          "Check and summarise a plan written by --plan-out instead of planning");
-  cmd->callback([args] { runPlan(*args); });
+          "Check and summarise a plan written by --plan-out instead of planning (only --curve "
+          "and --json go with it)");
+  cmd->callback([args, cmd] {
+    if (!args->planIn.empty()) checkPlanInOptions(*cmd);
+    runPlan(*args);
+  });
 }
 
 }  // namespace fcp::app

@@ -116,6 +116,20 @@ void checkArgs(const SimulateArgs& a) {
       throwInvalidArgument("invalid --workers ", w, ": expected 1 to 2^20");
     }
   }
+  // Every cell's batch size, before the first cell runs: a sweep must not plan for minutes and
+  // only then refuse its last cell's batch.
+  if (a.trace.empty()) {
+    const int64_t tokensPerWorker = parseTokenCount(
+        a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
+    for (const int64_t workers : a.workers) {
+      if (tokensPerWorker > kMaxBatchTokens / workers) {
+        throwInvalidArgument("--workers ", workers, " x --tokens-per-worker ", tokensPerWorker,
+                             " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
+      }
+    }
+  } else if (!a.tokensPerWorker.empty()) {
+    parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+  }
   if (a.batches <= 0) throwInvalidArgument("invalid --batches ", a.batches, ": expected a positive integer");
   if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected a positive integer");
   if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
@@ -219,12 +233,9 @@ void runSimulate(const SimulateArgs& a) {
     config.numWorkers = workers;
     config.commRatio = a.commRatio >= 0 ? a.commRatio : hw.planCommRatio(workers);
     if (a.trace.empty()) {
-      config.tokensPerWorker =
-          parseTokenCount(a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
-      if (config.tokensPerWorker > kMaxBatchTokens / workers) {
-        throwInvalidArgument("--workers ", workers, " x --tokens-per-worker ", config.tokensPerWorker,
-                             " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
-      }
+      // Within kMaxBatchTokens for every cell (checkArgs).
+      config.tokensPerWorker = parseTokenCount(
+          a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
     } else {
       config.tokensPerWorker = a.tokensPerWorker.empty()
                                    ? (traceBatch.numTokens() + workers - 1) / workers
@@ -301,8 +312,13 @@ void addSimulateCommand(CLI::App& app) {
   addText(cmd, "--block-size", args->blockSize, "Tokens per block, e.g. 4K");
   addText(cmd, "--tokens-per-worker", args->tokensPerWorker,
                   "Tokens per worker (default 32K; with --trace, the trace's share)");
-  addInteger(cmd, "--batches", args->batches, 1, kMaxBatches, "Sampled batches per cell (mean reported)");
-  addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(), "Seed of the first batch");
+  // A trace is one batch, used as given: --batches and --seed would change nothing.
+  addInteger(cmd, "--batches", args->batches, 1, kMaxBatches,
+             "Sampled batches per cell (mean reported)")
+      ->excludes(trace);
+  addUnsigned(cmd, "--seed", args->seed, std::numeric_limits<uint64_t>::max(),
+              "Seed of the first batch")
+      ->excludes(trace);
   addInteger(cmd, "--min-sequences", args->minSequences, 1, kMaxBatchTokens,
              "Draw the first batch of the seed's stream with at least this many sequences "
              "(default 1)")

@@ -15,13 +15,14 @@ printf '1073741824\n1073741824\n1073741824\n1073741824\n1073741824\n' > "$tmp/to
 printf '# only comments\n\n' > "$tmp/empty.txt"
 mkdir "$tmp/dir.txt"
 
-# expect NAME EXPECTED_TEXT ARGS...: run `fcp plan ARGS --plan-out FILE`.
+# expect NAME EXPECTED_TEXT ARGS...: run `fcp plan ARGS --plan-out FILE` (without --plan-out
+# when ARGS has --plan-in, which refuses it, or their own --plan-out).
 expect() {
   local name=$1 text=$2
   shift 2
   local out="$tmp/plan_$name.json"
   local extra=(--plan-out "$out")
-  case " $* " in *" --plan-out "*) extra=() ;; esac
+  case " $* " in *" --plan-out "* | *" --plan-in "*) extra=() ;; esac
   "$fcp" plan "$@" "${extra[@]}" > "$tmp/stdout" 2> "$tmp/stderr"
   local code=$?
   local why=""
@@ -92,6 +93,14 @@ t[first][4] = t[0][4]
 json.dump(p, open(sys.argv[2], "w"))
 PY
 expect invalid_plan_in "is not a matching" --plan-in "$tmp/bad.json"
+# --plan-in uses only --curve and --json: any other option would be silently ignored.
+expect plan_in_workers "--plan-in with --workers" --plan-in "$tmp/good.json" --workers 4
+expect plan_in_block_size "--plan-in with --block-size" --plan-in "$tmp/good.json" --block-size 7
+expect plan_in_trace "--plan-in with --trace" --plan-in "$tmp/good.json" --trace "$tmp/small.txt"
+expect plan_in_plan_out "--plan-in with --plan-out" --plan-in "$tmp/good.json" \
+  --plan-out "$tmp/plan_plan_in_plan_out.json"
+# A trace is used as given: a --seed would be ignored (the default seed still works: plan_test).
+expect seed_and_trace "--seed" --trace "$tmp/small.txt" --seed 3
 
 # --curve: a file that is missing, of another kind, or with a bad point.
 printf '{"kind": "something-else"}\n' > "$tmp/other_kind.json"

@@ -123,6 +123,25 @@ if [ $? -eq 0 ] || [ -s "$tmp/odd.out" ] || [ "$(wc -l < "$tmp/odd.err")" -ne 1 
   failures=$((failures + 1))
 fi
 
+# A length or mask listed twice (after the suffixes: 1K is 1024) is refused in one line before
+# any measurement, writing no curve: the curve's loader takes strictly increasing lengths only.
+refuse_repeat() {
+  local name=$1 text=$2
+  shift 2
+  rm -f "$tmp/repeat_curve.json"
+  "$fcp" bench kernel --min-seconds 0 --heads-q 1 --head-dim 16 "$@" \
+    --curve-out "$tmp/repeat_curve.json" > "$tmp/$name.out" 2> "$tmp/$name.err"
+  if [ $? -eq 0 ] || [ -s "$tmp/$name.out" ] || [ "$(wc -l < "$tmp/$name.err")" -ne 1 ] ||
+     ! grep -qF -- "$text" "$tmp/$name.err" || [ -e "$tmp/repeat_curve.json" ]; then
+    echo "FAIL $name: expected one line with '$text', a nonzero exit and no curve"
+    sed 's/^/    stderr: /' "$tmp/$name.err"
+    failures=$((failures + 1))
+  fi
+}
+refuse_repeat repeated_tokens "--tokens lists 64 twice: expected distinct lengths" --tokens 64 64
+refuse_repeat repeated_suffixed_tokens "--tokens lists 1024 twice ('1K' and '1024')" --tokens 1K 128 1024
+refuse_repeat repeated_mask "--mask lists full twice" --tokens 64 --mask full full
+
 if [ $failures -ne 0 ]; then
   echo "$failures check(s) failed"
   exit 1

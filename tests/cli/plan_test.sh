@@ -97,6 +97,13 @@ check workload_file_corpus_runs "$fcp" plan --workload "$(dirname "$0")/../../da
 # A saved plan loads back and validates.
 check plan_in_runs "$fcp" plan --plan-in "$tmp/a.json" --json > "$tmp/loaded.json"
 check plan_in_valid grep -q '"valid":true' "$tmp/loaded.json"
+# A loaded plan was not planned here: no planning times in its summary or its JSON.
+"$fcp" plan --plan-in "$tmp/a.json" > "$tmp/loaded.txt"
+check plan_in_says_loaded grep -q "loaded, not planned here: no planning times" "$tmp/loaded.txt"
+check plan_in_no_times bash -c "! grep -q 'planned in' '$tmp/loaded.txt'"
+check plan_in_json_no_times /usr/bin/python3 -c "
+import json; s = json.load(open('$tmp/loaded.json'))
+assert not any(k.startswith('plan_ms') for k in s), s"
 
 # Issue 15: batches whose blocks the memory cap cannot place are planned with finer blocks,
 # and the plan says so (seed 5979 once failed with "no worker has room for block 1").
@@ -108,6 +115,22 @@ check block_over_cap_fields /usr/bin/python3 -c "
 import json; s = json.load(open('$tmp/over_cap.json'))['sharding']
 assert 0 < s['block_size'] <= 2253 and s['memory_retries'] >= 1, s"
 check help_exits_zero "$fcp" plan --help > /dev/null
+
+# Output that does not reach stdout (a full disk: /dev/full) is an error, one line, exit 1; it
+# was exit 0, leaving a truncated file behind `> out.csv` (a review). Help and the JSON too.
+for args in "plan --workers 4" "plan --workers 4 --json" "simulate --strategy fcp --workers 4 --csv" \
+    "plan --help"; do
+  # shellcheck disable=SC2086
+  "$fcp" $args > /dev/full 2> "$tmp/full.err"
+  code=$?
+  if [ $code -eq 1 ] && [ "$(wc -l < "$tmp/full.err")" -eq 1 ] &&
+     grep -q "^fcp: error: cannot write standard output: No space left on device" "$tmp/full.err"; then
+    passed=$((passed + 1))
+  else
+    echo "FAIL stdout_full ($args): exit $code"; sed 's/^/    stderr: /' "$tmp/full.err"
+    failures=$((failures + 1))
+  fi
+done
 
 echo "$passed passed, $failures failed"
 [ $failures -eq 0 ]

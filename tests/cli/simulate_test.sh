@@ -40,6 +40,17 @@ expect bad_comm_ratio "--comm-ratio 'fast': expected a number from 0 to 100000, 
   --comm-ratio fast
 expect negative_comm_ratio "--comm-ratio '-1'" --comm-ratio -1
 expect unknown_placement "unknown placement 'far'" --placement far
+# Every cell's batch is checked before the first cell runs (the 1-worker cell used to run, with
+# its progress on stderr, before the 2^20-worker one was refused).
+expect later_cell_batch_too_large \
+  "--workers 1048576 x --tokens-per-worker 8192 passes 4294967296 tokens: expected a smaller batch" \
+  --strategy fcp --workers 1,1048576 --tokens-per-worker 8K
+# A trace is one batch, used as given: --seed and --batches would be ignored.
+printf '4096\n' > "$tmp/trace.txt"
+expect seed_and_trace "--seed" --trace "$tmp/trace.txt" --seed 3
+expect batches_and_trace "--batches" --trace "$tmp/trace.txt" --batches 2
+expect trace_bad_tokens_per_worker "--tokens-per-worker 'garbage'" --trace "$tmp/trace.txt" \
+  --tokens-per-worker garbage
 
 # --placement reaches FCP's planner: each placement simulates the plan `fcp plan` makes with
 # it (the same KV bytes), and on one 128K-token causal sequence over 16 workers they differ.

@@ -43,6 +43,58 @@ for args in "--strategy magic" "--dtype fp16" "--layout zigzag" "--repeats 0" "-
   fi
 done
 
+# refuse NAME TEXT ARGS...: `fcp run ARGS` without mpirun gives one line containing TEXT, a
+# nonzero exit, nothing on stdout and no timeline.
+refuse() {
+  local name=$1 text=$2
+  shift 2
+  rm -f "$dir/trace.json"
+  "$fcp" run "$@" --timeline "$dir/trace.json" >"$dir/out" 2>"$dir/err"
+  local rc=$?
+  if [ "$rc" -eq 0 ] || [ -s "$dir/out" ] || [ "$(wc -l <"$dir/err")" -ne 1 ] ||
+     ! grep -qF -- "$text" "$dir/err" || [ -e "$dir/trace.json" ]; then
+    fail "$name: exit $rc, expected one line with '$text', stderr:"; cat "$dir/err"
+  else
+    echo "ok: $name: $(cat "$dir/err")"
+  fi
+}
+echo 4096 >"$dir/trace_4k.txt"
+model=(--block-size 512 --heads-q 2 --heads-kv 1 --head-dim 16 --warmup 0 --repeats 1)
+# A trailing comma is an empty strategy name, as in fcp simulate (it used to be dropped).
+refuse "--strategy fcp," "unknown --strategy '': expected fcp" --strategy fcp,
+# With --trace, --tokens-per-worker is parsed and used as in fcp plan --trace: the share and so
+# the memory budget (it used to be ignored, even 'garbage').
+refuse "--trace with --tokens-per-worker garbage" "invalid --tokens-per-worker 'garbage'" \
+  --trace "$dir/trace_4k.txt" --tokens-per-worker garbage
+refuse "--trace with --tokens-per-worker 1K" "memory cap cannot hold the batch: 4096 tokens > 1 workers x 1126" \
+  --trace "$dir/trace_4k.txt" --tokens-per-worker 1K "${model[@]}"
+# A batch past 2^32 tokens is named by its flag, as in fcp plan.
+refuse "--tokens-per-worker 5G" \
+  "1 rank x --tokens-per-worker 5368709120 passes 4294967296 tokens: expected a smaller batch" \
+  --tokens-per-worker 5G
+refuse "--tolerance 0" "invalid --tolerance '0': expected a finite number above 0, up to 1e+06" \
+  --tolerance 0
+refuse "--timeout 0" "invalid --timeout '0': expected a finite number above 0, up to 86400" --timeout 0
+# The help gives the ranges the flags accept (0 is refused) and the tolerance by dtype.
+"$fcp" run --help >"$dir/help"
+if grep -E -- "--(tolerance|timeout) " -A1 "$dir/help" | grep -q "\[0 to" ||
+   [ "$(grep -c "\[above 0, up to" "$dir/help")" -ne 2 ] ||
+   ! grep -q "default 1e-5 with --dtype fp32, 1e-2 with bf16" "$dir/help"; then
+  fail "fcp run --help: --tolerance and --timeout should read [above 0, up to ...]"
+  grep -E -- "--(tolerance|timeout) " -A1 "$dir/help"
+else
+  echo "ok: fcp run --help gives --tolerance and --timeout as above 0"
+fi
+
+# A batch past 2^32 tokens on 2 ranks: every rank names the flag (it used to say "invalid batch
+# size 8589934592 tokens").
+expect_error "--tokens-per-worker 4G on 2 ranks" \
+  "2 ranks x --tokens-per-worker 4294967296 passes 4294967296 tokens: expected a smaller batch" 30 \
+  "$mpirun" -n 2 "$fcp" run --tokens-per-worker 4G
+if [ "$(grep -cE '^fcp: error: rank [01]: 2 ranks x --tokens-per-worker' "$dir/err")" -ne 2 ]; then
+  fail "--tokens-per-worker 4G: expected the error on both ranks"; cat "$dir/err"
+fi
+
 # Batch mismatch: rank 1 samples its batch with another seed. Both ranks must say so.
 expect_error "batch mismatch" "the ranks passed different batches" 20 \
   "$mpirun" -n 1 "$fcp" "${tiny[@]}" --seed 1 : -n 1 "$fcp" "${tiny[@]}" --seed 2
@@ -82,6 +134,37 @@ fi
 # A check that fails (an impossible tolerance) is a nonzero exit on every rank, not a hang.
 expect_error "check above tolerance" "relative L2 error above --tolerance" 30 \
   "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15
+# With --json there is no table: the error points at the records' rel_error.
+expect_error "check above tolerance, --json" \
+  "relative L2 error above --tolerance 1e-15 \(see rel_error in the JSON records\)" 30 \
+  "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15 --json
+if grep -q "see the table" "$dir/err"; then fail "--check --json: the error names a table"; fi
+
+# bf16 passes --check at its default tolerance (1e-2; its own rounding gives ~2.5e-3, so the
+# fp32 default 1e-5 failed every bf16 run).
+if ! "$mpirun" -n 2 "$fcp" "${tiny[@]}" --dtype bf16 --check --json >"$dir/out" 2>"$dir/err"; then
+  fail "bf16 --check at the default tolerance"; cat "$dir/err"
+elif [ "$(grep -c '"rel_error"' "$dir/out")" -ne 2 ]; then
+  fail "bf16 --check --json: expected rel_error per strategy"; cat "$dir/out"
+else
+  echo "ok: bf16 --check at the default tolerance"
+fi
+
+# Rank 0 fails to write --timeline after the run (a name the up-front check accepts, 250
+# bytes, whose temporary name, 7 bytes longer, passes NAME_MAX): rank 0 says why, the other
+# rank says the file was not written, one line each, every rank exits 1, in seconds (rank 0
+# used to wait --timeout for a rank that had finished and print a second line).
+long="$dir/$(printf 't%.0s' $(seq 1 250))"
+expect_error "--timeline unwritable after the run" \
+  "^fcp: error: rank 0: cannot write --timeline file .*File name too long" 25 \
+  "$mpirun" -n 2 "$fcp" "${tiny[@]}" --timeline "$long" --timeout 40
+if [ "$(grep -c '^fcp:' "$dir/err")" -ne 2 ] ||
+   [ "$(grep -c '^fcp: error: rank 1: the --timeline file was not written: rank 0 says why$' "$dir/err")" -ne 1 ]; then
+  fail "--timeline unwritable: expected one line from each rank"; cat "$dir/err"
+fi
+# The failure came after the run (its table printed), not from the up-front check.
+grep -q "^fcp run: " "$dir/out" || fail "--timeline unwritable: the run did not complete"
+[ -e "$long" ] && fail "--timeline unwritable: a file was written"
 
 # Error lines of several ranks never interleave (issue 16: in 5 of 40 runs of `--heads-q abc`
 # under mpirun two ranks' lines were mixed mid-line): each line goes out in one write and names
