@@ -868,6 +868,8 @@ Executor::Executor(plan::Plan plan, Transport& transport, const ExecutorOptions&
 }
 
 Executor::~Executor() = default;
+Executor::Executor(Executor&&) noexcept = default;
+Executor& Executor::operator=(Executor&&) noexcept = default;
 
 const plan::Plan& Executor::plan() const { return state_->plan; }
 const ExecutorOptions& Executor::options() const { return state_->options; }

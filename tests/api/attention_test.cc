@@ -421,6 +421,47 @@ TEST(AttentionBatchTest, ResultsAreBitwiseTheSameRunToRunAndInEitherLayout) {
   }
 }
 
+// A batch moves like a value (a review: a loop could not write `batch = AttentionBatch(...)`):
+// assigned over a live batch, then moved into another, it runs its layers bitwise as a batch
+// never moved; and a layer whose forward ran with a batch runs backward with the batch it
+// moved to.
+TEST(AttentionBatchTest, ABatchMovesLikeAValue) {
+  Rng rng(31);
+  Problem p;
+  p.lengths = randomLengths(rng, 500, 150);
+  p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+  p.blockSize = 32;
+  const Whole in = randomInputs(p, rng.next());
+  const Outputs expected = run(p, {in})[0];
+  std::vector<Outputs> moved = outputsFor({in});
+  runtime::testing::runRanks(3, [&](Transport& t) {
+    AttentionBatch batch(t, optionsFor(p, t.rank()));
+    AttentionBatch next(t, optionsFor(p, t.rank()));
+    const uint64_t id = next.id();
+    batch = std::move(next);
+    AttentionBatch kept(std::move(batch));
+    EXPECT_EQ(kept.id(), id);
+    runLayers(kept, t, p, {in}, moved);
+    // Forward with one batch object, backward with the one it moved to.
+    AttentionBatch first(t, optionsFor(p, t.rank()));
+    const int64_t n = first.numCallTokens();
+    std::vector<float> q(static_cast<size_t>(n * 4 * 16), 0.25f),
+        kv(static_cast<size_t>(n * 2 * 16), 0.5f), o(q.size()), dq(q.size()), dk(kv.size()),
+        dv(kv.size());
+    AttentionLayer layer;
+    layer.forward(first, {q.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                  {kv.data(), DType::kFp32, n, 2, 16}, {o.data(), DType::kFp32, n, 4, 16});
+    AttentionBatch second(std::move(first));
+    EXPECT_NO_THROW(layer.backward(
+        second, {q.data(), DType::kFp32, n, 4, 16}, {dq.data(), DType::kFp32, n, 4, 16},
+        {dk.data(), DType::kFp32, n, 2, 16}, {dv.data(), DType::kFp32, n, 2, 16}));
+  });
+  EXPECT_TRUE(moved[0].o == expected.o);
+  EXPECT_TRUE(moved[0].dq == expected.dq);
+  EXPECT_TRUE(moved[0].dk == expected.dk);
+  EXPECT_TRUE(moved[0].dv == expected.dv);
+}
+
 TEST(AttentionBatchTest, FourLayersShareOneBatchAndEqualFourSingleLayerRuns) {
   Rng rng(3);
   for (const Layout layout : {Layout::kTransparent, Layout::kDispatched}) {

@@ -154,6 +154,12 @@ class AttentionBatch {
   /// The batch a PendingBatch planned: waits for its plan, then checks that all ranks reached
   /// the same one (one allreduce). Collective. Throws if `pending` was already used.
   explicit AttentionBatch(PendingBatch&& pending);
+  /// A batch moves like a value (a training loop may keep the step's batch in one variable and
+  /// assign the next step's to it): its plan, buffers and id move with it, so a layer whose
+  /// forward ran with it runs backward with the batch it moved to. A moved-from batch may only
+  /// be destroyed or assigned to.
+  AttentionBatch(AttentionBatch&&) noexcept = default;
+  AttentionBatch& operator=(AttentionBatch&&) noexcept = default;
 
   const plan::Plan& plan() const { return executor_.plan(); }
   Layout layout() const { return executor_.options().layout; }

@@ -78,6 +78,10 @@ class Executor {
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
+  /// Movable (the plan and buffers move, with the id): a moved-from executor may only be
+  /// destroyed or assigned to.
+  Executor(Executor&&) noexcept;
+  Executor& operator=(Executor&&) noexcept;
 
   const plan::Plan& plan() const;
   const ExecutorOptions& options() const;
