@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -77,7 +78,10 @@ class CallbackTransport final : public runtime::Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int maxTag() const override { return (1 << 30) - 1; }
-  double timeoutSeconds() const noexcept override { return timeoutSeconds_; }
+  double timeoutSeconds() const noexcept override { return timeoutSeconds_.load(); }
+  /// The timeout of the batch being made: a process group's transport serves every batch over
+  /// it, each with its own timeout_seconds (fcp/torch.py sets it before each batch's agreement).
+  void setTimeoutSeconds(double seconds) noexcept { timeoutSeconds_.store(seconds); }
 
   runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
     return post(isend_, peer, tag, const_cast<std::byte*>(data.data()), data.size());
@@ -101,7 +105,7 @@ class CallbackTransport final : public runtime::Transport {
     FCP_CHECK(it != requests_.end(), "wait of unknown request ", request);
     try {
       call<int>([&] {
-        wait_(it->second.work, timeoutSeconds_);
+        wait_(it->second.work, timeoutSeconds_.load());
         return 0;
       });
     } catch (const Error& e) {
@@ -197,7 +201,7 @@ class CallbackTransport final : public runtime::Transport {
 
   int rank_, size_;
   py::object isend_, irecv_, test_, wait_, allreduce_;
-  double timeoutSeconds_;
+  std::atomic<double> timeoutSeconds_;
   runtime::RequestId next_ = 1;
   /// A posted message: the callback's request, and what it is, for errors.
   struct Request {
@@ -270,6 +274,15 @@ PYBIND11_MODULE(_fcp, m) {
       },
       py::arg("rank"), py::arg("size"), py::arg("isend"), py::arg("irecv"), py::arg("test"),
       py::arg("wait"), py::arg("allreduce"), py::arg("timeout_seconds"));
+  m.def(
+      "set_callback_timeout",
+      [](runtime::Transport& transport, double seconds) {
+        auto* callbacks = dynamic_cast<CallbackTransport*>(&transport);
+        if (callbacks == nullptr)
+          throwInvalidArgument("set_callback_timeout: not a callback transport");
+        callbacks->setTimeoutSeconds(seconds);
+      },
+      py::arg("transport"), py::arg("timeout_seconds"));
 
   m.def(
       "mpi_transport",

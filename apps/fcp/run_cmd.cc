@@ -60,6 +60,9 @@ constexpr double kFp32Tolerance = 1e-5;
 constexpr double kBf16Tolerance = 1e-2;
 /// Largest --tolerance.
 constexpr double kMaxTolerance = 1e6;
+/// How much longer than --timeout the ranks wait for rank 0 to write --timeline (before the
+/// verdict they share).
+constexpr double kTimelineSeconds = 60;
 
 struct RunArgs {
   std::string workload = "lognormal";
@@ -794,6 +797,10 @@ void runRun(const RunArgs& a) {
       }
     }
     // Only rank 0 sets bits, so the largest value is its value.
+    // The others wait for rank 0's file too: a large timeline on a busy disk may take longer
+    // than --timeout (the verdict's own wait when there is no --check).
+    if (!a.timeline.empty())
+      verdictTimeout = (verdictTimeout > 0 ? verdictTimeout : a.timeoutSeconds) + kTimelineSeconds;
     net->allreduce({&failed, 1}, runtime::ReduceOp::kMax, verdictTimeout);
     if (rank == 0) {
       if (a.json) {

@@ -210,6 +210,7 @@ def _transport(group, timeout_seconds: float):
     cached = _transports.get(slot)
     if cached is not None and (cached[0]() is key() if slot == "default" else cached[0] is key):
         cached[2].timeout = datetime.timedelta(seconds=timeout_seconds)
+        _fcp.set_callback_timeout(cached[1], timeout_seconds)  # what FCP's own waits take
         return cached[1], ""
     keep = _GroupTransport(group, timeout_seconds)
     impl = keep.make_impl()

@@ -137,12 +137,19 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
     }
   }
   h[9].add(int64_t{o.firstTag});
-  // The scale the kernels will use (fp32): 0 (the default) and 1/sqrt(head dim) given outright
-  // are the same setting.
-  const double scale = o.softmaxScale == 0 && o.headDim > 0
-                           ? 1.0 / std::sqrt(static_cast<double>(o.headDim))
-                           : o.softmaxScale;
-  h[10].add(static_cast<double>(static_cast<float>(scale)) + 0.0);  // -0 is 0
+  // The scale the kernels will use, as they compute it (kernels::softmaxScaleOf, in fp32): 0 (the
+  // default) and the same value given outright are one setting; 1/sqrt(96) in double is not the
+  // kernels' (it rounds to another float), so it stays another. A value fp32 cannot hold (the
+  // agreement refuses it below, on every rank alike) is hashed as given: its cast would be
+  // undefined.
+  const bool fits = o.softmaxScale == 0 || (o.softmaxScale >= std::numeric_limits<float>::min() &&
+                                            o.softmaxScale <= std::numeric_limits<float>::max());
+  if (fits && o.headDim > 0 && o.headDim <= std::numeric_limits<int>::max()) {
+    h[10].add(static_cast<double>(kernels::softmaxScaleOf(
+        {.softmaxScale = static_cast<float>(o.softmaxScale)}, static_cast<int>(o.headDim))));
+  } else {
+    h[10].add(o.softmaxScale + 0.0);  // -0 is 0
+  }
   h[11].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
   std::array<int64_t, kSettings> out;
   for (size_t i = 0; i < kSettings; ++i) out[i] = h[i].value();

@@ -48,7 +48,7 @@ class ThrottledTransport final : public Transport {
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   int maxTag() const override { return inner_.maxTag(); }
-  double timeoutSeconds() const noexcept override { return inner_.timeoutSeconds(); }
+  double timeoutSeconds() const noexcept override { return timeoutSeconds_; }  // its own waits
 
   RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
     std::lock_guard<std::mutex> lock(mu_);

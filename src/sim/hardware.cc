@@ -183,8 +183,9 @@ std::string profileDir() {
 bool isProfileName(const std::string& nameOrPath) {
   if (nameOrPath.find('/') != std::string::npos || nameOrPath.find(".json") != std::string::npos)
     return false;
-  return std::filesystem::exists(profileDir() + "/" + nameOrPath + ".json") ||
-         !std::filesystem::is_regular_file(nameOrPath);
+  std::error_code ignored;  // a name too long for a path is no profile, and no file here
+  return std::filesystem::exists(profileDir() + "/" + nameOrPath + ".json", ignored) ||
+         !std::filesystem::is_regular_file(nameOrPath, ignored);
 }
 
 /// A profile or curve file: a regular file of at most kMaxSmallJsonFileBytes (never a FIFO,
@@ -200,7 +201,8 @@ HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
   std::string path = nameOrPath;
   if (isProfileName(nameOrPath)) {
     path = profileDir() + "/" + nameOrPath + ".json";
-    if (!std::filesystem::exists(path)) {
+    std::error_code ignored;
+    if (!std::filesystem::exists(path, ignored)) {
       throwInvalidArgument("unknown hardware profile '", nameOrPath,
                            "': expected h100, gpu-x, gpu-y, cpu or a JSON file (looked for ", path,
                            ")");

@@ -897,6 +897,22 @@ TEST(AttentionBatchTest, TheDefaultScaleAndItsValueGivenOutrightAreTheSameSettin
     if (t.rank() == 1) o.softmaxScale = 1.0 / std::sqrt(static_cast<double>(p.dim));  // 0.25
     EXPECT_NO_THROW(AttentionBatch(t, o));
   });
+  // With head dim 96, the kernels' 1/sqrt(96) in fp32 (0.102062069) is not 96^-0.5 in double
+  // rounded to fp32 (0.102062076): given that way, it is another scale (a review: agreed as one,
+  // the ranks computed with different scales). Given as the kernels compute it, it is the same.
+  p.dim = 96;
+  const float kernels = 1.0f / std::sqrt(96.0f);
+  ASSERT_NE(static_cast<float>(1.0 / std::sqrt(96.0)), kernels);
+  expectErrorOnEveryRank(2, "different batches or settings (softmax scale)", [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.softmaxScale = 1.0 / std::sqrt(96.0);
+    AttentionBatch batch(t, o);
+  });
+  runtime::testing::runRanks(2, [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    if (t.rank() == 1) o.softmaxScale = kernels;
+    EXPECT_NO_THROW(AttentionBatch(t, o));
+  });
 }
 
 TEST(AttentionBatchErrorTest, BadCuSeqlens) {

@@ -206,6 +206,10 @@ TEST(HardwareInputTest, ABuiltInNameWinsOverAFileOfThatNameHere) {
   EXPECT_EQ(builtIn, "h100");
   EXPECT_EQ(file, "mine");
   EXPECT_EQ(other, "other");
+  // A name too long for a path is an unknown profile, not an internal filesystem error.
+  const std::string longName(300, 'a');
+  EXPECT_NE(errorOf([&] { loadHardwareProfile(longName); }).find("unknown hardware profile"),
+            std::string::npos);
 }
 
 TEST(HardwareInputTest, ADirectoryOrFifoIsRefusedWithoutBlocking) {
