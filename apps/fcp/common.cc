@@ -116,6 +116,29 @@ CLI::Option* addNumber(CLI::App* cmd, const std::string& name, double& target, d
       ->default_str(show(target));
 }
 
+CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& target, double max,
+                               const std::string& help, const std::string& shownDefault) {
+  const std::string expected = "above 0, up to " + show(max);
+  return cmd
+      ->add_option_function<std::string>(
+          name,
+          [&target, name, max, expected](const std::string& text) {
+            double value = 0;
+            try {
+              value = parseNumber(text, name, 0, max);
+            } catch (const Error&) {
+            }
+            if (!(value > 0))
+              throwInvalidArgument("invalid ", name, " '", printable(text),
+                                   "': expected a finite number ", expected);
+            target = value;
+          },
+          help + " [" + expected + "]")
+      ->type_name("NUMBER")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
+      ->default_str(shownDefault);
+}
+
 void requireAtLeast(int64_t value, int64_t min, std::string_view flag, std::string_view why) {
   if (value < min) throwInvalidArgument("invalid ", flag, " ", value, ": expected at least ", min, " (", why, ")");
 }

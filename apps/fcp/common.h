@@ -61,6 +61,10 @@ CLI::Option* addUnsigned(CLI::App* cmd, const std::string& name, uint64_t& targe
 /// A finite number flag in [min, max].
 CLI::Option* addNumber(CLI::App* cmd, const std::string& name, double& target, double min,
                        double max, const std::string& help);
+/// A finite number flag in (0, max]: as addNumber, but its help and error say that 0 is refused;
+/// `shownDefault` is the default --help shows.
+CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& target, double max,
+                               const std::string& help, const std::string& shownDefault);
 
 /// Checks a token count already parsed is at least `min` (e.g. --block-size >= kMinBlockSize).
 void requireAtLeast(int64_t value, int64_t min, std::string_view flag, std::string_view why);

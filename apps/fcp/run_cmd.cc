@@ -133,6 +133,8 @@ struct Setup {
   DType dtype = DType::kFp32;
   Layout layout = Layout::kTransparent;
   double tolerance = kFp32Tolerance;  ///< --check's: --tolerance, or by dtype
+  /// --tokens-per-worker, or kDefaultTokensPerWorker for a workload; 0: a trace's share.
+  int64_t tokensPerWorker = 0;
 };
 
 Setup validate(const RunArgs& a) {
@@ -184,8 +186,9 @@ Setup validate(const RunArgs& a) {
   }
   // As fcp plan: a trace's share unless given, and a bad value refused with or without a trace.
   if (a.trace.empty() || !a.tokensPerWorker.empty()) {
-    parseTokenCount(a.tokensPerWorker.empty() ? kDefaultTokensPerWorker : a.tokensPerWorker,
-                    "--tokens-per-worker");
+    s.tokensPerWorker =
+        parseTokenCount(a.tokensPerWorker.empty() ? kDefaultTokensPerWorker : a.tokensPerWorker,
+                        "--tokens-per-worker");
   }
   if (!a.timeline.empty()) checkOutputPath(a.timeline, "--timeline file");
   return s;
@@ -698,9 +701,7 @@ void runRun(const RunArgs& a) {
     auto& c = s.config;
     c.numWorkers = ranks;
     if (a.trace.empty()) {
-      c.tokensPerWorker =
-          parseTokenCount(a.tokensPerWorker.empty() ? kDefaultTokensPerWorker : a.tokensPerWorker,
-                          "--tokens-per-worker");
+      c.tokensPerWorker = s.tokensPerWorker;
       // As fcp plan's check, with the ranks for its --workers: every rank refuses alike.
       if (c.tokensPerWorker > kMaxBatchTokens / ranks) {
         throwInvalidArgument(ranks, ranks == 1 ? " rank" : " ranks", " x --tokens-per-worker ",
@@ -708,13 +709,13 @@ void runRun(const RunArgs& a) {
                              " tokens: expected a smaller batch");
       }
       s.batch = sampleBatch(s.workload, ranks * c.tokensPerWorker, a.seed, a.minSequences);
-    } else if (a.tokensPerWorker.empty()) {
+    } else if (s.tokensPerWorker == 0) {
       c.tokensPerWorker = (s.batch.numTokens() + ranks - 1) / ranks;
     } else {
       // As fcp plan --trace: the flag's value is each rank's share, and so the memory budget
       // unless --memory-limit sets one. AttentionBatch plans with the even share of the trace
       // as the budget, so the flag's value reaches the planner as the budget.
-      c.tokensPerWorker = parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+      c.tokensPerWorker = s.tokensPerWorker;
       if (c.memoryLimitTokens == 0) c.memoryLimitTokens = c.tokensPerWorker;
     }
     checkRunSize(s, a, ranks);
@@ -844,31 +845,6 @@ void runRun(const RunArgs& a) {
     printErrorLine("internal error", e.what());
     net->abort(1);
   }
-}
-
-/// A finite number flag in (0, max]: as addNumber, but its help and error say that 0 is refused.
-CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& target, double max,
-                               const std::string& help, const std::string& shownDefault) {
-  std::ostringstream range;
-  range << "above 0, up to " << max;
-  return cmd
-      ->add_option_function<std::string>(
-          name,
-          [&target, name, max, expected = range.str()](const std::string& text) {
-            double value = 0;
-            try {
-              value = parseNumber(text, name, 0, max);
-            } catch (const Error&) {
-            }
-            if (!(value > 0))
-              throwInvalidArgument("invalid ", name, " '", printable(text),
-                                   "': expected a finite number ", expected);
-            target = value;
-          },
-          help + " [" + range.str() + "]")
-      ->type_name("NUMBER")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
-      ->default_str(shownDefault);
 }
 
 }  // namespace

@@ -97,6 +97,17 @@ double msSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
+/// --tokens-per-worker as given, or 0 when it was not.
+int64_t givenTokensPerWorker(const SimulateArgs& a) {
+  return a.tokensPerWorker.empty() ? 0 : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+}
+
+/// The tokens per worker of a sampled workload: given, or 32K.
+int64_t sampledTokensPerWorker(const SimulateArgs& a) {
+  const int64_t given = givenTokensPerWorker(a);
+  return given > 0 ? given : 32 * 1024;
+}
+
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   if (a.strategies.empty()) throwInvalidArgument("empty --strategy: expected at least one strategy");
@@ -119,16 +130,15 @@ void checkArgs(const SimulateArgs& a) {
   // Every cell's batch size, before the first cell runs: a sweep must not plan for minutes and
   // only then refuse its last cell's batch.
   if (a.trace.empty()) {
-    const int64_t tokensPerWorker = parseTokenCount(
-        a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
+    const int64_t tokensPerWorker = sampledTokensPerWorker(a);
     for (const int64_t workers : a.workers) {
       if (tokensPerWorker > kMaxBatchTokens / workers) {
         throwInvalidArgument("--workers ", workers, " x --tokens-per-worker ", tokensPerWorker,
                              " passes ", kMaxBatchTokens, " tokens: expected a smaller batch");
       }
     }
-  } else if (!a.tokensPerWorker.empty()) {
-    parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
+  } else {
+    givenTokensPerWorker(a);
   }
   if (a.batches <= 0) throwInvalidArgument("invalid --batches ", a.batches, ": expected a positive integer");
   if (a.coalesce <= 0) throwInvalidArgument("invalid --coalesce ", a.coalesce, ": expected a positive integer");
@@ -228,19 +238,16 @@ void runSimulate(const SimulateArgs& a) {
     table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
                 "time_ms", "imb_comp", "imb_comm");
   }
+  const int64_t givenTokens = givenTokensPerWorker(a);
+  const int64_t tokensPerWorker = a.trace.empty() ? sampledTokensPerWorker(a) : givenTokens;
   for (const int64_t workers : a.workers) {
     plan::PlanConfig config = base;
     config.numWorkers = workers;
     config.commRatio = a.commRatio >= 0 ? a.commRatio : hw.planCommRatio(workers);
-    if (a.trace.empty()) {
-      // Within kMaxBatchTokens for every cell (checkArgs).
-      config.tokensPerWorker = parseTokenCount(
-          a.tokensPerWorker.empty() ? "32K" : a.tokensPerWorker, "--tokens-per-worker");
-    } else {
-      config.tokensPerWorker = a.tokensPerWorker.empty()
-                                   ? (traceBatch.numTokens() + workers - 1) / workers
-                                   : parseTokenCount(a.tokensPerWorker, "--tokens-per-worker");
-    }
+    // Within kMaxBatchTokens for every cell (checkArgs).
+    config.tokensPerWorker = !a.trace.empty() && givenTokens == 0
+                                 ? (traceBatch.numTokens() + workers - 1) / workers
+                                 : tokensPerWorker;
     std::map<std::string, Cell> cells;
     for (int64_t k = 0; k < batches; ++k) {
       const Batch batch = workload ? sampleBatch(*workload, workers * config.tokensPerWorker,
