@@ -190,7 +190,6 @@ Setup validate(const RunArgs& a) {
         parseTokenCount(a.tokensPerWorker.empty() ? kDefaultTokensPerWorker : a.tokensPerWorker,
                         "--tokens-per-worker");
   }
-  if (!a.timeline.empty()) checkOutputPath(a.timeline, "--timeline file");
   return s;
 }
 
@@ -698,6 +697,25 @@ void runRun(const RunArgs& a) {
   std::signal(SIGTERM, onTerminate);
   bool verdictError = false;  // the Error thrown is the verdict every rank shares
   try {
+    // Only rank 0 writes --timeline, so only its directory must exist (on a multi-node job the
+    // others' may not); checked before the work, and every rank refuses alike.
+    if (!a.timeline.empty()) {
+      std::string why;
+      if (net->rank() == 0) {
+        try {
+          checkOutputPath(a.timeline, "--timeline file");
+        } catch (const Error& e) {
+          why = e.what();
+        }
+      }
+      int64_t refused = why.empty() ? 0 : 1;
+      net->allreduce({&refused, 1}, runtime::ReduceOp::kMax);
+      if (refused) {
+        throw Error(
+            ErrorCode::kInvalidArgument,
+            net->rank() == 0 ? why : "the --timeline file cannot be written: rank 0 says why");
+      }
+    }
     auto& c = s.config;
     c.numWorkers = ranks;
     if (a.trace.empty()) {

@@ -104,9 +104,7 @@ class OptionsHash {
 constexpr std::array<const char*, 11> kSettingNames = {
     "cu_seqlens",       "heads",      "head dim",  "mask",         "dtype", "layout", "strategy",
     "planner settings", "cost model", "first tag", "softmax scale"};
-/// The thread count may differ between ranks, but one rank refusing its own would leave the
-/// others waiting, so its validity is agreed on too (after the named settings).
-constexpr size_t kSettings = kSettingNames.size() + 1;
+constexpr size_t kSettings = kSettingNames.size();
 
 std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
   std::array<OptionsHash, kSettings> h;
@@ -150,7 +148,6 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
   } else {
     h[10].add(o.softmaxScale + 0.0);  // -0 is 0
   }
-  h[11].add(int64_t{o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads});
   std::array<int64_t, kSettings> out;
   for (size_t i = 0; i < kSettings; ++i) out[i] = h[i].value();
   return out;
@@ -178,13 +175,17 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
   const std::array<int64_t, kSettings> hashes = settingHashes(o);
   // Each hash and its negation (max and -min at once), then the lowest rank whose binding
-  // refused its arguments (as ranks - rank; 0 for none).
-  std::array<int64_t, 2 * kSettings + 1> same;
+  // refused its arguments and the lowest whose thread count is out of range (each as ranks -
+  // rank; 0 for none). The thread count may differ between ranks, but one rank refusing its
+  // own alone would leave the others waiting.
+  const bool threadsValid = o.numThreads >= 1 && o.numThreads <= runtime::kMaxKernelThreads;
+  std::array<int64_t, 2 * kSettings + 2> same;
   for (size_t i = 0; i < kSettings; ++i) {
     same[i] = hashes[i];
     same[kSettings + i] = -hashes[i];
   }
   same[2 * kSettings] = o.localError.empty() ? 0 : ranks - rank;
+  same[2 * kSettings + 1] = threadsValid ? 0 : ranks - rank;
   // After a call of an earlier batch threw here, the other ranks may still be inside that call,
   // waiting out their timeout for this rank's messages (a tensor of the wrong shape here): wait
   // for them, so that every rank hears the plan agreement's verdict on that call
@@ -204,14 +205,21 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
                          "'s arguments were refused there (its own error says why): expected "
                          "valid arguments on every rank");
   }
+  if (!threadsValid) {
+    throwInvalidArgument("kernel thread count ", o.numThreads, ": expected 1 to ",
+                         runtime::kMaxKernelThreads);
+  }
+  if (same[2 * kSettings + 1] > 0) {
+    throwInvalidArgument("rank ", rank, ": rank ", ranks - same[2 * kSettings + 1],
+                         "'s kernel thread count is out of range (its own error names it): "
+                         "expected 1 to ",
+                         runtime::kMaxKernelThreads, " on every rank");
+  }
   std::string differ;
   for (size_t i = 0; i < kSettings; ++i) {
     if (same[i] == -same[kSettings + i]) continue;
     if (!differ.empty()) differ += ", ";
-    differ += i < kSettingNames.size()
-                  ? std::string(kSettingNames[i])
-                  : "a thread count outside 1 to " + std::to_string(runtime::kMaxKernelThreads) +
-                        " on some rank, here " + std::to_string(o.numThreads);
+    differ += kSettingNames[i];
   }
   if (!differ.empty()) {
     throwInvalidArgument("rank ", rank, ": the ranks passed different batches or settings (",

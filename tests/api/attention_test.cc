@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -848,16 +849,30 @@ TEST(AttentionBatchErrorTest, PendingBatchesFailWhereThePlanIsTaken) {
   });
 }
 
+// A rank with a thread count out of range names its own; the others name the lowest such rank
+// (they used to say only "on some rank").
 TEST(AttentionBatchErrorTest, OneRankWithABadThreadCountFailsEveryRank) {
   Problem p;
   p.lengths = {100, 60};
-  p.starts = {0, 80, 160};
+  p.starts = {0, 50, 80, 160};
   for (const int bad : {0, runtime::kMaxKernelThreads + 1}) {
-    expectErrorOnEveryRank(2, "thread count outside 1 to 256", [&](Transport& t) {
+    std::array<std::string, 3> errors;
+    runtime::testing::runRanks(3, [&](Transport& t) {
       BatchOptions o = optionsFor(p, t.rank());
-      if (t.rank() == 1) o.numThreads = bad;
-      AttentionBatch batch(t, o);
+      if (t.rank() >= 1) o.numThreads = bad + (t.rank() == 2 && bad == 0 ? -1 : 0);
+      try {
+        AttentionBatch batch(t, o);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        errors[static_cast<size_t>(t.rank())] = e.what();
+      }
     });
+    EXPECT_EQ(errors[0],
+              "rank 0: rank 1's kernel thread count is out of range (its own error names it): "
+              "expected 1 to 256 on every rank");
+    EXPECT_EQ(errors[1], "kernel thread count " + std::to_string(bad) + ": expected 1 to 256");
+    EXPECT_EQ(errors[2],
+              "kernel thread count " + std::to_string(bad == 0 ? -1 : bad) + ": expected 1 to 256");
   }
 }
 

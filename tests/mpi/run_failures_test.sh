@@ -166,6 +166,28 @@ fi
 grep -q "^fcp run: " "$dir/out" || fail "--timeline unwritable: the run did not complete"
 [ -e "$long" ] && fail "--timeline unwritable: a file was written"
 
+# Only rank 0 writes --timeline, so only rank 0's directory is checked: a relative path whose
+# directory exists where rank 0 runs and not where rank 1 does (a node-local directory on a
+# multi-node job) runs and writes (every rank used to check, and rank 1 refused). Where rank 0
+# lacks the directory, every rank refuses before the run, one line each.
+mkdir -p "$dir/here/out" "$dir/there"
+if ! "$mpirun" -n 1 --wdir "$dir/here" "$fcp" "${tiny[@]}" --timeline out/t.json : \
+     -n 1 --wdir "$dir/there" "$fcp" "${tiny[@]}" --timeline out/t.json >"$dir/out" 2>"$dir/err" ||
+   [ ! -s "$dir/here/out/t.json" ]; then
+  fail "--timeline directory only on rank 0's side: the run failed or wrote nothing"; cat "$dir/err"
+else
+  echo "ok: --timeline directory only on rank 0's side: written"
+fi
+expect_error "--timeline directory missing on rank 0" \
+  "^fcp: error: rank 0: cannot write --timeline file 'out/t.json': its directory 'out': No such file" 25 \
+  "$mpirun" -n 1 --wdir "$dir/there" "$fcp" "${tiny[@]}" --timeline out/t.json : \
+  -n 1 --wdir "$dir/here" "$fcp" "${tiny[@]}" --timeline out/t.json
+if [ "$(grep -c '^fcp:' "$dir/err")" -ne 2 ] ||
+   [ "$(grep -c '^fcp: error: rank 1: the --timeline file cannot be written: rank 0 says why$' "$dir/err")" -ne 1 ]; then
+  fail "--timeline directory missing on rank 0: expected one line from each rank"; cat "$dir/err"
+fi
+grep -q "^fcp run: " "$dir/out" && fail "--timeline directory missing on rank 0: the run went ahead"
+
 # Error lines of several ranks never interleave (issue 16: in 5 of 40 runs of `--heads-q abc`
 # under mpirun two ranks' lines were mixed mid-line): each line goes out in one write and names
 # its rank. The launcher may stop the other ranks before they print, so at least one line, and
