@@ -5,7 +5,8 @@ plans the batch on every rank of ``group`` (a ``torch.distributed`` process grou
 the default group — or one process without context parallelism when torch.distributed is not
 initialised —, or an mpi4py communicator) from the whole batch's ``cu_seqlens`` and this
 rank's token range ``[begin, end)`` of the packed stream (any split: uneven, mid-sequence,
-empty). Then, per layer, ``attention(q, k, v, batch)`` returns ``o`` with gradients for q, k
+empty). cu_seqlens may hold empty sequences (a repeated offset, as FlashAttention's varlen
+padding has); ``batch.sequence`` numbers sequences as cu_seqlens does. Then, per layer, ``attention(q, k, v, batch)`` returns ``o`` with gradients for q, k
 and v. Tensors are ``[tokens, heads, head_dim]`` on the CPU, float32 or bfloat16.
 
 Two layouts. ``layout="transparent"``: q, k, v, o have this rank's rows of the caller's layout
@@ -231,9 +232,9 @@ def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Ten
     if not cu_list or cu_list[0] != 0:
         raise _fcp.InvalidArgument(f"cu_seqlens starts {cu_list[:1]}: expected [0, ...]")
     for i in range(1, len(cu_list)):
-        if cu_list[i] <= cu_list[i - 1]:
-            raise _fcp.InvalidArgument(f"cu_seqlens[{i}] is {cu_list[i]}: expected more than cu_seqlens[{i - 1}] = "
-                             f"{cu_list[i - 1]} (every sequence at least one token)")
+        if cu_list[i] < cu_list[i - 1]:
+            raise _fcp.InvalidArgument(f"cu_seqlens[{i}] is {cu_list[i]}: expected at least cu_seqlens[{i - 1}] = "
+                                       f"{cu_list[i - 1]} (offsets never decrease)")
     begin, end = _integer("begin", begin), _integer("end", end)
     total = cu_list[-1]
     if not 0 <= begin <= end <= total:

@@ -58,24 +58,59 @@ const char* rowsText(Layout layout) {
                                        : "this rank's tokens in the caller's layout";
 }
 
-// The batch's sequence lengths from cu_seqlens, checked.
+// The batch's sequence lengths from cu_seqlens, checked: its sequences of at least one token
+// (FlashAttention's varlen convention allows empty ones, as padding to a fixed count). Errors
+// number sequences as cu_seqlens does.
 Batch batchOf(const std::vector<int64_t>& cu) {
   if (cu.size() < 2) {
     throwInvalidArgument("cu_seqlens has ", cu.size(),
                          " entries: expected at least 2 (0 and the end of one sequence)");
   }
+  if (cu.size() - 1 > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throwInvalidArgument("cu_seqlens has ", cu.size(), " entries: expected at most ",
+                         std::numeric_limits<int32_t>::max(), " sequences");
+  }
   if (cu.front() != 0) throwInvalidArgument("cu_seqlens[0] is ", cu.front(), ": expected 0");
   Batch batch;
   for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    if (cu[s + 1] <= cu[s]) {
+    if (cu[s + 1] < cu[s]) {
       throwInvalidArgument("cu_seqlens[", s + 1, "] is ", cu[s + 1],
-                           ": expected more than cu_seqlens[", s, "] = ", cu[s],
-                           " (every sequence at least one token)");
+                           ": expected at least cu_seqlens[", s, "] = ", cu[s],
+                           " (offsets never decrease)");
     }
-    batch.sequenceLengths.push_back(cu[s + 1] - cu[s]);
+    const int64_t length = cu[s + 1] - cu[s];  // cu[s] >= 0: no overflow
+    if (length > kMaxSequenceLength) {
+      throwInvalidArgument("sequence ", s, " has length ", length, ": expected at most ",
+                           kMaxSequenceLength, " tokens (int64 FLOP arithmetic)");
+    }
+    if (cu[s + 1] > kMaxBatchTokens) {
+      throwInvalidArgument("cu_seqlens[", s + 1, "] is ", cu[s + 1], ": expected at most ",
+                           kMaxBatchTokens, " tokens in all (int64 FLOP arithmetic)");
+    }
+    if (length > 0) batch.sequenceLengths.push_back(length);
+  }
+  if (batch.sequenceLengths.empty()) {
+    throwInvalidArgument("cu_seqlens ends at 0: expected a batch of at least one token");
   }
   checkBatch(batch);
   return batch;
+}
+
+/// For each sequence of the plan (cu_seqlens' sequences of at least one token, in order), its
+/// index in cu_seqlens; empty when every sequence has a token (the numberings are the same).
+/// For cu_seqlens that batchOf accepted.
+std::vector<int32_t> userSequenceIds(const std::vector<int64_t>& cu) {
+  std::vector<int32_t> ids;
+  bool someEmpty = false;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    if (cu[s + 1] > cu[s]) {
+      ids.push_back(static_cast<int32_t>(s));
+    } else {
+      someEmpty = true;
+    }
+  }
+  if (!someEmpty) ids.clear();
+  return ids;
 }
 
 // FNV-1a of everything every rank must pass alike (the batch, the model, the planner's
@@ -351,6 +386,7 @@ runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
 PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& options)
     : transport_(&transport), executorOptions_(executorOptions(options)) {
   Agreed agreed = agree(transport, options);
+  userSequenceIds_ = userSequenceIds(options.cuSeqlens);
   try {
     plan_ = std::async(std::launch::async, [agreed] { return planAgreed(agreed); });
   } catch (const std::system_error&) {
@@ -377,12 +413,25 @@ plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
     : executor_(planNow(transport, options), transport, executorOptions(options)),
       transport_(&transport),
-      rank_(transport.rank()) {}
+      rank_(transport.rank()) {
+  numberAsUser(userSequenceIds(options.cuSeqlens));
+}
 
 AttentionBatch::AttentionBatch(PendingBatch&& pending)
     : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_),
       transport_(pending.transport_),
-      rank_(pending.transport_->rank()) {}
+      rank_(pending.transport_->rank()) {
+  numberAsUser(pending.userSequenceIds_);
+}
+
+void AttentionBatch::numberAsUser(const std::vector<int32_t>& ids) {
+  if (ids.empty()) return;
+  const std::span<const int32_t> planned = executor_.localSequence();
+  userSequence_.resize(planned.size());
+  for (size_t i = 0; i < planned.size(); ++i)
+    userSequence_[i] = ids[static_cast<size_t>(planned[i])];
+  renumbered_ = true;
+}
 
 template <typename Call>
 void AttentionBatch::collective(const char* name, Call&& call) {

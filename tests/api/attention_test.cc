@@ -530,6 +530,55 @@ void expectErrorOnEveryRank(int ranks, const std::string& text,
   EXPECT_EQ(failures.load(), ranks) << text;
 }
 
+// Empty sequences (repeated offsets in cu_seqlens, as FlashAttention's varlen padding to a fixed
+// count has) are left out of the plan: the batch plans and computes what the batch without them
+// does, bit for bit, through either constructor, and localSequence() numbers sequences as the
+// caller's cu_seqlens does (they used to be refused).
+TEST(AttentionBatchTest, EmptySequencesAreLeftOutAndNumberedAsTheCallersAre) {
+  Rng rng(77);
+  Problem p;
+  p.lengths = randomLengths(rng, 400, 150);
+  p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, -1);
+  p.layout = Layout::kDispatched;
+  const std::vector<Whole> in{randomInputs(p, rng.next())};
+  // Two empty sequences first, one after sequence 1, three at the end.
+  const std::vector<int64_t> cu = cuOf(p.lengths);
+  std::vector<int64_t> padded{0, 0, 0};
+  std::vector<int32_t> paddedIndex;  // per sequence of p, its index in `padded`
+  for (size_t s = 0; s < p.lengths.size(); ++s) {
+    paddedIndex.push_back(static_cast<int32_t>(padded.size()) - 1);
+    padded.push_back(cu[s + 1]);
+    if (s == 1) padded.push_back(cu[s + 1]);
+  }
+  padded.insert(padded.end(), 3, cu.back());
+  ASSERT_EQ(padded.size(), cu.size() + 6);
+  const std::vector<Outputs> plain = run(p, in);
+  for (const bool pending : {false, true}) {
+    std::vector<Outputs> got = outputsFor(in);
+    runtime::testing::runRanks(3, [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      o.cuSeqlens = padded;
+      AttentionBatch unpadded(t, optionsFor(p, t.rank()));
+      AttentionBatch batch = pending ? AttentionBatch(PendingBatch(t, o)) : AttentionBatch(t, o);
+      EXPECT_EQ(plan::planDigest(batch.plan()), plan::planDigest(unpadded.plan()));
+      const auto seq = batch.localSequence(), unpaddedSeq = unpadded.localSequence();
+      ASSERT_EQ(seq.size(), unpaddedSeq.size());
+      ASSERT_GT(seq.size(), 0u);
+      for (size_t i = 0; i < seq.size(); ++i)
+        ASSERT_EQ(seq[i], paddedIndex[static_cast<size_t>(unpaddedSeq[i])]) << "row " << i;
+      EXPECT_TRUE(std::ranges::equal(batch.localPosition(), unpadded.localPosition()));
+      AttentionBatch moved = std::move(batch);  // the renumbering moves with the batch
+      EXPECT_TRUE(std::ranges::equal(moved.localSequence(), seq));
+      runLayers(moved, t, p, in, got);
+    });
+    EXPECT_EQ(got[0].o, plain[0].o) << "pending " << pending;
+    EXPECT_EQ(got[0].dq, plain[0].dq) << "pending " << pending;
+    EXPECT_EQ(got[0].dk, plain[0].dk) << "pending " << pending;
+    EXPECT_EQ(got[0].dv, plain[0].dv) << "pending " << pending;
+    expectMatchesReference(p, in[0], got[0], 1e-5, "empty sequences");
+  }
+}
+
 // Planning ahead, as a training loop would: each rank makes the next batch's PendingBatch, runs
 // the current batch's layers on the same transport while it plans, then takes the next batch
 // from it. The next batch has exactly the plan AttentionBatch(transport, options) makes, and
@@ -934,11 +983,24 @@ TEST(AttentionBatchErrorTest, BadCuSeqlens) {
   Problem p;
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
-  expectErrorOnEveryRank(2, "cu_seqlens[2] is 100", [&](Transport& t) {
-    BatchOptions o = optionsFor(p, t.rank());
-    o.cuSeqlens = {0, 100, 100, 160};
-    AttentionBatch batch(t, o);
-  });
+  const std::vector<std::pair<std::vector<int64_t>, std::string>> cases = {
+      {{0, 100, 90, 160}, "cu_seqlens[2] is 90: expected at least cu_seqlens[1] = 100"},
+      {{0}, "cu_seqlens has 1 entries: expected at least 2"},
+      {{5, 100, 160}, "cu_seqlens[0] is 5: expected 0"},
+      {{0, 0, 0}, "cu_seqlens ends at 0: expected a batch of at least one token"},
+      {{0, 100, 100 + kMaxSequenceLength + 1},
+       "sequence 1 has length 1073741825: expected at most 1073741824"},
+      {{0, int64_t{1} << 30, int64_t{2} << 30, int64_t{3} << 30, int64_t{4} << 30,
+        (int64_t{4} << 30) + 1},
+       "cu_seqlens[5] is 4294967297: expected at most 4294967296"},
+  };
+  for (const auto& [cu, text] : cases) {
+    expectErrorOnEveryRank(2, text, [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      o.cuSeqlens = cu;
+      AttentionBatch batch(t, o);
+    });
+  }
 }
 
 // Each bad call on a batch of its own: a batch refuses every call after one threw (below).

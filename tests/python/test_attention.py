@@ -226,6 +226,29 @@ def test_dispatch_names_each_local_token_and_round_trips(group):
                        index - torch.tensor(cu)[torch.searchsorted(torch.tensor(cu), index, right=True) - 1])
 
 
+def test_empty_sequences_in_cu_seqlens_as_flash_attention_pads_them(group):
+    """cu_seqlens with empty sequences (a repeated offset, as FlashAttention's varlen padding to a
+    fixed count has; they used to be refused): outputs and gradients match the reference in both
+    layouts, and batch.sequence numbers sequences as cu_seqlens does."""
+    comm, rank, ranks = group
+    cu = [0, 0, 70, 70, 75, 205, 238, 238, 238]
+    starts = split(238, ranks, 3)
+    begin, end = starts[rank], starts[rank + 1]
+    g = torch.Generator().manual_seed(5)
+    whole = {name: torch.randn(238, h, 16, generator=g).double()
+             for name, h in (("q", 2), ("k", 1), ("v", 1), ("do", 2))}
+    for layout in ("transparent", "dispatched"):
+        batch = ft.Batch(cu, (begin, end), comm, heads=2, kv_heads=1, head_dim=16, layout=layout, block_size=64)
+        expect_reference(batch, whole, cu, True)
+    cu_t = torch.tensor(cu)
+    index = torch.arange(begin, end, dtype=torch.int64)
+    local = batch.dispatch(index)
+    assert torch.equal(local, cu_t[batch.sequence] + batch.position)
+    assert bool((cu_t[batch.sequence + 1] > cu_t[batch.sequence]).all())
+    assert torch.equal(ft.user_positions(cu, begin, end),
+                       index - cu_t[torch.searchsorted(cu_t, index, right=True) - 1])
+
+
 def test_bad_input_is_one_line_error(group):
     comm, rank, ranks = group
     cu = [0, 100, 160]
@@ -573,8 +596,8 @@ def test_arguments_are_integers_and_positions_are_the_layouts(group):
         ft.user_positions(cu, -3, 2)
     with pytest.raises(fcp.Error, match=r"cu_seqlens starts \[10\]: expected \[0, ...\]"):
         ft.user_positions([10, 20], 0, 5)
-    with pytest.raises(fcp.Error, match=r"cu_seqlens\[2\] is 100: expected more than cu_seqlens\[1\] = 100"):
-        ft.user_positions([0, 100, 100, 160], 0, 5)
+    with pytest.raises(fcp.Error, match=r"cu_seqlens\[2\] is 90: expected at least cu_seqlens\[1\] = 100"):
+        ft.user_positions([0, 100, 90, 160], 0, 5)
     with pytest.raises(fcp.Error, match=r"cu_seqlens\[2\] is masked: expected an integer"):
         ft.user_positions(np.ma.masked_array(cu, mask=[0, 0, 1, 0]), 0, 5)
     assert ft.user_positions(np.ma.masked_array(cu), 95, 105).tolist() == [95, 96, 97, 98, 99, 0, 1, 2, 3, 4]

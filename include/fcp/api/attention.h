@@ -70,7 +70,9 @@ struct TensorRef {
 /// What a batch is and how to plan it.
 struct BatchOptions {
   /// Offsets of the sequences in the packed stream: 0, len0, len0 + len1, ... (one more entry
-  /// than sequences; every sequence at least one token). The same on every rank.
+  /// than sequences). A sequence may be empty (a repeated offset, as FlashAttention's varlen
+  /// padding has): the plan leaves it out, and localSequence() still numbers sequences as
+  /// here. At least one token in all. The same on every rank.
   std::vector<int64_t> cuSeqlens;
   /// This rank's token range [localBegin, localEnd) in the caller's layout.
   int64_t localBegin = 0;
@@ -142,6 +144,8 @@ class PendingBatch {
   runtime::Transport* transport_ = nullptr;
   runtime::ExecutorOptions executorOptions_;
   std::future<detail::CheckedPlan> plan_;  ///< planned, checked and hashed; not yet agreed
+  /// Per planned sequence, its index in cu_seqlens (empty: the same numbering).
+  std::vector<int32_t> userSequenceIds_;
 };
 
 /// One batch: its plan (the same on every rank, checked) and the plan indexed for this rank.
@@ -171,8 +175,11 @@ class AttentionBatch {
   int64_t numUserTokens() const { return executor_.userTokens(); }
   int64_t numLocalTokens() const { return executor_.localTokens(); }
   int64_t numCallTokens() const { return executor_.callTokens(); }
-  /// Per row of FCP's layout: the sequence it belongs to and its position inside it.
-  std::span<const int32_t> localSequence() const { return executor_.localSequence(); }
+  /// Per row of FCP's layout: the sequence it belongs to (its index in cu_seqlens) and its
+  /// position inside it. plan() numbers only the sequences that have tokens.
+  std::span<const int32_t> localSequence() const {
+    return renumbered_ ? std::span<const int32_t>(userSequence_) : executor_.localSequence();
+  }
   std::span<const int64_t> localPosition() const { return executor_.localPosition(); }
 
   /// Moves a per-token tensor of any element type (`rowBytes` bytes per token) from the
@@ -222,12 +229,18 @@ class AttentionBatch {
   void recordFailure(const std::string& message);
   void dispatchTensor(ConstTensorRef user, TensorRef local);
   void undispatchTensor(ConstTensorRef local, TensorRef user);
+  /// Numbers localSequence() as cu_seqlens does, given each planned sequence's index there
+  /// (userSequenceIds; nothing to do when empty).
+  void numberAsUser(const std::vector<int32_t>& ids);
 
   runtime::Executor executor_;
   runtime::Transport* transport_;
   int rank_;
   std::string failure_;
   bool reached_ = false;  ///< the running call has reached the executor (messages may be out)
+  /// localSequence() in cu_seqlens' numbering, where some sequence is empty (renumbered_).
+  std::vector<int32_t> userSequence_;
+  bool renumbered_ = false;
 };
 
 /// One attention layer: what its backward needs from its forward. Reusable across batches.
