@@ -112,11 +112,13 @@ class CallbackTransport final : public runtime::Transport {
       // The callback's own error names no peer (gloo: "Timed out waiting 300000ms for recv
       // operation to complete"): say which message it was, as the MPI transport does.
       const Request& r = it->second;
-      throw Error(e.code(),
-                  std::string(e.what()) + " (" + (r.isSend ? "a send of " : "a receive of ") +
-                      std::to_string(r.bytes) + " bytes " + (r.isSend ? "to" : "from") + " rank " +
-                      std::to_string(r.peer) + ", tag " + std::to_string(r.tag) +
-                      ": did that rank raise in this call, or stop?)");
+      throw Error(
+          e.code(),
+          std::string(e.what()) + " (" + (r.isSend ? "a send of " : "a receive of ") +
+              std::to_string(r.bytes) + " bytes " + (r.isSend ? "to" : "from") + " rank " +
+              std::to_string(r.peer) + ", tag " + std::to_string(r.tag) +
+              ": did that rank raise in this call, stop, run slower than the timeout, or make "
+              "its FCP calls in another order?)");
     }
     requests_.erase(it);
   }

@@ -166,8 +166,9 @@ class _GroupTransport:
         except RuntimeError as e:  # gloo says only "Operation timed out!"
             seconds = timeout.total_seconds()
             raise _fcp.TransportError(f"the batch's agreement did not hear from every rank of the process group "
-                             f"(timeout_seconds = {seconds:g}): {e} (did a rank fail before the batch, or not "
-                             f"make it?)") from None
+                                      f"(timeout_seconds = {seconds:g}): {e} (did a rank fail before the batch, "
+                                      f"or not make it? or did an earlier call time out: gloo then closes the "
+                                      f"group's connections, and only a new process group goes on)") from None
         return t.tolist()
 
 
@@ -341,7 +342,10 @@ class Batch:
     learns of it at the next batch's agreement, where every rank raises, naming it; until then
     this rank's other batches on the group refuse their calls. Where every rank raised the same
     error in the same call's checks (the same mistake everywhere), no message was sent, and the
-    next batch on the same group goes on.
+    next batch on the same group goes on. On gloo, a message that times out closes the group's
+    connections between those ranks (gloo's own doing): the next batch's agreement, and the
+    caller's own collectives on that group, then fail with gloo's error rather than that verdict,
+    and only a new process group goes on.
     """
 
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,

@@ -387,6 +387,7 @@ PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& op
     : transport_(&transport), executorOptions_(executorOptions(options)) {
   Agreed agreed = agree(transport, options);
   userSequenceIds_ = userSequenceIds(options.cuSeqlens);
+  serial_ = transport.calls().newBatch();
   try {
     plan_ = std::async(std::launch::async, [agreed] { return planAgreed(agreed); });
   } catch (const std::system_error&) {
@@ -413,14 +414,16 @@ plan::Plan AttentionBatch::takePlan(PendingBatch& pending) {
 AttentionBatch::AttentionBatch(runtime::Transport& transport, const BatchOptions& options)
     : executor_(planNow(transport, options), transport, executorOptions(options)),
       transport_(&transport),
-      rank_(transport.rank()) {
+      rank_(transport.rank()),
+      serial_(transport.calls().newBatch()) {
   numberAsUser(userSequenceIds(options.cuSeqlens));
 }
 
 AttentionBatch::AttentionBatch(PendingBatch&& pending)
     : executor_(takePlan(pending), *pending.transport_, pending.executorOptions_),
       transport_(pending.transport_),
-      rank_(pending.transport_->rank()) {
+      rank_(pending.transport_->rank()),
+      serial_(pending.serial_) {
   numberAsUser(pending.userSequenceIds_);
 }
 
@@ -457,6 +460,15 @@ void AttentionBatch::collective(const char* name, Call&& call) {
     recordFailure(message);
     throw Error(ErrorCode::kInvalidArgument, message);
   }
+  // The call's tags: a window keyed by this batch, the call's kind and its place among the
+  // transport's calls, the same on every rank while the ranks' calls are in step. Ranks out of
+  // step (one calls another batch's forward, or backward where the other calls forward) then
+  // miss each other's messages and time out, rather than take them and compute wrong results.
+  OptionsHash key;
+  key.add(serial_);
+  key.add(index);
+  key.add(int64_t{name[0]});  // d, u, f, b: dispatch, undispatch, forward, backward
+  executor_.setTagKey(static_cast<uint64_t>(key.value()));
   reached_ = false;
   try {
     call();

@@ -24,9 +24,9 @@
 // are bitwise the same run to run and in either layout. In the dispatched layout every piece is
 // local: the same code moves nothing.
 //
-// Tags, from options.firstTag: 2t a transfer's KV and 2t + 1 its dK/dV partial, then per block
-// stream (forward O/LSE, backward dQ, backward dK/dV, undispatch, the inward reshuffle of
-// either pass, dispatch) one tag per block.
+// Tags, from the call's window (setTagKey; options.firstTag by default): 2t a transfer's KV and
+// 2t + 1 its dK/dV partial, then per block stream (forward O/LSE, backward dQ, backward dK/dV,
+// undispatch, the inward reshuffle of either pass, dispatch) one tag per block.
 #include "fcp/runtime/executor.h"
 
 #include <algorithm>
@@ -120,6 +120,10 @@ struct Executor::State {
   std::vector<std::pair<RequestId, int32_t>> kvPending;  // KV receives not complete yet
   std::vector<RequestId> preposted;  // the first stage's messages posted with the reshuffle
   std::vector<RequestId>* stageRequests = nullptr;
+  // The calls' tags: windows of tagsNeeded() tags from options.firstTag up to the transport's
+  // largest tag, and the first tag of the window in use (setTagKey).
+  int64_t tagWindows = 1;
+  int64_t tagBase = 0;
   // Sums are taken in one order whatever the arrival times, so that results are the same run to
   // run and in either layout. Per pair of this rank's pass: the pair before it in plan order
   // (stage by stage, then as the stage lists them) that adds into the same Q block (O, or dQ)
@@ -150,7 +154,7 @@ struct Executor::State {
   int64_t blockTokens(int32_t block) const {
     return plan.blocks[static_cast<size_t>(block)].numTokens();
   }
-  int tag(int64_t offset) const { return static_cast<int>(options.firstTag + offset); }
+  int tag(int64_t offset) const { return static_cast<int>(tagBase + offset); }
   int tagKv(int32_t t) const { return tag(2 * int64_t{t}); }
   int tagGrad(int32_t t) const { return tag(2 * int64_t{t} + 1); }
   int blockTag(BlockStream stream) const {
@@ -277,6 +281,8 @@ void Executor::State::setup() {
         plan.transfers.size(), " transfers, ", plan.blocks.size(),
         " blocks): expected at most the transport's largest tag ", transport.maxTag());
   }
+  tagWindows = (int64_t{transport.maxTag()} - options.firstTag + 1) / tagsNeeded();
+  tagBase = options.firstTag;
   if (options.numThreads < 1 || options.numThreads > kMaxKernelThreads) {
     throwInvalidArgument("invalid kernel thread count ", options.numThreads, ": expected 1 to ",
                          kMaxKernelThreads);
@@ -902,6 +908,12 @@ int64_t Executor::userTokens() const { return state_->transparent.userTokens; }
 int64_t Executor::localTokens() const { return state_->localTokens(); }
 int64_t Executor::callTokens() const { return state_->index().userTokens; }
 int64_t Executor::tagsNeeded() const { return state_->tagsNeeded(); }
+
+void Executor::setTagKey(uint64_t key) {
+  State& s = *state_;
+  s.tagBase = s.options.firstTag +
+              static_cast<int64_t>(key % static_cast<uint64_t>(s.tagWindows)) * s.tagsNeeded();
+}
 std::span<const int32_t> Executor::localSequence() const { return state_->localSeq; }
 std::span<const int64_t> Executor::localPosition() const { return state_->localPos; }
 
@@ -1079,9 +1091,9 @@ namespace {
 // The plan agreement's one allreduce (kMax) carries: this rank's digest, its complement (so
 // the largest and the smallest digest come back in one call); a failure key, (ranks - rank) *
 // 8 + code + 1 on a rank that could not plan and 0 elsewhere, whose maximum names the lowest
-// failed rank and its error code; and the transport's CallLedger state, its kind and call
-// index, each with its negation.
-constexpr size_t kAgreementValues = 7;
+// failed rank and its error code; the transport's CallLedger state, its kind and call index,
+// and its count of calls, each with its negation.
+constexpr size_t kAgreementValues = 9;
 constexpr int64_t kCodeSlots = 8;
 static_assert(static_cast<int64_t>(ErrorCode::kInternal) + 1 < kCodeSlots);
 
@@ -1097,13 +1109,16 @@ void checkPlanAgreement(const plan::Plan& plan, Transport& transport) {
 
 void checkPlanAgreement(uint64_t digest, Transport& transport) {
   const CallLedger::State left = transport.calls().state();
+  const int64_t calls = transport.calls().count();
   int64_t values[kAgreementValues] = {static_cast<int64_t>(digest >> 1),
                                       static_cast<int64_t>(~(digest >> 1)),
                                       0,
                                       left.kind,
                                       -left.kind,
                                       left.call,
-                                      -left.call};
+                                      -left.call,
+                                      calls,
+                                      -calls};
   transport.allreduce(values, ReduceOp::kMax);
   if (values[2] > 0) {
     const int failed = transport.size() - static_cast<int>(values[2] / kCodeSlots);
@@ -1133,6 +1148,20 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
     }
     transport.calls().clearIf(left);
   }
+  if (values[7] != -values[8]) {
+    // A call one rank made alone (attention under a condition true on one rank only) pairs
+    // with another rank's next call, same kind and batch: its messages match, and nothing
+    // failed. It shows here, as a count that differs.
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(transport.rank()) +
+                    ": the ranks made different numbers of FCP calls over this transport (this "
+                    "rank " +
+                    std::to_string(calls) + ", the ranks " + std::to_string(-values[8]) + " to " +
+                    std::to_string(values[7]) +
+                    "), so some calls met another rank's other call: expected the same calls "
+                    "in the same order on every rank, and a new transport (a new communicator "
+                    "or process group)");
+  }
   const auto largest = static_cast<uint64_t>(values[0]);
   const auto smallest = static_cast<uint64_t>(~values[1]);
   if (largest != smallest) {
@@ -1157,8 +1186,9 @@ void failPlanAgreement(std::exception_ptr failure, Transport& transport) {
   }
   constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
   int64_t values[kAgreementValues] = {
-      kNone, kNone, failureKey(transport.rank(), transport.size(), code), kNone, kNone,
-      kNone, kNone};
+      kNone, kNone, failureKey(transport.rank(), transport.size(), code),
+      kNone, kNone, kNone,
+      kNone, kNone, kNone};
   try {
     transport.allreduce(values, ReduceOp::kMax);
   } catch (...) {

@@ -10,6 +10,16 @@ int64_t CallLedger::begin() {
   return calls_++;
 }
 
+int64_t CallLedger::count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_;
+}
+
+int64_t CallLedger::newBatch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return batches_++;
+}
+
 void CallLedger::failed(int64_t index, bool reachedTransport) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.kind = state_.kind == 0 && !reachedTransport ? 1 : 2;

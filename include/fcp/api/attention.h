@@ -146,6 +146,7 @@ class PendingBatch {
   std::future<detail::CheckedPlan> plan_;  ///< planned, checked and hashed; not yet agreed
   /// Per planned sequence, its index in cu_seqlens (empty: the same numbering).
   std::vector<int32_t> userSequenceIds_;
+  int64_t serial_ = 0;  ///< the batch's place among the transport's batches (CallLedger)
 };
 
 /// One batch: its plan (the same on every rank, checked) and the plan indexed for this rank.
@@ -236,6 +237,7 @@ class AttentionBatch {
   runtime::Executor executor_;
   runtime::Transport* transport_;
   int rank_;
+  int64_t serial_;  ///< the batch's place among the transport's batches: keys its tags
   std::string failure_;
   bool reached_ = false;  ///< the running call has reached the executor (messages may be out)
   /// localSequence() in cu_seqlens' numbering, where some sequence is empty (renumbered_).

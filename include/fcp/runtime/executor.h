@@ -45,7 +45,8 @@ struct ExecutorOptions {
   /// Storage type of Q, K, V, O, dO, dQ, dK, dV; must match the plan's element bytes.
   kernels::DType dtype = kernels::DType::kFp32;
   Layout layout = Layout::kTransparent;
-  /// First message tag; the executor uses [firstTag, firstTag + tagsNeeded()).
+  /// First message tag; each call uses tagsNeeded() tags from firstTag, or from a later window
+  /// up to the transport's largest tag (Executor::setTagKey).
   int firstTag = kFirstFcpTag;
   /// The scale of Q Kᵀ before the softmax; 0 means 1/sqrt(head_dim) (kernels::KernelOptions).
   float softmaxScale = 0;
@@ -93,8 +94,16 @@ class Executor {
   int64_t localTokens() const;
   /// Rows of the tensors forward and backward take: userTokens or localTokens, by layout.
   int64_t callTokens() const;
-  /// Message tags this plan needs from firstTag on.
+  /// Message tags one call of this plan needs (from firstTag, or its window's first tag).
   int64_t tagsNeeded() const;
+  /// The calls that follow send and receive in tag window `key` mod W, where W windows of
+  /// tagsNeeded() tags fit from firstTag to the transport's largest tag (window 0, from
+  /// firstTag, until this is called). fcp::AttentionBatch keys each call by the batch, the call's
+  /// kind and its place in the transport's sequence of calls, the same on every rank: calls
+  /// that ranks make out of step (another batch's, an extra one) then miss each other's
+  /// messages and fail on the timeout, rather than take them (wrong results, no error) unless
+  /// their keys meet in one window (1 in W). Every rank must pass the same key for a call.
+  void setTagKey(uint64_t key);
   /// For each token of the FCP layout: its sequence (index into the batch) and its position
   /// inside that sequence.
   std::span<const int32_t> localSequence() const;

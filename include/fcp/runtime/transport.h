@@ -27,9 +27,10 @@ namespace fcp::runtime {
 /// Names one posted send or receive; 0 is never a valid id.
 using RequestId = uint64_t;
 
-/// FCP's reserved tag range: FCP's messages use tags from kFirstFcpTag up (how many depends on
-/// the plan: Executor::tagsNeeded), so a caller sharing a communicator or process group with FCP
-/// keeps its own point-to-point tags below kFirstFcpTag. (The MPI transport also works on a
+/// FCP's reserved tag range: FCP's messages use tags from kFirstFcpTag up to the transport's
+/// largest tag (each call a window of Executor::tagsNeeded tags, Executor::setTagKey), so a
+/// caller sharing a communicator or process group with FCP keeps its own point-to-point tags
+/// below kFirstFcpTag. (The MPI transport also works on a
 /// duplicate of the caller's communicator, where no tag of the caller's can match FCP's.)
 inline constexpr int kFirstFcpTag = 1 << 20;
 
@@ -51,6 +52,10 @@ class CallLedger {
  public:
   /// Counts a call; returns its index (0, 1, ... on this transport).
   int64_t begin();
+  /// Calls counted so far (the plan agreement compares it between ranks).
+  int64_t count() const;
+  /// Counts a batch made over the transport (not a call); returns its index (0, 1, ...).
+  int64_t newBatch();
   /// Call `index` threw on this rank; `reachedTransport`: after it may have posted messages.
   void failed(int64_t index, bool reachedTransport);
   /// 0: no call threw since the ledger was last cleared; 1: one did, before reaching the
@@ -68,6 +73,7 @@ class CallLedger {
  private:
   mutable std::mutex mu_;
   int64_t calls_ = 0;
+  int64_t batches_ = 0;
   State state_;
 };
 

@@ -160,7 +160,9 @@ class MpiTransport final : public Transport {
         throw Error(ErrorCode::kTransport,
                     "rank " + std::to_string(rank_) + ": timed out after " +
                         std::to_string(static_cast<int>(options_.timeoutSeconds)) +
-                        " s waiting for " + what + " (did that rank die or stop?)");
+                        " s waiting for " + what +
+                        " (did that rank die, stop, run slower than the timeout, or make its "
+                        "FCP calls in another order?)");
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
