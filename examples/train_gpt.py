@@ -18,8 +18,10 @@ attention. The model is a decoder-only transformer: RoPE, GQA, pre-norm blocks w
     --plan-ahead        each step's batch is planned during the step before
                         (fcp.torch.PendingBatch), as a data loader prefetches
 
-Context-parallel runs are launched the ecosystem's way:
-    python3 -m torch.distributed.run --nproc-per-node 2 examples/train_gpt.py --attention fcp
+Context-parallel runs are launched the ecosystem's way, torch.distributed.run, through
+examples/launch.sh (which gives Debian 12's torch 1.13 the flags it needs, and runs
+/usr/bin/python3, the interpreter with torch):
+    examples/launch.sh 2 examples/train_gpt.py --attention fcp
 Every rank holds the same weights; the gradients of its tokens are summed over the ranks
 (all_reduce) before each optimiser step, so every run computes the same training step.
 Per step it prints the loss, tokens/s and the share of the step spent in attention.
@@ -67,11 +69,14 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG of the loss curve(s) here")
     p.add_argument("--compare", nargs="*", default=[], help="other runs' --json logs to draw beside this one")
     args = p.parse_args(argv)
-    if args.dim % args.heads or args.heads % args.kv_heads:
+    for name in ("steps", "layers", "dim", "heads", "kv_heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least 1")
+    if args.batch_tokens < 2:
+        p.error(f"--batch-tokens {args.batch_tokens}: expected at least 2 (inputs and their next-byte targets)")
+    if args.dim % args.heads or args.heads % args.kv_heads or (args.dim // args.heads) % 2:
         p.error(f"--dim {args.dim}, --heads {args.heads}, --kv-heads {args.kv_heads}: expected dim a multiple "
-                "of heads and heads a multiple of kv heads")
-    if args.steps < 1 or args.batch_tokens < 2:
-        p.error("--steps and --batch-tokens must be positive")
+                "of heads with an even head dim (RoPE rotates pairs) and heads a multiple of kv heads")
     return args
 
 

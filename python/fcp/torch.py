@@ -56,6 +56,7 @@ from . import _fcp
 __all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 # Integer tensor types whose every value is an int64 (torch.uint64, from torch 2.3, is checked
 # per value; uint16 and uint32 exist from 2.3 too).
 _FITS_INT64 = tuple(getattr(torch, name) for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
@@ -303,14 +304,17 @@ class _Settings:
             comm_ratio = float(comm_ratio)
         except (TypeError, ValueError, OverflowError):
             raise _fcp.InvalidArgument(f"comm_ratio is {_describe(comm_ratio)}: expected a number") from None
-        # FCP checks the value on every rank alike (finite, in fp32's range); here only that it is a
-        # number above 0.
+        # FCP checks the value again on every rank alike.
+        if isinstance(softmax_scale, torch.Tensor) and softmax_scale.dim() == 0 \
+                and softmax_scale.dtype.is_floating_point:
+            softmax_scale = softmax_scale.item()  # a 0-d tensor, as a model may keep its scale
         if softmax_scale is None:
             softmax_scale = 0.0  # FCP's 1/sqrt(head_dim)
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
-                or not softmax_scale > 0:
-            raise _fcp.InvalidArgument(f"softmax_scale is {_describe(softmax_scale)}: expected a number above 0, or None "
-                             f"for 1/sqrt(head_dim)")
+                or not _FP32_TINY <= softmax_scale <= _FP32_MAX:
+            raise _fcp.InvalidArgument(f"softmax_scale is {_describe(softmax_scale)}: expected a number above 0 in "
+                                       f"fp32's range ({_FP32_TINY:g} to {_FP32_MAX:g}, the kernels'), or None "
+                                       f"for 1/sqrt(head_dim)")
         self.dtype = dtype
         self.layout = layout
         return (self.cu_seqlens, self.begin, self.end, self.heads, self.kv_heads, self.head_dim, causal,
