@@ -201,11 +201,12 @@ class AttentionBatch {
   /// Empty while no call on this batch has thrown on this rank; else the first one's error.
   /// Dispatch, undispatch and the layers' forward and backward are collectives: one that throws
   /// on this rank only (a tensor of the wrong shape here) leaves the other ranks inside it,
-  /// waiting for this rank's messages until their timeout. A later call's messages would carry
-  /// the same tags, and be taken for the first call's: so once a call has thrown, the batch
-  /// refuses every call on this rank, naming that error. Messages the other ranks sent for the
-  /// failed call may still arrive on this transport, where a new batch's would match them
-  /// (FCP's tags are the same from batch to batch): continue on a new transport (a new
+  /// waiting for this rank's messages until their timeout. A later call's messages could be
+  /// taken for the first call's where their tag windows meet (each call has its own, keyed by
+  /// the batch, the call's kind and its place: Executor::setTagKey): so once a call has thrown,
+  /// the batch refuses every call on this rank, naming that error. Messages the other ranks
+  /// sent for the failed call may still arrive on this transport, where a new batch's could
+  /// match them likewise: continue on a new transport (a new
   /// communicator or process group) and a new batch. Where every rank failed the same call in
   /// its checks, before any message (the same mistake on every rank), a new batch on the same
   /// transport is safe. The transport keeps count (runtime::CallLedger): the next batch's
