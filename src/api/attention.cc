@@ -377,8 +377,11 @@ plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
+  // Made before the agreement refuses a scale fp32 cannot hold (every rank alike): such a value
+  // is not cast (that would be undefined), and never reaches a kernel.
+  const bool fits = o.softmaxScale >= 0 && o.softmaxScale <= std::numeric_limits<float>::max();
   return {o.numThreads, o.timeline, o.dtype,
-          o.layout,     o.firstTag, static_cast<float>(o.softmaxScale)};
+          o.layout,     o.firstTag, fits ? static_cast<float>(o.softmaxScale) : 0.f};
 }
 
 }  // namespace

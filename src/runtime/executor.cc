@@ -275,9 +275,9 @@ void Executor::State::setup() {
   if (options.firstTag < 0) {
     throwInvalidArgument("first tag ", options.firstTag, ": expected 0 or more");
   }
-  if (tagsNeeded() > int64_t{transport.maxTag()} - options.firstTag) {
+  if (tagsNeeded() > int64_t{transport.maxTag()} - options.firstTag + 1) {
     throwInvalidArgument(
-        "plan needs tags ", options.firstTag, " to ", options.firstTag + tagsNeeded(), " (",
+        "plan needs tags ", options.firstTag, " to ", options.firstTag + tagsNeeded() - 1, " (",
         plan.transfers.size(), " transfers, ", plan.blocks.size(),
         " blocks): expected at most the transport's largest tag ", transport.maxTag());
   }
@@ -1156,9 +1156,10 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
                 "rank " + std::to_string(transport.rank()) +
                     ": the ranks made different numbers of FCP calls over this transport (this "
                     "rank " +
-                    std::to_string(calls) + ", the ranks " + std::to_string(-values[8]) + " to " +
+                    std::to_string(calls) + "; from " + std::to_string(-values[8]) + " to " +
                     std::to_string(values[7]) +
-                    "), so some calls met another rank's other call: expected the same calls "
+                    " over the ranks), so some calls met another rank's other call: expected the "
+                    "same calls "
                     "in the same order on every rank, and a new transport (a new communicator "
                     "or process group)");
   }

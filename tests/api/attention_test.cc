@@ -1185,13 +1185,6 @@ TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
   EXPECT_EQ(timedOut.load(), 1);
 }
 
-// A call that threw on one rank only, where the others' calls returned: rank 1 holds no
-// tokens of the caller's layout, so rank 0's dispatch only sends (this transport completes a
-// send at once, as MPI does a small one) and returns, never learning that rank 1's threw in its
-// checks. Its messages wait on rank 1's transport with the tags every batch uses. The next
-// batch's agreement makes both ranks throw, naming what happened, rather than let rank 1's next
-// dispatch take them (a batch planned ahead, before the failure, included); and so does every
-// batch after it on that transport.
 // Ranks whose calls are out of step must not take each other's messages (a review: two batches
 // of one batch's shape, used in opposite orders on two ranks, both "worked", and rank 1's
 // outputs were wrong, relative error 0.93; with shapes that differed, gloo aborted the process).
@@ -1250,7 +1243,8 @@ TEST(AttentionBatchErrorTest, RanksThatMadeDifferentNumbersOfCallsFailTheNextBat
                     ": the ranks made different numbers of FCP calls over this transport (this "
                     "rank " +
                     std::to_string(1 - t.rank()) +
-                    ", the ranks 0 to 1), so some calls met another rank's other call: expected "
+                    "; from 0 to 1 over the ranks), so some calls met another rank's other call: "
+                    "expected "
                     "the same calls in the same order on every rank, and a new transport (a new "
                     "communicator or process group)");
       ++refused;
@@ -1259,6 +1253,13 @@ TEST(AttentionBatchErrorTest, RanksThatMadeDifferentNumbersOfCallsFailTheNextBat
   EXPECT_EQ(refused.load(), 2);
 }
 
+// A call that threw on one rank only, where the others' calls returned: rank 1 holds no
+// tokens of the caller's layout, so rank 0's dispatch only sends (this transport completes a
+// send at once, as MPI does a small one) and returns, never learning that rank 1's threw in its
+// checks. Its messages wait on rank 1's transport, where a later call's window may meet theirs. The
+// next batch's agreement makes both ranks throw, naming what happened, rather than let rank 1's
+// next dispatch take them (a batch planned ahead, before the failure, included); and so does every
+// batch after it on that transport.
 TEST(AttentionBatchErrorTest, ACallThatThrewOnOneRankOnlyFailsTheNextBatchOnEveryRank) {
   Problem p;
   p.lengths = {100, 60};

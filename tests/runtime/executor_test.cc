@@ -37,6 +37,29 @@ plan::Plan makePlan(const std::string& strategy, const Batch& batch, int ranks, 
                             : plan::buildPlan(batch, config, cost);
 }
 
+// A plan fits where its last tag is the transport's largest (it was refused one tag early), and
+// not where it would need one more; the message names the plan's last tag.
+TEST(ExecutorTagsTest, APlanFitsTheTransportsTagsExactly) {
+  const plan::Plan p = makePlan("fcp", Batch{{300, 100}}, 2, MaskKind::kCausal);
+  testing::runRanks(2, [&](Transport& t) {
+    const int64_t needed = Executor(p, t).tagsNeeded();
+    ExecutorOptions o;
+    o.firstTag = static_cast<int>(t.maxTag() - needed + 1);
+    EXPECT_NO_THROW(Executor(p, t, o));
+    ++o.firstTag;
+    try {
+      Executor refused(p, t, o);
+      ADD_FAILURE() << "a plan one tag past the largest was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("plan needs tags " + std::to_string(o.firstTag) +
+                                           " to " + std::to_string(int64_t{t.maxTag()} + 1) + " ("),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 TEST(PlanAgreementTest, DifferentPlansFailOnEveryRank) {
   const Batch one{{300, 100}}, other{{200, 200}};
   std::atomic<int> failures = 0;

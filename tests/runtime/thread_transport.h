@@ -125,6 +125,8 @@ class ThreadTransport final : public Transport {
     if (it == pending_.end()) return true;
     auto& queue = order_[{it->second.peer, it->second.tag}];
     auto& box = world_.mailboxes[{it->second.peer, rank_, it->second.tag}];
+    const std::tuple<int, int, int> boxKey{it->second.peer, rank_, it->second.tag};
+    const std::pair<int, int> queueKey{it->second.peer, it->second.tag};
     while (!queue.empty() && !box.empty()) {
       Pending& head = pending_.at(queue.front());
       FCP_CHECK(box.front().size() == head.data.size(), "rank ", rank_, " receives ",
@@ -135,6 +137,9 @@ class ThreadTransport final : public Transport {
       pending_.erase(queue.front());
       queue.pop_front();
     }
+    // Each call has tags of its own (Executor::setTagKey): forget the empty ones.
+    if (box.empty()) world_.mailboxes.erase(boxKey);
+    if (queue.empty()) order_.erase(queueKey);
     return pending_.find(request) == pending_.end();
   }
 

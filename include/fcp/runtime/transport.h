@@ -43,12 +43,11 @@ enum class ReduceOp { kSum, kMin, kMax };
 /// can leave the others' messages for it in flight, or already delivered where nothing will
 /// receive them (MPI completes a small send before its receive is posted, so the sender may
 /// never learn of the failure); a later call's receive could take them where its tag window
-/// meets that call's (Executor::setTagKey: 1 in the number of windows). Safe only where every rank threw in the same call before it reached
-/// the transport (the same mistake everywhere: nothing was sent). The plan agreement of every
-/// batch (runtime::checkPlanAgreement) compares the ranks' ledgers, their counts of calls
-/// included. Thread-safe. A ledger
-/// belongs to one Transport object: batches made over a wrapper and over what it wraps keep
-/// separate ones.
+/// meets that call's (Executor::setTagKey: 1 in the number of windows). Safe only where every rank
+/// threw in the same call before it reached the transport (the same mistake everywhere: nothing was
+/// sent). The plan agreement of every batch (runtime::checkPlanAgreement) compares the ranks'
+/// ledgers, their counts of calls included. Thread-safe. A ledger belongs to one Transport object:
+/// batches made over a wrapper and over what it wraps keep separate ones.
 class CallLedger {
  public:
   /// Counts a call; returns its index (0, 1, ... on this transport).
