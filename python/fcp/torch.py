@@ -7,7 +7,8 @@ initialised —, or an mpi4py communicator) from the whole batch's ``cu_seqlens`
 rank's token range ``[begin, end)`` of the packed stream (any split: uneven, mid-sequence,
 empty). cu_seqlens may hold empty sequences (a repeated offset, as FlashAttention's varlen
 padding has); ``batch.sequence`` numbers sequences as cu_seqlens does. Then, per layer,
-``attention(q, k, v, batch)`` returns ``o`` with gradients for q, k and v. Tensors are ``[tokens, heads, head_dim]`` on the CPU, float32 or bfloat16.
+``attention(q, k, v, batch)`` returns ``o`` with gradients for q, k and v. Tensors are
+``[tokens, heads, head_dim]`` on the CPU, float32 or bfloat16.
 
 Two layouts. ``layout="transparent"``: q, k, v, o have this rank's rows of the caller's layout
 (``end - begin`` of them); each call moves tokens to FCP's layout and back. ``layout=

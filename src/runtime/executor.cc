@@ -1152,16 +1152,16 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
     // A call one rank made alone (attention under a condition true on one rank only) pairs
     // with another rank's next call, same kind and batch: its messages match, and nothing
     // failed. It shows here, as a count that differs.
+    const std::string counts = "this rank " + std::to_string(calls) + "; from " +
+                               std::to_string(-values[8]) + " to " + std::to_string(values[7]) +
+                               " over the ranks";
     throw Error(ErrorCode::kInvalidArgument,
                 "rank " + std::to_string(transport.rank()) +
-                    ": the ranks made different numbers of FCP calls over this transport (this "
-                    "rank " +
-                    std::to_string(calls) + "; from " + std::to_string(-values[8]) + " to " +
-                    std::to_string(values[7]) +
-                    " over the ranks), so some calls met another rank's other call: expected the "
-                    "same calls "
-                    "in the same order on every rank, and a new transport (a new communicator "
-                    "or process group)");
+                    ": the ranks made different numbers of FCP calls over this transport (" +
+                    counts +
+                    "), so some calls met another rank's other call: expected the same calls in "
+                    "the same order on every rank, and a new transport (a new communicator or "
+                    "process group)");
   }
   const auto largest = static_cast<uint64_t>(values[0]);
   const auto smallest = static_cast<uint64_t>(~values[1]);
