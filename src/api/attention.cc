@@ -101,16 +101,19 @@ Batch batchOf(const std::vector<int64_t>& cu) {
 /// For cu_seqlens that batchOf accepted.
 std::vector<int32_t> userSequenceIds(const std::vector<int64_t>& cu) {
   std::vector<int32_t> ids;
-  bool someEmpty = false;
   for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    if (cu[s + 1] > cu[s]) {
-      ids.push_back(static_cast<int32_t>(s));
-    } else {
-      someEmpty = true;
-    }
+    if (cu[s + 1] > cu[s]) ids.push_back(static_cast<int32_t>(s));
   }
-  if (!someEmpty) ids.clear();
+  if (ids.size() + 1 == cu.size()) ids.clear();
   return ids;
+}
+
+/// Whether the kernels can take softmax scale `scale` (0: the default 1/sqrt(head dim)) as the
+/// fp32 they compute with. The agreement refuses any other, on every rank alike; until then it
+/// is never cast (that would be undefined).
+bool scaleFitsFp32(double scale) {
+  return scale == 0 ||
+         (scale >= std::numeric_limits<float>::min() && scale <= std::numeric_limits<float>::max());
 }
 
 // FNV-1a of everything every rank must pass alike (the batch, the model, the planner's
@@ -173,11 +176,9 @@ std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
   // The scale the kernels will use, as they compute it (kernels::softmaxScaleOf, in fp32): 0 (the
   // default) and the same value given outright are one setting; 1/sqrt(96) in double is not the
   // kernels' (it rounds to another float), so it stays another. A value fp32 cannot hold (the
-  // agreement refuses it below, on every rank alike) is hashed as given: its cast would be
-  // undefined.
-  const bool fits = o.softmaxScale == 0 || (o.softmaxScale >= std::numeric_limits<float>::min() &&
-                                            o.softmaxScale <= std::numeric_limits<float>::max());
-  if (fits && o.headDim > 0 && o.headDim <= std::numeric_limits<int>::max()) {
+  // agreement refuses it below) is hashed as given.
+  if (scaleFitsFp32(o.softmaxScale) && o.headDim > 0 &&
+      o.headDim <= std::numeric_limits<int>::max()) {
     h[10].add(static_cast<double>(kernels::softmaxScaleOf(
         {.softmaxScale = static_cast<float>(o.softmaxScale)}, static_cast<int>(o.headDim))));
   } else {
@@ -304,8 +305,7 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   }
   // The kernels take it as a float: a value float cannot hold would become 0 (the default) or
   // infinity.
-  if (o.softmaxScale != 0 && !(o.softmaxScale >= std::numeric_limits<float>::min() &&
-                               o.softmaxScale <= std::numeric_limits<float>::max())) {
+  if (!scaleFitsFp32(o.softmaxScale)) {
     throwInvalidArgument("softmax scale ", o.softmaxScale,
                          ": expected 0 (for 1/sqrt(head dim)) or ",
                          std::numeric_limits<float>::min(), " to ",
@@ -377,11 +377,11 @@ plan::Plan planNow(runtime::Transport& transport, const BatchOptions& options) {
 }
 
 runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
-  // Made before the agreement refuses a scale fp32 cannot hold (every rank alike): such a value
-  // is not cast (that would be undefined), and never reaches a kernel.
-  const bool fits = o.softmaxScale >= 0 && o.softmaxScale <= std::numeric_limits<float>::max();
-  return {o.numThreads, o.timeline, o.dtype,
-          o.layout,     o.firstTag, fits ? static_cast<float>(o.softmaxScale) : 0.f};
+  // Made before the agreement refuses a scale fp32 cannot hold: such a value never reaches a
+  // kernel.
+  return {o.numThreads, o.timeline,
+          o.dtype,      o.layout,
+          o.firstTag,   scaleFitsFp32(o.softmaxScale) ? static_cast<float>(o.softmaxScale) : 0.f};
 }
 
 }  // namespace
@@ -436,7 +436,6 @@ void AttentionBatch::numberAsUser(const std::vector<int32_t>& ids) {
   userSequence_.resize(planned.size());
   for (size_t i = 0; i < planned.size(); ++i)
     userSequence_[i] = ids[static_cast<size_t>(planned[i])];
-  renumbered_ = true;
 }
 
 template <typename Call>

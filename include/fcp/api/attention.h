@@ -179,7 +179,9 @@ class AttentionBatch {
   /// Per row of FCP's layout: the sequence it belongs to (its index in cu_seqlens) and its
   /// position inside it. plan() numbers only the sequences that have tokens.
   std::span<const int32_t> localSequence() const {
-    return renumbered_ ? std::span<const int32_t>(userSequence_) : executor_.localSequence();
+    // Empty where nothing was renumbered, or this rank has no rows (both spans empty then).
+    return userSequence_.empty() ? executor_.localSequence()
+                                 : std::span<const int32_t>(userSequence_);
   }
   std::span<const int64_t> localPosition() const { return executor_.localPosition(); }
 
@@ -241,9 +243,8 @@ class AttentionBatch {
   int64_t serial_;  ///< the batch's place among the transport's batches: keys its tags
   std::string failure_;
   bool reached_ = false;  ///< the running call has reached the executor (messages may be out)
-  /// localSequence() in cu_seqlens' numbering, where some sequence is empty (renumbered_).
+  /// localSequence() in cu_seqlens' numbering, where some sequence is empty (else empty).
   std::vector<int32_t> userSequence_;
-  bool renumbered_ = false;
 };
 
 /// One attention layer: what its backward needs from its forward. Reusable across batches.
