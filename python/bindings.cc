@@ -1,6 +1,7 @@
 // The Python binding of FCP (module fcp._fcp): a thin layer over fcp/api/attention.h. Tensors
-// cross as raw pointers with their shapes (the Python side passes torch tensors' data_ptr()
-// after making them contiguous), so nothing is copied and this module needs no libtorch.
+// cross as raw pointers with their shapes and row strides (the Python side passes torch tensors'
+// data_ptr(), copying only a tensor whose rows are not dense), so nothing is copied here and
+// this module needs no libtorch.
 //
 // Terms. A *callback transport* is a runtime::Transport whose operations call Python functions
 // (fcp.torch implements them with torch.distributed on the caller's process group); its
@@ -12,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -223,10 +225,19 @@ DType dtypeOf(const std::string& name) {
   throwInvalidArgument("unknown dtype '", name, "': expected fp32 or bf16");
 }
 
-// A tensor view from (address, dtype, tokens, heads, dim).
+// A tensor view from (address, dtype, tokens, heads, dim) and its row stride in elements (0:
+// contiguous).
 TensorRef view(uintptr_t address, const std::string& dtype, int64_t tokens, int64_t heads,
-               int64_t dim) {
-  return {reinterpret_cast<void*>(address), dtypeOf(dtype), tokens, heads, dim};
+               int64_t dim, int64_t rowStride = 0) {
+  return {reinterpret_cast<void*>(address), dtypeOf(dtype), tokens, heads, dim, rowStride};
+}
+
+// The bytes from a tensor's first row to the end of its last, rows `stride` bytes apart (0:
+// rowBytes). Unchecked: the batch checks the stride, and takes a size that is not this.
+size_t extent(int64_t rows, int64_t rowBytes, int64_t stride) {
+  if (rows <= 0 || rowBytes <= 0 || stride < 0) return 0;
+  if (stride > std::numeric_limits<int64_t>::max() / rows) return 0;
+  return static_cast<size_t>((rows - 1) * (stride > 0 ? stride : rowBytes) + rowBytes);
 }
 
 }  // namespace
@@ -367,26 +378,28 @@ PYBIND11_MODULE(_fcp, m) {
            })
       .def(
           "dispatch",
-          [](AttentionBatch& b, uintptr_t user, uintptr_t local, int64_t rowBytes) {
+          [](AttentionBatch& b, uintptr_t user, uintptr_t local, int64_t rowBytes,
+             int64_t userStride) {
             py::gil_scoped_release release;
             b.dispatch({reinterpret_cast<const std::byte*>(user),
-                        static_cast<size_t>(b.numUserTokens() * rowBytes)},
+                        extent(b.numUserTokens(), rowBytes, userStride)},
                        {reinterpret_cast<std::byte*>(local),
                         static_cast<size_t>(b.numLocalTokens() * rowBytes)},
-                       rowBytes);
+                       rowBytes, userStride);
           },
-          py::arg("user"), py::arg("local"), py::arg("row_bytes"))
+          py::arg("user"), py::arg("local"), py::arg("row_bytes"), py::arg("user_stride") = 0)
       .def(
           "undispatch",
-          [](AttentionBatch& b, uintptr_t local, uintptr_t user, int64_t rowBytes) {
+          [](AttentionBatch& b, uintptr_t local, uintptr_t user, int64_t rowBytes,
+             int64_t localStride) {
             py::gil_scoped_release release;
             b.undispatch({reinterpret_cast<const std::byte*>(local),
-                          static_cast<size_t>(b.numLocalTokens() * rowBytes)},
+                          extent(b.numLocalTokens(), rowBytes, localStride)},
                          {reinterpret_cast<std::byte*>(user),
                           static_cast<size_t>(b.numUserTokens() * rowBytes)},
-                         rowBytes);
+                         rowBytes, localStride);
           },
-          py::arg("local"), py::arg("user"), py::arg("row_bytes"))
+          py::arg("local"), py::arg("user"), py::arg("row_bytes"), py::arg("local_stride") = 0)
       .def_property_readonly("failure",
                              [](const AttentionBatch& b) -> std::optional<std::string> {
                                if (b.failure().empty()) return std::nullopt;
@@ -411,34 +424,37 @@ PYBIND11_MODULE(_fcp, m) {
         return out;
       });
 
-  // Shapes: (address, dtype, tokens, heads, dim) per tensor; lse is fp32 [tokens, heads].
+  // Shapes: (address, dtype, tokens, heads, dim) per tensor; lse is fp32 [tokens, heads]. The
+  // inputs' row strides are in elements (0: contiguous); the outputs are contiguous.
   py::class_<AttentionLayer>(m, "AttentionLayer")
       .def(py::init<>())
       .def(
           "forward",
           [](AttentionLayer& layer, AttentionBatch& batch, const std::string& dtype, int64_t tokens,
              int64_t heads, int64_t kvHeads, int64_t dim, uintptr_t q, uintptr_t k, uintptr_t v,
-             uintptr_t o, uintptr_t lse) {
+             uintptr_t o, uintptr_t lse, int64_t qStride, int64_t kStride, int64_t vStride) {
             py::gil_scoped_release release;
-            layer.forward(batch, view(q, dtype, tokens, heads, dim),
-                          view(k, dtype, tokens, kvHeads, dim),
-                          view(v, dtype, tokens, kvHeads, dim), view(o, dtype, tokens, heads, dim),
-                          view(lse, "fp32", tokens, heads, 1));
+            layer.forward(batch, view(q, dtype, tokens, heads, dim, qStride),
+                          view(k, dtype, tokens, kvHeads, dim, kStride),
+                          view(v, dtype, tokens, kvHeads, dim, vStride),
+                          view(o, dtype, tokens, heads, dim), view(lse, "fp32", tokens, heads, 1));
           },
           py::arg("batch"), py::arg("dtype"), py::arg("tokens"), py::arg("heads"),
           py::arg("kv_heads"), py::arg("dim"), py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("o"), py::arg("lse"))
+          py::arg("o"), py::arg("lse"), py::arg("q_stride") = 0, py::arg("k_stride") = 0,
+          py::arg("v_stride") = 0)
       .def(
           "backward",
           [](AttentionLayer& layer, AttentionBatch& batch, const std::string& dtype, int64_t tokens,
              int64_t heads, int64_t kvHeads, int64_t dim, uintptr_t dO, uintptr_t dq, uintptr_t dk,
-             uintptr_t dv) {
+             uintptr_t dv, int64_t dOStride) {
             py::gil_scoped_release release;
-            layer.backward(
-                batch, view(dO, dtype, tokens, heads, dim), view(dq, dtype, tokens, heads, dim),
-                view(dk, dtype, tokens, kvHeads, dim), view(dv, dtype, tokens, kvHeads, dim));
+            layer.backward(batch, view(dO, dtype, tokens, heads, dim, dOStride),
+                           view(dq, dtype, tokens, heads, dim),
+                           view(dk, dtype, tokens, kvHeads, dim),
+                           view(dv, dtype, tokens, kvHeads, dim));
           },
           py::arg("batch"), py::arg("dtype"), py::arg("tokens"), py::arg("heads"),
           py::arg("kv_heads"), py::arg("dim"), py::arg("dO"), py::arg("dq"), py::arg("dk"),
-          py::arg("dv"));
+          py::arg("dv"), py::arg("dO_stride") = 0);
 }

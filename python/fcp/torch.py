@@ -471,8 +471,18 @@ def _dense_or_fail(batch: Batch, name: str, x, expected: str) -> None:
         batch._impl.fail(f"{name} is {what}: expected {expected}, a dense torch.Tensor on the CPU")
 
 
+def _rows(x: torch.Tensor):
+    """(x, its row stride in elements) when each of x's rows (dims 1 on) is dense and the rows do
+    not overlap, as q, k and v viewed out of a fused projection are: FCP reads and writes such a
+    tensor in place. Otherwise (x.contiguous(), 0): a copy only where the rows are not dense."""
+    row = math.prod(x.shape[1:])
+    if x.dim() >= 1 and x.shape[0] > 1 and row > 0 and x.stride(0) >= row and x[0].is_contiguous():
+        return x, x.stride(0)
+    return x.contiguous(), 0
+
+
 def _prepared(batch: Batch, make):
-    """make() (what a call needs before FCP's collective: contiguous inputs, outputs), where an
+    """make() (what a call needs before FCP's collective: inputs with dense rows, outputs), where an
     error (out of memory, an interrupt) fails the batch as a check would (fail()): the other
     ranks may be inside the call, and the next batch's agreement must hear of it."""
     try:
@@ -498,14 +508,14 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
         # fail() also makes the batch refuse later calls: the other ranks may be inside this one.
         batch._impl.fail(f"{'dispatch' if into_fcp else 'undispatch'} input has shape {tuple(x.shape)} on "
                          f"{x.device}: expected {rows_in} rows on the CPU")
-    x, out = _prepared(batch, lambda: (x.contiguous(), torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)))
+    (x, stride), out = _prepared(batch, lambda: (_rows(x), torch.empty((rows_out,) + tuple(x.shape[1:]), dtype=x.dtype)))
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     if row_bytes == 0:  # nothing to move (every rank sees the same row shape)
         return out
     if into_fcp:
-        batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes)
+        batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes, user_stride=stride * x.element_size())
     else:
-        batch._impl.undispatch(x.data_ptr(), out.data_ptr(), row_bytes)
+        batch._impl.undispatch(x.data_ptr(), out.data_ptr(), row_bytes, local_stride=stride * x.element_size())
     return out
 
 
@@ -531,13 +541,15 @@ class _Attention(torch.autograd.Function):
             if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                                  f"({n}, {heads}, {batch.head_dim}) {batch.dtype} on the CPU ({batch.layout} layout)")
-        q, k, v, o, lse, layer = _prepared(batch, lambda: (
-            q.contiguous(), k.contiguous(), v.contiguous(),
+        # q, k, v viewed out of a fused projection are read in place, their rows a stride apart.
+        (q, qs), (k, ks), (v, vs), o, lse, layer = _prepared(batch, lambda: (
+            _rows(q), _rows(k), _rows(v),
             torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype),
             torch.empty((n, batch.heads), dtype=torch.float32), _fcp.AttentionLayer()))
         start = time.perf_counter()
         layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
-                      q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
+                      q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                      q_stride=qs, k_stride=ks, v_stride=vs)
         ctx.layer, ctx.batch = layer, batch
         batch.attention_seconds += time.perf_counter() - start
         ctx.set_materialize_grads(False)  # an unused lse gives None, not zeros, in backward
@@ -560,12 +572,12 @@ class _Attention(torch.autograd.Function):
 
         def buffers():
             d = torch.zeros((n, batch.heads, batch.head_dim), dtype=batch.dtype) if do is None \
-                else do.contiguous().to(batch.dtype)
+                else do.to(batch.dtype)
             dk = torch.empty((n, batch.kv_heads, batch.head_dim), dtype=batch.dtype)
-            return d, torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype), dk, torch.empty_like(dk)
-        do, dq, dk, dv = _prepared(batch, buffers)
+            return _rows(d), torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype), dk, torch.empty_like(dk)
+        (do, ds), dq, dk, dv = _prepared(batch, buffers)
         ctx.layer.backward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
-                           do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+                           do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dO_stride=ds)
         ctx.layer = None  # FCP's saved state is freed once the gradients are out
         batch.attention_seconds += time.perf_counter() - start
         return dq, dk, dv, None
@@ -579,6 +591,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
     (no double backward, one backward per forward), through o: a gradient that reaches lse raises
     fcp.Error rather than be dropped.
     lse is in the graph for that reason: use ``lse.detach()`` to log or keep it (``.numpy()``).
+    q, k, v need only dense rows: views of a fused projection (``qkv.unbind(1)`` of a
+    [tokens, 3, heads, head_dim] tensor) are read in place, not copied.
     A call that raises on this rank (a tensor of the wrong shape) may leave the other ranks inside
     it until their timeout; the batch then refuses every later call (see Batch)."""
     o, lse = _Attention.apply(q, k, v, batch)

@@ -51,6 +51,22 @@ void checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t hea
                  DType dtype, const char* rows) {
   checkTensor(name, t.data, t.dtype, t.numTokens, t.numHeads, t.headDim, tokens, heads, dim, dtype,
               rows);
+  // The stride's bytes must step to the last row within int64.
+  const int64_t most = std::numeric_limits<int64_t>::max() / kernels::dtypeBytes(dtype) /
+                       std::max<int64_t>(tokens, 1);
+  if (t.rowStride != 0 && (t.rowStride < heads * dim || t.rowStride > most)) {
+    throwInvalidArgument(name, " has a row stride of ", t.rowStride, " elements: expected 0 (rows ",
+                         "back to back) or from ", heads * dim, " (heads × head_dim) to ", most);
+  }
+}
+
+// The stride of t's rows in bytes (0: back to back).
+int64_t strideBytes(ConstTensorRef t) { return t.rowStride * kernels::dtypeBytes(t.dtype); }
+
+// The bytes from the first of t's `rows` rows of `rowBytes` to the end of its last (checked).
+size_t extentBytes(ConstTensorRef t, int64_t rows, int64_t rowBytes) {
+  const int64_t step = t.rowStride > 0 ? strideBytes(t) : rowBytes;
+  return static_cast<size_t>(rows == 0 ? 0 : (rows - 1) * step + rowBytes);
 }
 
 const char* rowsText(Layout layout) {
@@ -501,20 +517,20 @@ void AttentionBatch::fail(const std::string& message) {
 }
 
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
-                              int64_t rowBytes) {
+                              int64_t rowBytes, int64_t userStride, int64_t localStride) {
   collective("dispatch", [&] {
-    executor_.checkMove(true, user.size(), local.size(), rowBytes);
+    executor_.checkMove(true, user.size(), local.size(), rowBytes, userStride, localStride);
     reached_ = true;
-    executor_.dispatch(user, local, rowBytes);
+    executor_.dispatch(user, local, rowBytes, userStride, localStride);
   });
 }
 
 void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
-                                int64_t rowBytes) {
+                                int64_t rowBytes, int64_t localStride, int64_t userStride) {
   collective("undispatch", [&] {
-    executor_.checkMove(false, user.size(), local.size(), rowBytes);
+    executor_.checkMove(false, user.size(), local.size(), rowBytes, userStride, localStride);
     reached_ = true;
-    executor_.undispatch(local, user, rowBytes);
+    executor_.undispatch(local, user, rowBytes, localStride, userStride);
   });
 }
 
@@ -545,8 +561,9 @@ void AttentionBatch::dispatchTensor(ConstTensorRef user, TensorRef local) {
   const int64_t row = user.numHeads * user.headDim * kernels::dtypeBytes(user.dtype);
   reached_ = true;
   executor_.dispatch(
-      {static_cast<const std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)},
-      {static_cast<std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)}, row);
+      {static_cast<const std::byte*>(user.data), extentBytes(user, numUserTokens(), row)},
+      {static_cast<std::byte*>(local.data), extentBytes(local, numLocalTokens(), row)}, row,
+      strideBytes(user), strideBytes(local));
 }
 
 void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
@@ -558,8 +575,9 @@ void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
   const int64_t row = local.numHeads * local.headDim * kernels::dtypeBytes(local.dtype);
   reached_ = true;
   executor_.undispatch(
-      {static_cast<const std::byte*>(local.data), static_cast<size_t>(numLocalTokens() * row)},
-      {static_cast<std::byte*>(user.data), static_cast<size_t>(numUserTokens() * row)}, row);
+      {static_cast<const std::byte*>(local.data), extentBytes(local, numLocalTokens(), row)},
+      {static_cast<std::byte*>(user.data), extentBytes(user, numUserTokens(), row)}, row,
+      strideBytes(local), strideBytes(user));
 }
 
 void AttentionLayer::forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
@@ -584,7 +602,9 @@ void AttentionLayer::forwardChecked(AttentionBatch& batch, ConstTensorRef q, Con
   checkTensor("o", o, n, a.numHeadsQ, a.headDim, dt, rows);
   if (lse.data != nullptr) checkTensor("lse", lse, n, a.numHeadsQ, 1, DType::kFp32, rows);
   batch.reached_ = true;
-  batch.executor().forward(state_, q.data, k.data, v.data, o.data, static_cast<float*>(lse.data));
+  batch.executor().forward(state_, {q.data, strideBytes(q)}, {k.data, strideBytes(k)},
+                           {v.data, strideBytes(v)}, {o.data, strideBytes(o)},
+                           {lse.data, lse.data != nullptr ? strideBytes(lse) : 0});
 }
 
 void AttentionLayer::backwardChecked(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq,
@@ -599,7 +619,8 @@ void AttentionLayer::backwardChecked(AttentionBatch& batch, ConstTensorRef dO, T
   checkTensor("dv", dv, n, a.numHeadsKv, a.headDim, dt, rows);
   batch.executor().checkBackward(state_);
   batch.reached_ = true;
-  batch.executor().backward(state_, dO.data, dq.data, dk.data, dv.data);
+  batch.executor().backward(state_, {dO.data, strideBytes(dO)}, {dq.data, strideBytes(dq)},
+                            {dk.data, strideBytes(dk)}, {dv.data, strideBytes(dv)});
 }
 
 }  // namespace fcp

@@ -70,6 +70,20 @@ double msSince(Clock::time_point start) {
 
 std::atomic<uint64_t> nextExecutorId{1};
 
+// Throws unless `strideBytes` can step over `rows` rows of `rowBytes` bytes, elements of
+// `elemBytes`: 0 (back to back), or a multiple of the element of at least one row whose last row
+// an int64 offset still reaches.
+void checkStride(const char* name, int64_t strideBytes, int64_t rowBytes, int64_t elemBytes,
+                 int64_t rows) {
+  if (strideBytes == 0) return;
+  const int64_t most = std::numeric_limits<int64_t>::max() / std::max<int64_t>(rows, 1);
+  if (strideBytes < rowBytes || strideBytes % elemBytes != 0 || strideBytes > most) {
+    throwInvalidArgument(name, "'s row stride of ", strideBytes, " bytes: expected 0 (rows back ",
+                         "to back) or a multiple of ", elemBytes, " from ", rowBytes,
+                         " (one row) to ", most, " (", rows, " rows)");
+  }
+}
+
 }  // namespace
 
 struct Executor::State {
@@ -917,30 +931,37 @@ void Executor::setTagKey(uint64_t key) {
 std::span<const int32_t> Executor::localSequence() const { return state_->localSeq; }
 std::span<const int64_t> Executor::localPosition() const { return state_->localPos; }
 
-void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes,
-                         int64_t rowBytes) const {
+void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int64_t rowBytes,
+                         int64_t userStride, int64_t localStride) const {
+  const char* what = intoFcp ? "dispatch" : "undispatch";
   if (rowBytes <= 0) {
-    throwInvalidArgument(intoFcp ? "dispatch" : "undispatch", " of ", rowBytes,
-                         " bytes per token: expected at least 1");
+    throwInvalidArgument(what, " of ", rowBytes, " bytes per token: expected at least 1");
   }
-  if (rowBytes > 0 && static_cast<int64_t>(userBytes) == userTokens() * rowBytes &&
-      static_cast<int64_t>(localBytes) == localTokens() * rowBytes)
-    return;
+  checkStride(intoFcp ? "dispatch input" : "undispatch output", userStride, rowBytes, 1,
+              userTokens());
+  checkStride(intoFcp ? "dispatch output" : "undispatch input", localStride, rowBytes, 1,
+              localTokens());
+  // From the first row's start to the last row's end.
+  const auto extent = [rowBytes](int64_t rows, int64_t stride) {
+    return rows == 0 ? 0 : (rows - 1) * (stride > 0 ? stride : rowBytes) + rowBytes;
+  };
+  const int64_t user = extent(userTokens(), userStride), local = extent(localTokens(), localStride);
+  if (static_cast<int64_t>(userBytes) == user && static_cast<int64_t>(localBytes) == local) return;
   if (intoFcp) {
     throwInvalidArgument("dispatch of ", userBytes, " bytes into ", localBytes, " bytes of ",
-                         rowBytes, " per token: expected ", userTokens() * rowBytes, " and ",
-                         localTokens() * rowBytes);
+                         rowBytes, " per token: expected ", user, " and ", local);
   }
   throwInvalidArgument("undispatch of ", localBytes, " bytes into ", userBytes, " bytes of ",
-                       rowBytes, " per token: expected ", localTokens() * rowBytes, " and ",
-                       userTokens() * rowBytes);
+                       rowBytes, " per token: expected ", local, " and ", user);
 }
 
 void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
-                        int64_t rowBytes) {
+                        int64_t rowBytes, int64_t userStride, int64_t localStride) {
   State& s = *state_;
-  checkMove(true, user.size(), local.size(), rowBytes);
-  Field f{user.data(), nullptr, Elem::kRaw, Elem::kRaw, rowBytes, s.rows(local.data(), rowBytes)};
+  checkMove(true, user.size(), local.size(), rowBytes, userStride, localStride);
+  Field f{user.data(), nullptr,  Elem::kRaw,
+          Elem::kRaw,  rowBytes, s.rows(local.data(), localStride > 0 ? localStride : rowBytes),
+          userStride};
   detail::Inward in({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
                     s.blockTag(kDispatch));
   const PendingGuard guard(s.transport, [&in] { in.keepBuffersForever(); });
@@ -949,12 +970,14 @@ void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> lo
 }
 
 void Executor::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
-                          int64_t rowBytes) {
+                          int64_t rowBytes, int64_t localStride, int64_t userStride) {
   State& s = *state_;
-  checkMove(false, user.size(), local.size(), rowBytes);
+  checkMove(false, user.size(), local.size(), rowBytes, userStride, localStride);
   // The rows are only read: the accessor's type is shared with the inward direction.
   auto* base = const_cast<std::byte*>(local.data());
-  Field f{nullptr, user.data(), Elem::kRaw, Elem::kRaw, rowBytes, s.rows(base, rowBytes)};
+  Field f{nullptr,    user.data(), Elem::kRaw,
+          Elem::kRaw, rowBytes,    s.rows(base, localStride > 0 ? localStride : rowBytes),
+          userStride};
   detail::Outward out({s.transport, s.rank, s.transparent, nullptr, nullptr}, {f},
                       s.blockTag(kUndispatch), std::vector<int64_t>(s.localBlocks.size(), 0));
   const PendingGuard guard(s.transport, [&out] { out.keepBuffersForever(); });
@@ -962,9 +985,14 @@ void Executor::undispatch(std::span<const std::byte> local, std::span<std::byte>
   out.finish();
 }
 
-void Executor::forward(LayerState& layer, const void* q, const void* k, const void* v, void* o,
-                       float* lse) {
+void Executor::forward(LayerState& layer, ConstRows q, ConstRows k, ConstRows v, Rows o, Rows lse) {
   State& s = *state_;
+  const int64_t rows = s.index().userTokens;
+  checkStride("q", q.strideBytes, s.qRow * s.elem, s.elem, rows);
+  checkStride("k", k.strideBytes, s.kRow * s.elem, s.elem, rows);
+  checkStride("v", v.strideBytes, s.kRow * s.elem, s.elem, rows);
+  checkStride("o", o.strideBytes, s.qRow * s.elem, s.elem, rows);
+  if (lse.data != nullptr) checkStride("lse", lse.strideBytes, s.hq * 4, 4, rows);
   s.fwd = {};
   const auto start = Clock::now();
   const double startUs = Timeline::nowUs();
@@ -977,25 +1005,27 @@ void Executor::forward(LayerState& layer, const void* q, const void* k, const vo
   s.layer = &layer;
   s.constLayer = &layer;
   const int64_t qBytes = s.qRow * s.elem, kBytes = s.kRow * s.elem;
-  auto in8 = [](const void* p) { return static_cast<const std::byte*>(p); };
-  detail::Inward in(
-      s.context(&s.fwd),
-      {{in8(q), nullptr, s.storage, s.storage, s.qRow, s.rows(layer.q.data(), qBytes)},
-       {in8(k), nullptr, s.storage, s.storage, s.kRow, s.kvRows(layer.kv.data(), kBytes, false)},
-       {in8(v), nullptr, s.storage, s.storage, s.kRow, s.kvRows(layer.kv.data(), kBytes, true)}},
-      s.blockTag(kInward));
+  auto in8 = [](ConstRows r) { return static_cast<const std::byte*>(r.data); };
+  detail::Inward in(s.context(&s.fwd),
+                    {{in8(q), nullptr, s.storage, s.storage, s.qRow, s.rows(layer.q.data(), qBytes),
+                      q.strideBytes},
+                     {in8(k), nullptr, s.storage, s.storage, s.kRow,
+                      s.kvRows(layer.kv.data(), kBytes, false), k.strideBytes},
+                     {in8(v), nullptr, s.storage, s.storage, s.kRow,
+                      s.kvRows(layer.kv.data(), kBytes, true), v.strideBytes}},
+                    s.blockTag(kInward));
   // LSE always travels (hq floats per token beside O's hq·d): the messages' layout must not
   // depend on what each rank asked for. A rank that does not want it keeps it in scratch.
   std::vector<float> unwantedLse;
-  if (lse == nullptr) {
-    unwantedLse.resize(static_cast<size_t>(s.index().userTokens * s.hq));
-    lse = unwantedLse.data();
+  if (lse.data == nullptr) {
+    unwantedLse.resize(static_cast<size_t>(rows * s.hq));
+    lse = {unwantedLse.data(), 0};
   }
   std::vector<Field> outFields = {
-      {nullptr, static_cast<std::byte*>(o), s.storage, Elem::kFp32, s.qRow,
-       s.rows(reinterpret_cast<std::byte*>(layer.o.data()), s.qRow * 4)},
-      {nullptr, reinterpret_cast<std::byte*>(lse), Elem::kFp32, Elem::kFp32, s.hq,
-       s.rows(reinterpret_cast<std::byte*>(layer.lse.data()), s.hq * 4)}};
+      {nullptr, static_cast<std::byte*>(o.data), s.storage, Elem::kFp32, s.qRow,
+       s.rows(reinterpret_cast<std::byte*>(layer.o.data()), s.qRow * 4), o.strideBytes},
+      {nullptr, static_cast<std::byte*>(lse.data), Elem::kFp32, Elem::kFp32, s.hq,
+       s.rows(reinterpret_cast<std::byte*>(layer.lse.data()), s.hq * 4), lse.strideBytes}};
   detail::Outward out(s.context(&s.fwd), std::move(outFields), s.blockTag(kForwardOut),
                       s.remainingPerBlock(false, false));
   // Destroyed before the streams when an error unwinds this pass (sends read layer.kv too).
@@ -1029,9 +1059,14 @@ void Executor::checkBackward(const LayerState& layer) const {
   }
 }
 
-void Executor::backward(LayerState& layer, const void* dO, void* dq, void* dk, void* dv) {
+void Executor::backward(LayerState& layer, ConstRows dO, Rows dq, Rows dk, Rows dv) {
   State& s = *state_;
   checkBackward(layer);
+  const int64_t rows = s.index().userTokens;
+  checkStride("dO", dO.strideBytes, s.qRow * s.elem, s.elem, rows);
+  checkStride("dq", dq.strideBytes, s.qRow * s.elem, s.elem, rows);
+  checkStride("dk", dk.strideBytes, s.kRow * s.elem, s.elem, rows);
+  checkStride("dv", dv.strideBytes, s.kRow * s.elem, s.elem, rows);
   s.bwd = {};
   const auto start = Clock::now();
   const double startUs = Timeline::nowUs();
@@ -1043,18 +1078,18 @@ void Executor::backward(LayerState& layer, const void* dO, void* dq, void* dk, v
   s.constLayer = &layer;
   auto f8 = [](std::vector<float>& t) { return reinterpret_cast<std::byte*>(t.data()); };
   detail::Inward in(s.context(&s.bwd),
-                    {{static_cast<const std::byte*>(dO), nullptr, s.storage, s.storage, s.qRow,
-                      s.rows(s.dO.data(), s.qRow * s.elem)}},
+                    {{static_cast<const std::byte*>(dO.data), nullptr, s.storage, s.storage, s.qRow,
+                      s.rows(s.dO.data(), s.qRow * s.elem), dO.strideBytes}},
                     s.blockTag(kInward));
   detail::Outward qOut(s.context(&s.bwd),
-                       {{nullptr, static_cast<std::byte*>(dq), s.storage, Elem::kFp32, s.qRow,
-                         s.rows(f8(s.dq), s.qRow * 4)}},
+                       {{nullptr, static_cast<std::byte*>(dq.data), s.storage, Elem::kFp32, s.qRow,
+                         s.rows(f8(s.dq), s.qRow * 4), dq.strideBytes}},
                        s.blockTag(kBackwardQ), s.remainingPerBlock(true, false));
   detail::Outward kvOut(s.context(&s.bwd),
-                        {{nullptr, static_cast<std::byte*>(dk), s.storage, Elem::kFp32, s.kRow,
-                          s.kvRows(f8(s.dkv), s.kRow * 4, false)},
-                         {nullptr, static_cast<std::byte*>(dv), s.storage, Elem::kFp32, s.kRow,
-                          s.kvRows(f8(s.dkv), s.kRow * 4, true)}},
+                        {{nullptr, static_cast<std::byte*>(dk.data), s.storage, Elem::kFp32, s.kRow,
+                          s.kvRows(f8(s.dkv), s.kRow * 4, false), dk.strideBytes},
+                         {nullptr, static_cast<std::byte*>(dv.data), s.storage, Elem::kFp32, s.kRow,
+                          s.kvRows(f8(s.dkv), s.kRow * 4, true), dv.strideBytes}},
                         s.blockTag(kBackwardKv), s.remainingPerBlock(true, true));
   // Destroyed before the streams when an error unwinds this pass. The KV sends read the
   // layer's K|V, which the caller would free (a Python layer's, once autograd drops it).

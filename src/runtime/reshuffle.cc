@@ -77,11 +77,11 @@ void Inward::start() {
     for (const Piece& p : index.outbound[peer]) sent_[peer][p.block] = false;
   }
   for (const Field& f : fields_) {
-    const int64_t w = f.wireBytes();
+    const int64_t step = f.userStep();
     for (const Piece& p : index.outbound[static_cast<size_t>(ctx_.rank)]) {
       for (int64_t i = 0; i < p.numTokens; ++i) {
         copyElements(f.fcp(p.localBlock, p.blockOffset + i), f.fcpElem,
-                     f.user + (p.userOffset + i) * w, f.userElem, f.elements);
+                     f.user + (p.userOffset + i) * step, f.userElem, f.elements);
       }
     }
   }
@@ -94,11 +94,15 @@ void Inward::send(int peer, int32_t block) {
   it->second = true;
   std::vector<std::byte> buf;
   for (const Field& f : fields_) {
-    const int64_t w = f.wireBytes();
+    const int64_t w = f.wireBytes(), step = f.userStep();
     for (const Piece& p : ctx_.index.outbound[static_cast<size_t>(peer)]) {
       if (p.block != block) continue;
-      const std::byte* src = f.user + p.userOffset * w;
-      buf.insert(buf.end(), src, src + p.numTokens * w);
+      const std::byte* src = f.user + p.userOffset * step;
+      if (step == w) {
+        buf.insert(buf.end(), src, src + p.numTokens * w);
+        continue;
+      }
+      for (int64_t i = 0; i < p.numTokens; ++i, src += step) buf.insert(buf.end(), src, src + w);
     }
   }
   if (ctx_.stats) ctx_.stats->sentBytes += static_cast<int64_t>(buf.size());
@@ -220,7 +224,7 @@ void Outward::blockDone(int32_t local) {
     std::vector<std::byte> buf;
     int32_t block = -1;
     for (const Field& f : fields_) {
-      const int64_t w = f.wireBytes();
+      const int64_t w = f.wireBytes(), step = f.userStep();
       for (const Piece& p : index.inbound[peer]) {
         if (p.localBlock != local) continue;
         block = p.block;
@@ -228,7 +232,7 @@ void Outward::blockDone(int32_t local) {
           const std::byte* src = f.fcp(local, p.blockOffset + i);
           std::byte* dst = nullptr;
           if (here) {
-            dst = f.userOut + (p.userOffset + i) * w;
+            dst = f.userOut + (p.userOffset + i) * step;
           } else {
             buf.resize(buf.size() + static_cast<size_t>(w));
             dst = buf.data() + buf.size() - static_cast<size_t>(w);
@@ -256,11 +260,18 @@ void Outward::finish() {
     ctx_.transport.wait(in.request);
     const std::byte* src = in.buffer.data();
     for (const Field& f : fields_) {
-      const int64_t w = f.wireBytes();
+      const int64_t w = f.wireBytes(), step = f.userStep();
       for (const Piece& p : ctx_.index.outbound[static_cast<size_t>(in.peer)]) {
         if (p.block != in.block) continue;
-        std::memcpy(f.userOut + p.userOffset * w, src, static_cast<size_t>(p.numTokens * w));
-        src += p.numTokens * w;
+        std::byte* dst = f.userOut + p.userOffset * step;
+        if (step == w) {
+          std::memcpy(dst, src, static_cast<size_t>(p.numTokens * w));
+          src += p.numTokens * w;
+          continue;
+        }
+        for (int64_t i = 0; i < p.numTokens; ++i, src += w, dst += step) {
+          std::memcpy(dst, src, static_cast<size_t>(w));
+        }
       }
     }
   }

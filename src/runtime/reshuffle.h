@@ -50,7 +50,9 @@ struct Field {
   Elem fcpElem = Elem::kFp32;
   int64_t elements = 0;  ///< per token (bytes for kRaw)
   std::function<std::byte*(int32_t local, int64_t token)> fcp;
+  int64_t userStride = 0;  ///< bytes from one user row to the next (0: wireBytes())
   int64_t wireBytes() const { return elements * elemBytes(userElem); }
+  int64_t userStep() const { return userStride > 0 ? userStride : wireBytes(); }
 };
 
 /// What the reshuffle streams share: the transport, this rank, the index, stats and timeline.

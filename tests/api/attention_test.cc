@@ -512,6 +512,151 @@ TEST(AttentionBatchTest, DispatchRoundTripsAndNamesEachLocalToken) {
   });
 }
 
+// Rows [begin, end) of several whole tensors side by side, each token's row their rows one after
+// another and then `padElements` elements of 0x5a bytes: a fused projection's layout, whose parts
+// are views with the fused row as their stride.
+struct Fused {
+  std::vector<std::byte> bytes;
+  int64_t stride = 0;                  // elements per fused row
+  std::vector<int64_t> offset, width;  // each part's, in elements
+};
+
+constexpr std::byte kPadByte{0x5a};
+
+Fused fuse(const std::vector<std::pair<const std::vector<float>*, int64_t>>& parts, int64_t begin,
+           int64_t end, int64_t padElements, DType d) {
+  Fused f;
+  for (const auto& [x, width] : parts) {
+    f.offset.push_back(f.stride);
+    f.width.push_back(width);
+    f.stride += width;
+  }
+  f.stride += padElements;
+  const int64_t e = dtypeBytes(d), rows = end - begin;
+  f.bytes.assign(static_cast<size_t>(rows * f.stride * e), kPadByte);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::vector<std::byte> dense = storage(*parts[i].first, begin, end, f.width[i], d);
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(f.bytes.data() + (t * f.stride + f.offset[i]) * e,
+                  dense.data() + t * f.width[i] * e, static_cast<size_t>(f.width[i] * e));
+    }
+  }
+  return f;
+}
+
+// An empty fused buffer of `rows` rows with `widths` parts, every byte 0x5a.
+Fused fusedOutputs(const std::vector<int64_t>& widths, int64_t rows, int64_t padElements, DType d) {
+  Fused f;
+  for (const int64_t w : widths) {
+    f.offset.push_back(f.stride);
+    f.width.push_back(w);
+    f.stride += w;
+  }
+  f.stride += padElements;
+  f.bytes.assign(static_cast<size_t>(rows * f.stride * dtypeBytes(d)), kPadByte);
+  return f;
+}
+
+// Part i of a fused buffer, rows back to back; and whether every pad byte is still 0x5a.
+std::vector<std::byte> part(const Fused& f, size_t i, DType d) {
+  const int64_t e = dtypeBytes(d), rows = static_cast<int64_t>(f.bytes.size()) / (f.stride * e);
+  std::vector<std::byte> out(static_cast<size_t>(rows * f.width[i] * e));
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(out.data() + t * f.width[i] * e, f.bytes.data() + (t * f.stride + f.offset[i]) * e,
+                static_cast<size_t>(f.width[i] * e));
+  }
+  return out;
+}
+
+bool padsUntouched(const Fused& f, DType d) {
+  const int64_t e = dtypeBytes(d), used = (f.offset.back() + f.width.back()) * e;
+  for (size_t at = 0; at < f.bytes.size(); at += static_cast<size_t>(f.stride * e)) {
+    for (auto b = static_cast<size_t>(used); b < static_cast<size_t>(f.stride * e); ++b) {
+      if (f.bytes[at + b] != kPadByte) return false;
+    }
+  }
+  return true;
+}
+
+// One layer with every tensor a view into a fused buffer (rowStride: q|k|v of one projection,
+// dq|dk|dv of one gradient, o and lse with room after each row; dispatched, the fused buffers are
+// dispatched view by view into fused local buffers and back). Writes this rank's rows of the
+// outputs into `out`; expects every pad byte untouched.
+void runStridedLayer(AttentionBatch& batch, Transport& t, const Problem& p, const Whole& in,
+                     Outputs& out) {
+  const int64_t b = p.starts[static_cast<size_t>(t.rank())],
+                e = p.starts[static_cast<size_t>(t.rank()) + 1];
+  const int64_t qw = p.hq * p.dim, kw = p.hkv * p.dim, n = batch.numCallTokens();
+  const DType d = p.dtype;
+  const bool dispatched = p.layout == Layout::kDispatched;
+  auto ref = [&](Fused& f, size_t i, int64_t heads, int64_t rows) {
+    return TensorRef{f.bytes.data() + f.offset[i] * dtypeBytes(d), d, rows, heads, p.dim, f.stride};
+  };
+  Fused user = fuse({{&in.q, qw}, {&in.k, kw}, {&in.v, kw}, {&in.dO, qw}}, b, e, 3, d);
+  Fused call = user;
+  if (dispatched) {
+    call = fusedOutputs({qw, kw, kw, qw}, n, 5, d);
+    const int64_t heads[] = {p.hq, p.hkv, p.hkv, p.hq};
+    for (size_t i = 0; i < 4; ++i) {
+      batch.dispatch(ref(user, i, heads[i], e - b), ref(call, i, heads[i], n));
+    }
+  }
+  Fused o = fusedOutputs({qw}, n, 1, d), grads = fusedOutputs({qw, kw, kw}, n, 2, d);
+  std::vector<float> lse(static_cast<size_t>(n * (p.hq + 3)), -1.f);
+  AttentionLayer layer;
+  layer.forward(batch, ref(call, 0, p.hq, n), ref(call, 1, p.hkv, n), ref(call, 2, p.hkv, n),
+                ref(o, 0, p.hq, n), {lse.data(), DType::kFp32, n, p.hq, 1, p.hq + 3});
+  layer.backward(batch, ref(call, 3, p.hq, n), ref(grads, 0, p.hq, n), ref(grads, 1, p.hkv, n),
+                 ref(grads, 2, p.hkv, n));
+  EXPECT_TRUE(padsUntouched(o, d) && padsUntouched(grads, d)) << "rank " << t.rank();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t h = p.hq; h < p.hq + 3; ++h)
+      EXPECT_EQ(lse[static_cast<size_t>(r * (p.hq + 3) + h)], -1.f);
+  }
+  auto keep = [&](Fused& f, size_t i, int64_t heads, std::vector<float>& x, int64_t width) {
+    if (!dispatched) return unstore(part(f, i, d), x, b, width, d);
+    Fused back = fusedOutputs({width}, e - b, 4, d);
+    batch.undispatch(ref(f, i, heads, n), ref(back, 0, heads, e - b));
+    EXPECT_TRUE(padsUntouched(back, d));
+    unstore(part(back, 0, d), x, b, width, d);
+  };
+  keep(o, 0, p.hq, out.o, qw);
+  keep(grads, 0, p.hq, out.dq, qw);
+  keep(grads, 1, p.hkv, out.dk, kw);
+  keep(grads, 2, p.hkv, out.dv, kw);
+}
+
+// A fused QKV projection's q, k and v are views with the fused row as their stride: FCP takes
+// them (and strided outputs, and strided tensors to dispatch) without a copy by the caller, and
+// computes bit for bit what it computes on contiguous tensors, in both layouts and dtypes,
+// writing nothing between the rows.
+TEST(AttentionBatchTest, StridedViewsGiveTheContiguousResultsBitForBit) {
+  Rng rng(41);
+  for (const DType dtype : {DType::kFp32, DType::kBf16}) {
+    for (const Layout layout : {Layout::kTransparent, Layout::kDispatched}) {
+      Problem p;
+      p.lengths = randomLengths(rng, 400, 150);
+      p.starts = randomSplit(rng, cuOf(p.lengths).back(), 3, 2);
+      p.dtype = dtype;
+      p.layout = layout;
+      const Whole in = randomInputs(p, rng.next());
+      const Outputs dense = run(p, {in})[0];
+      Outputs strided = outputsFor({in})[0];
+      runtime::testing::runRanks(3, [&](Transport& t) {
+        AttentionBatch batch(t, optionsFor(p, t.rank()));
+        runStridedLayer(batch, t, p, in, strided);
+      });
+      const std::string what = std::string(kernels::dtypeName(dtype)) +
+                               (layout == Layout::kDispatched ? " dispatched" : " transparent");
+      EXPECT_TRUE(strided.o == dense.o) << what << ": out";
+      EXPECT_TRUE(strided.dq == dense.dq) << what << ": dq";
+      EXPECT_TRUE(strided.dk == dense.dk) << what << ": dk";
+      EXPECT_TRUE(strided.dv == dense.dv) << what << ": dv";
+      expectMatchesReference(p, in, strided, dtype == DType::kBf16 ? 2e-2 : 1e-5, what);
+    }
+  }
+}
+
 // Runs `body` on every rank and expects each to throw an invalid-argument error containing
 // `text`.
 void expectErrorOnEveryRank(int ranks, const std::string& text,
@@ -1049,6 +1194,35 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
         },
         "q is [" + std::to_string(n) + ", 4, 16] dtype 5 (not fp32 or bf16), expected [" +
             std::to_string(n) + ", 4, 16] fp32");
+    // A row stride under one row (rows would overlap), or past what an int64 offset reaches.
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          layer.forward(*batch, {q.data(), DType::kFp32, n, 4, 16},
+                        {kv.data(), DType::kFp32, n, 2, 16, 31},
+                        {kv.data(), DType::kFp32, n, 2, 16}, {o.data(), DType::kFp32, n, 4, 16});
+        },
+        "k has a row stride of 31 elements: expected 0 (rows back to back) or from 32 "
+        "(heads × head_dim) to ");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          layer.backward(*batch, {q.data(), DType::kFp32, n, 4, 16, -64},
+                         {o.data(), DType::kFp32, n, 4, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                         {kv.data(), DType::kFp32, n, 2, 16});
+        },
+        "dO has a row stride of -64 elements: expected 0");
+    batch.emplace(t, optionsFor(p, t.rank()));
+    const int64_t huge = std::numeric_limits<int64_t>::max() / 4;
+    expectError(
+        [&] {
+          layer.forward(*batch, {q.data(), DType::kFp32, n, 4, 16},
+                        {kv.data(), DType::kFp32, n, 2, 16}, {kv.data(), DType::kFp32, n, 2, 16},
+                        {o.data(), DType::kFp32, n, 4, 16, huge});
+        },
+        "o has a row stride of " + std::to_string(huge) + " elements: expected 0 (rows back to " +
+            "back) or from 64 (heads × head_dim) to " +
+            std::to_string(std::numeric_limits<int64_t>::max() / 4 / n));
     // What dispatch moves takes its shape from the caller: it must make sense.
     const int64_t u = batch->numUserTokens(), l = batch->numLocalTokens();
     std::vector<float> user(static_cast<size_t>(u * 64)), local(static_cast<size_t>(l * 64));
@@ -1080,6 +1254,24 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
                           0);
         },
         "dispatch of 0 bytes per token: expected at least 1");
+    // Byte spans with strides: each span runs from its first row to the end of its last.
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->dispatch(std::as_bytes(std::span(user)), std::as_writable_bytes(std::span(local)),
+                          16, 24);
+        },
+        "dispatch of " + std::to_string(user.size() * 4) + " bytes into " +
+            std::to_string(local.size() * 4) + " bytes of 16 per token: expected " +
+            std::to_string((u - 1) * 24 + 16) + " and " + std::to_string(l * 16));
+    batch.emplace(t, optionsFor(p, t.rank()));
+    expectError(
+        [&] {
+          batch->undispatch(std::as_bytes(std::span(local)),
+                            std::as_writable_bytes(std::span(user)), 16, 8);
+        },
+        "undispatch input's row stride of 8 bytes: expected 0 (rows back to back) or a multiple "
+        "of 1 from 16 (one row) to ");
     batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {

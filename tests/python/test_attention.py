@@ -166,6 +166,53 @@ def test_inputs_in_any_memory_layout_give_contiguous_correct_outputs(group):
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "transparent"), (torch.bfloat16, "dispatched")])
+def test_views_of_a_fused_projection_are_read_in_place(group, dtype, layout):
+    """q, k, v as qkv.unbind(1) of one [tokens, 3, heads, head_dim] projection (and, dispatched,
+    a column slice of a wider tensor to dispatch): FCP reads them where they are, rows a stride
+    apart, no copy made; o and the gradients are bit for bit those of contiguous copies, and
+    match the float64 reference."""
+    comm, rank, ranks = group
+    cu = [0, 90, 95, 260, 300]
+    starts = split(300, ranks, 4)
+    begin, end = starts[rank], starts[rank + 1]
+    g = torch.Generator().manual_seed(11)
+    whole = torch.randn(300, 3, 2, 16, generator=g, dtype=torch.float64)
+    whole_do = torch.randn(300, 2, 16, generator=g, dtype=torch.float64).to(dtype)
+    do = whole_do[begin:end]
+    batch = ft.Batch(cu, (begin, end), comm, heads=2, kv_heads=2, head_dim=16, dtype=dtype, layout=layout,
+                     block_size=64)
+
+    def run(fused: bool):
+        qkv = whole[begin:end].to(dtype).clone().requires_grad_()
+        if layout == "dispatched":  # dispatched as one [tokens, 3 * 2 * 16] tensor, then viewed
+            wide = torch.cat([qkv.reshape(end - begin, 96), torch.zeros(end - begin, 5, dtype=dtype)], 1)
+            x = wide[:, :96] if fused else wide[:, :96].contiguous()
+            assert fused == (not x.is_contiguous()) or end - begin <= 1
+            local = batch.dispatch(x).view(-1, 3, 2, 16)
+        else:
+            local = qkv
+        q, k, v = local.unbind(1) if fused else (t.contiguous() for t in local.unbind(1))
+        if fused and q.shape[0] > 1:
+            assert not q.is_contiguous()
+            assert all(ft._rows(t)[0].data_ptr() == t.data_ptr() for t in (q, k, v))
+        o = ft.attention(q, k, v, batch)
+        o = batch.undispatch(o) if layout == "dispatched" else o
+        (o.float() * do.float()).sum().backward()
+        return o.detach(), qkv.grad
+
+    o, grad = run(True)
+    o2, grad2 = run(False)
+    assert torch.equal(o, o2) and torch.equal(grad, grad2)
+    ref_in = whole.clone().requires_grad_()
+    ref = reference(*ref_in.unbind(1), cu, True)
+    (ref * whole_do.double()).sum().backward()
+    if end > begin:
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert rel(o, ref[begin:end]) <= tolerance
+        assert rel(grad, ref_in.grad[begin:end]) <= tolerance
+
+
 @pytest.mark.parametrize("scale,dtype,layout", [(1 / 32, torch.float32, "dispatched"),
                                                   (0.7, torch.bfloat16, "transparent")])
 def test_a_models_own_softmax_scale(group, scale, dtype, layout):

@@ -18,7 +18,8 @@
 /// out. *Dispatched* layout: the caller moves its per-token tensors into FCP's layout once per
 /// batch (dispatch) and back (undispatch); localSequence()/localPosition() say where each row
 /// of that layout belongs (for RoPE, embeddings and the loss), and attention calls move no
-/// tokens. Tensors are [tokens, heads, head_dim], row major and contiguous; q, o, dO, dq have
+/// tokens. Tensors are [tokens, heads, head_dim], row major, each token's row dense and rows
+/// back to back or a stride apart (ConstTensorRef::rowStride); q, o, dO, dq have
 /// numHeadsQ heads, k, v, dk, dv numHeadsKv; lse is [tokens, numHeadsQ] fp32. Storage is fp32
 /// or bf16 (options.dtype), arithmetic fp32.
 ///
@@ -48,23 +49,29 @@ using kernels::DType;
 using runtime::Layout;
 using runtime::PassStats;
 
-/// A caller's read-only tensor [numTokens, numHeads, headDim] (lse: headDim 1).
+/// A caller's read-only tensor [numTokens, numHeads, headDim] (lse: headDim 1). Each token's
+/// row of numHeads × headDim elements is dense; rows are rowStride elements apart, 0 meaning
+/// back to back (contiguous). A larger stride takes a view without a copy: q, k and v of a
+/// fused [tokens, 3, heads, headDim] projection have rowStride 3 × heads × headDim.
 struct ConstTensorRef {
   const void* data = nullptr;
   DType dtype = DType::kFp32;
   int64_t numTokens = 0;
   int64_t numHeads = 0;
   int64_t headDim = 0;
+  int64_t rowStride = 0;
 };
 
-/// A caller's writable tensor, likewise.
+/// A caller's writable tensor, likewise. Outputs with a stride leave the elements between
+/// rows as they were.
 struct TensorRef {
   void* data = nullptr;
   DType dtype = DType::kFp32;
   int64_t numTokens = 0;
   int64_t numHeads = 0;
   int64_t headDim = 0;
-  operator ConstTensorRef() const { return {data, dtype, numTokens, numHeads, headDim}; }
+  int64_t rowStride = 0;
+  operator ConstTensorRef() const { return {data, dtype, numTokens, numHeads, headDim, rowStride}; }
 };
 
 /// What a batch is and how to plan it.
@@ -186,9 +193,13 @@ class AttentionBatch {
   std::span<const int64_t> localPosition() const { return executor_.localPosition(); }
 
   /// Moves a per-token tensor of any element type (`rowBytes` bytes per token) from the
-  /// caller's layout (numUserTokens rows) into FCP's (numLocalTokens rows), or back.
-  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes);
-  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes);
+  /// caller's layout (numUserTokens rows) into FCP's (numLocalTokens rows), or back. Rows are
+  /// the strides' bytes apart (0: rowBytes, back to back); each span runs from its first row's
+  /// start to its last row's end.
+  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes,
+                int64_t userStride = 0, int64_t localStride = 0);
+  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes,
+                  int64_t localStride = 0, int64_t userStride = 0);
   /// The same for a tensor: shapes [numUserTokens | numLocalTokens, heads, dim], same dtype.
   void dispatch(ConstTensorRef user, TensorRef local);
   void undispatch(ConstTensorRef local, TensorRef user);

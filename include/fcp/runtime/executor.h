@@ -52,6 +52,24 @@ struct ExecutorOptions {
   float softmaxScale = 0;
 };
 
+/// A caller's tensor in the call layout, read-only: row t (one token's heads × head_dim, dense)
+/// starts at data + t × strideBytes. strideBytes 0 means rows back to back; otherwise it is at
+/// least a row's bytes and a multiple of the element's (a view of a fused QKV projection, say).
+struct ConstRows {
+  const void* data = nullptr;
+  int64_t strideBytes = 0;
+  ConstRows() = default;
+  ConstRows(const void* rows, int64_t stride = 0) : data(rows), strideBytes(stride) {}  // NOLINT
+};
+
+/// A caller's writable tensor in the call layout, likewise.
+struct Rows {
+  void* data = nullptr;
+  int64_t strideBytes = 0;
+  Rows() = default;
+  Rows(void* rows, int64_t stride = 0) : data(rows), strideBytes(stride) {}  // NOLINT
+};
+
 /// What one pass cost on this rank.
 struct PassStats {
   double wallMs = 0;      ///< the whole pass, reshuffles included
@@ -110,21 +128,28 @@ class Executor {
   std::span<const int64_t> localPosition() const;
 
   /// Moves a per-token tensor of `rowBytes` bytes per token from the user layout (userTokens
-  /// rows) into the FCP layout (localTokens rows), or back. Collective.
-  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes);
-  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes);
-  /// Throws what dispatch (intoFcp) or undispatch throws for buffers of these sizes (before any
+  /// rows) into the FCP layout (localTokens rows), or back. Collective. Rows are `userStride`
+  /// and `localStride` bytes apart (0: rowBytes, back to back); each span holds exactly its
+  /// rows, from the first row's start to the last row's end.
+  void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes,
+                int64_t userStride = 0, int64_t localStride = 0);
+  void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes,
+                  int64_t localStride = 0, int64_t userStride = 0);
+  /// Throws what dispatch (intoFcp) or undispatch throws for these buffers (before any
   /// message: a caller may check first).
-  void checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int64_t rowBytes) const;
+  void checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int64_t rowBytes,
+                 int64_t userStride = 0, int64_t localStride = 0) const;
 
-  /// Attention forward of one layer: q, k, v in, o (and lse unless null) out, all callTokens
-  /// rows; keeps what backward needs in `layer`. Collective: every rank calls it.
-  void forward(LayerState& layer, const void* q, const void* k, const void* v, void* o, float* lse);
+  /// Attention forward of one layer: q, k, v in, o (and lse unless its data is null) out, all
+  /// callTokens rows; keeps what backward needs in `layer`. Collective: every rank calls it.
+  /// A stride that is not 0, not a multiple of the element or under one row throws before
+  /// any message.
+  void forward(LayerState& layer, ConstRows q, ConstRows k, ConstRows v, Rows o, Rows lse);
   /// Attention backward of `layer`'s last forward: dO in, dQ, dK, dV out. Collective.
   /// `layer` is not changed, except after an error whose pending sends may still read its K|V
   /// (the transport cannot withdraw them): that K|V is then kept for the life of the process,
   /// and `layer` needs a forward before its next backward.
-  void backward(LayerState& layer, const void* dO, void* dq, void* dk, void* dv);
+  void backward(LayerState& layer, ConstRows dO, Rows dq, Rows dk, Rows dv);
   /// Throws what backward throws for a `layer` whose last forward was not with this batch
   /// (before any message: a caller may check first).
   void checkBackward(const LayerState& layer) const;
