@@ -16,6 +16,7 @@
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/distributor.h"
 #include "fcp/plan/json.h"
 
 namespace fcp {
@@ -362,7 +363,23 @@ detail::CheckedPlan planAgreed(const Agreed& a) {
       // (every rank takes the same steps; plan.config says the budget used).
       const bool capFailed =
           std::string_view(e.what()).find("memory cap") != std::string_view::npos;
-      if (!capFailed || a.budgetSet || config.memoryLimit() >= total) throw;
+      if (capFailed && a.budgetSet) {
+        // The planner's message offers the planner's knobs (workers, tokens per worker), which
+        // the batch sets itself: the caller's are the budget and its slack.
+        plan::DistributorOptions o;
+        o.memoryLimitTokens = config.memoryLimit();
+        o.memorySlack = config.memorySlack;
+        const int64_t ranks = config.numWorkers;
+        throwInvalidArgument(
+            "memory budget of ", config.memoryLimitTokens, " tokens a rank (a cap of ",
+            plan::memoryCapTokens(o), " with its slack of ", config.memorySlack,
+            ") cannot hold the batch's ", total, " tokens on ", ranks,
+            ranks == 1 ? " rank" : " ranks", ": expected a cap (budget × (1 + slack)) of at least ",
+            (total + ranks - 1) / ranks,
+            " tokens a rank, or no budget (the even share, raised as a batch "
+            "needs)");
+      }
+      if (!capFailed || config.memoryLimit() >= total) throw;
       config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
     }
   }
@@ -458,25 +475,35 @@ template <typename Call>
 void AttentionBatch::collective(const char* name, Call&& call) {
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
+  const runtime::CallLedger::State earlier = ledger.state();
+  // What the caller needs to go on, as the next batch's plan agreement will find: a call that
+  // threw after reaching the transport leaves messages that may still arrive (a new transport);
+  // one that threw in its checks needs only a new batch if it threw so on every rank.
+  const bool posted = earlier.kind == 2;
+  const ErrorCode code = posted ? ErrorCode::kTransport : ErrorCode::kInvalidArgument;
+  const std::string need =
+      posted ? "expected a new transport (a new communicator or process group) and batch, since "
+             : "expected a new batch, since ";
+  const std::string after =
+      posted ? "after it had sent or posted messages, which may still arrive"
+      : earlier.kind == 1
+          ? "in its checks (if it did so on every rank, the transport goes on; if not, the other "
+            "ranks were inside it, and the next batch's agreement asks for a new transport)"
+          : "";
   if (!failure_.empty()) {
     // The first error last: a long one is cut at the message limit, not what to do.
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(rank_) + ": this batch refuses " + name +
-                    ": expected a new transport and batch, since an earlier call on it threw on "
-                    "this rank and the other ranks may still be inside that call, their "
-                    "messages arriving on this transport; that call's error: " +
-                    failure_);
+    throw Error(code, "rank " + std::to_string(rank_) + ": this batch refuses " + name + ": " +
+                          need + "an earlier call on it threw on this rank" +
+                          (after.empty() ? "" : " " + after) + "; that call's error: " + failure_);
   }
-  if (const runtime::CallLedger::State earlier = ledger.state(); earlier.kind != 0) {
+  if (earlier.kind != 0) {
     // Another batch's call threw here: its peers' messages, with the tags of this batch's, may
     // still arrive. This batch fails too (the other ranks may be inside this call now).
-    const std::string message =
-        "rank " + std::to_string(rank_) + ": this batch refuses " + name +
-        ": expected a new batch, since call #" + std::to_string(earlier.call) +
-        " of another batch over this transport threw on this rank, and the other ranks' "
-        "messages for it may still arrive here";
+    const std::string message = "rank " + std::to_string(rank_) + ": this batch refuses " + name +
+                                ": " + need + "call #" + std::to_string(earlier.call) +
+                                " of another batch over this transport threw on this rank " + after;
     recordFailure(message);
-    throw Error(ErrorCode::kInvalidArgument, message);
+    throw Error(code, message);
   }
   // The call's tags: a window keyed by this batch, the call's kind and its place among the
   // transport's calls, the same on every rank while the ranks' calls are in step. Ranks out of
@@ -589,6 +616,8 @@ void AttentionLayer::backward(AttentionBatch& batch, ConstTensorRef dO, TensorRe
                               TensorRef dv) {
   batch.collective("backward", [&] { backwardChecked(batch, dO, dq, dk, dv); });
 }
+
+void AttentionLayer::release() { state_ = runtime::LayerState{}; }
 
 void AttentionLayer::forwardChecked(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
                                     ConstTensorRef v, TensorRef o, TensorRef lse) {

@@ -1051,11 +1051,15 @@ void Executor::forward(LayerState& layer, ConstRows q, ConstRows k, ConstRows v,
 }
 
 void Executor::checkBackward(const LayerState& layer) const {
-  if (layer.batchId != state_->id) {
+  if (layer.batchId == 0) {
     throwInvalidArgument(
-        "backward of a layer whose last forward ran with ",
-        layer.batchId == 0 ? std::string("no batch") : "batch #" + std::to_string(layer.batchId),
-        ": expected a forward with this batch (#", state_->id, ") first");
+        "backward of a layer that holds no forward (none ran, it was released, "
+        "or an error lost it): expected a forward with this batch (#",
+        state_->id, ") first");
+  }
+  if (layer.batchId != state_->id) {
+    throwInvalidArgument("backward of a layer whose last forward ran with batch #", layer.batchId,
+                         ": expected a forward with this batch (#", state_->id, ") first");
   }
 }
 
@@ -1172,7 +1176,7 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
       const char* how = kindMin == 0     ? "on some ranks but not all"
                         : values[3] == 2 ? "after it had sent or posted messages"
                                          : "in different calls on different ranks";
-      throw Error(ErrorCode::kInvalidArgument,
+      throw Error(ErrorCode::kTransport,
                   "rank " + std::to_string(transport.rank()) +
                       ": a call of an earlier batch over this transport threw " + how +
                       ", so messages of that call may still arrive (this rank's: " +
@@ -1190,7 +1194,7 @@ void checkPlanAgreement(uint64_t digest, Transport& transport) {
     const std::string counts = "this rank " + std::to_string(calls) + "; from " +
                                std::to_string(-values[8]) + " to " + std::to_string(values[7]) +
                                " over the ranks";
-    throw Error(ErrorCode::kInvalidArgument,
+    throw Error(ErrorCode::kTransport,
                 "rank " + std::to_string(transport.rank()) +
                     ": the ranks made different numbers of FCP calls over this transport (" +
                     counts +

@@ -67,9 +67,9 @@ expect_error "rank late to an allreduce" \
 # messages fails this: each rank then says only that messages were abandoned, or, where one
 # rank withdrew none, that rank times out on the agreement).
 expect_error "a failed pass, then the next agreement on every rank" \
-  "rank [01]: second attempt: invalid argument error: rank [01]: a call of an earlier batch over this transport threw" \
+  "rank [01]: second attempt: transport error: rank [01]: a call of an earlier batch over this transport threw" \
   20 2 pause 1
-heard=$(grep -cE "second attempt: invalid argument error: rank [01]: a call of an earlier batch over this transport threw after it had sent or posted messages" "$dir/err")
+heard=$(grep -cE "second attempt: transport error: rank [01]: a call of an earlier batch over this transport threw after it had sent or posted messages" "$dir/err")
 [ "$heard" -eq 2 ] || { fail "a failed pass, then the next agreement: $heard of 2 ranks heard the verdict"; cat "$dir/err"; }
 
 # A message a byte short or long (a peer on another plan or tensor shape): the receiver fails

@@ -66,7 +66,7 @@ refuse "--strategy fcp," "unknown --strategy '': expected fcp" --strategy fcp,
 # the memory budget (it used to be ignored, even 'garbage').
 refuse "--trace with --tokens-per-worker garbage" "invalid --tokens-per-worker 'garbage'" \
   --trace "$dir/trace_4k.txt" --tokens-per-worker garbage
-refuse "--trace with --tokens-per-worker 1K" "memory cap cannot hold the batch: 4096 tokens > 1 workers x 1126" \
+refuse "--trace with --tokens-per-worker 1K" "memory budget of 1024 tokens a rank (a cap of 1126 with its slack of 0.1) cannot hold the batch's 4096 tokens on 1 rank: expected a cap (budget × (1 + slack)) of at least 4096 tokens a rank" \
   --trace "$dir/trace_4k.txt" --tokens-per-worker 1K "${model[@]}"
 # A batch past 2^32 tokens is named by its flag, as in fcp plan.
 refuse "--tokens-per-worker 5G" \
@@ -77,11 +77,11 @@ refuse "--tolerance 0" "invalid --tolerance '0': expected a finite number above 
 refuse "--timeout 0" "invalid --timeout '0': expected a finite number above 0, up to 86400" --timeout 0
 # The help gives the ranges the flags accept (0 is refused) and the tolerance by dtype.
 "$fcp" run --help >"$dir/help"
-if grep -E -- "--(tolerance|timeout) " -A1 "$dir/help" | grep -q "\[0 to" ||
+if grep -E -A1 -- "--(tolerance|timeout) " "$dir/help" | grep -q "\[0 to" ||
    [ "$(grep -c "\[above 0, up to" "$dir/help")" -ne 2 ] ||
    ! grep -q "default 1e-5 with --dtype fp32, 1e-2 with bf16" "$dir/help"; then
   fail "fcp run --help: --tolerance and --timeout should read [above 0, up to ...]"
-  grep -E -- "--(tolerance|timeout) " -A1 "$dir/help"
+  grep -E -A1 -- "--(tolerance|timeout) " "$dir/help"
 else
   echo "ok: fcp run --help gives --tolerance and --timeout as above 0"
 fi

@@ -265,7 +265,14 @@ class AttentionLayer {
   void forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k, ConstTensorRef v,
                TensorRef o, TensorRef lse = {});
   /// dq, dk, dv of this layer's last forward, which must have run with `batch`. Collective.
+  /// What it reads (Q, K, V in FCP's layout, O, LSE) stays until the next forward or release(),
+  /// so backward may run again on it, with another dO, say. (fcp.torch frees it after one
+  /// backward and refuses a second, as autograd does without retain_graph.)
   void backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk, TensorRef dv);
+  /// Frees what backward reads, this rank's Q, K, V, O and LSE of the last forward, as soon as
+  /// no backward needs it (before the optimizer step, say); a backward then throws until the
+  /// next forward. Local: not a collective.
+  void release();
 
  private:
   void forwardChecked(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k, ConstTensorRef v,

@@ -169,8 +169,8 @@ class Executor {
 /// rank could not plan (failPlanAgreement), throws instead an Error with that rank's code that
 /// names the lowest such rank. The same allreduce compares the ranks' CallLedger states: unless
 /// no call threw, or every rank threw in the same call before it reached the transport (then
-/// the ledger is cleared), throws Error(kInvalidArgument) on every rank, asking for a new
-/// transport.
+/// the ledger is cleared), throws Error(kTransport) on every rank, asking for a new transport;
+/// so do call counts that differ between the ranks.
 void checkPlanAgreement(const plan::Plan& plan, Transport& transport);
 /// The same, for a plan whose digest (plan::planDigest) was computed already: on the thread
 /// that made the plan, say, so that the thread taking it makes only the allreduce.
