@@ -37,6 +37,7 @@
 #include "fcp/core/workload.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/plan/communication.h"
+#include "fcp/plan/distributor.h"
 #include "fcp/plan/plan.h"
 #include "fcp/runtime/executor.h"
 #include "fcp/runtime/mpi_transport.h"
@@ -378,6 +379,23 @@ double referenceFlops(const Batch& batch, const AttentionConfig& att) {
 /// bounded time and memory: its attention FLOPs per rank (forward and backward of every warm-up
 /// and timed repeat of every strategy) past kMaxRunFlopsPerRank, or its tensors per rank past
 /// kMaxRunBytesPerRank. A 600K-token sequence on 2 ranks needs ~10 PFLOP: days on a CPU.
+// A memory budget from the flags that no plan can hold the batch under, named by the flag that
+// set it (the library's own message names its options), on every rank alike.
+void checkBudget(int64_t tokens, const plan::PlanConfig& c, const RunArgs& a, int ranks) {
+  if (c.memoryLimitTokens == 0) return;
+  plan::DistributorOptions o;
+  o.memoryLimitTokens = c.memoryLimit();
+  o.memorySlack = c.memorySlack;
+  if (plan::safeBlockTokens(tokens, o) > 0) return;
+  const std::string flag = a.memoryLimit.empty()
+                               ? "--tokens-per-worker " + a.tokensPerWorker + " sets with --trace"
+                               : "--memory-limit " + a.memoryLimit + " sets";
+  throwInvalidArgument("memory cap cannot hold the batch: ", tokens, " tokens > ", ranks,
+                       ranks == 1 ? " rank x " : " ranks x ", plan::memoryCapTokens(o),
+                       " tokens (the budget ", flag, ", and --memory-slack ", c.memorySlack,
+                       "): expected a larger budget or slack, or more ranks");
+}
+
 void checkRunSize(const Setup& s, const RunArgs& a, int ranks) {
   const auto& att = s.config.attention;
   const double passes = static_cast<double>(s.strategies.size()) *
@@ -736,6 +754,7 @@ void runRun(const RunArgs& a) {
       c.tokensPerWorker = s.tokensPerWorker;
       if (c.memoryLimitTokens == 0) c.memoryLimitTokens = c.tokensPerWorker;
     }
+    checkBudget(s.batch.numTokens(), c, a, ranks);
     checkRunSize(s, a, ranks);
     double cap = 0;
     std::unique_ptr<runtime::Transport> throttled;

@@ -473,8 +473,8 @@ def _dense_or_fail(batch: Batch, name: str, x, expected: str) -> None:
 
 def _rows(x: torch.Tensor):
     """(x, its row stride in elements) when each of x's rows (dims 1 on) is dense and the rows do
-    not overlap, as q, k and v viewed out of a fused projection are: FCP reads and writes such a
-    tensor in place. Otherwise (x.contiguous(), 0): a copy only where the rows are not dense."""
+    not overlap, as q, k and v viewed out of a fused projection are: FCP reads such an input where
+    it is. Otherwise (x.contiguous(), 0): a copy only where the rows are not dense."""
     row = math.prod(x.shape[1:])
     if x.dim() >= 1 and x.shape[0] > 1 and row > 0 and x.stride(0) >= row and x[0].is_contiguous():
         return x, x.stride(0)

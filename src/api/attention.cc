@@ -363,12 +363,13 @@ detail::CheckedPlan planAgreed(const Agreed& a) {
       // (every rank takes the same steps; plan.config says the budget used).
       const bool capFailed =
           std::string_view(e.what()).find("memory cap") != std::string_view::npos;
-      if (capFailed && a.budgetSet) {
-        // The planner's message offers the planner's knobs (workers, tokens per worker), which
-        // the batch sets itself: the caller's are the budget and its slack.
-        plan::DistributorOptions o;
-        o.memoryLimitTokens = config.memoryLimit();
-        o.memorySlack = config.memorySlack;
+      plan::DistributorOptions o;
+      o.memoryLimitTokens = config.memoryLimit();
+      o.memorySlack = config.memorySlack;
+      if (capFailed && a.budgetSet && plan::safeBlockTokens(total, o) == 0) {
+        // No plan holds the batch under the caller's budget. The planner's message offers the
+        // planner's knobs (workers, tokens per worker), which the batch sets itself: the
+        // caller's are the budget and its slack.
         const int64_t ranks = config.numWorkers;
         throwInvalidArgument(
             "memory budget of ", config.memoryLimitTokens, " tokens a rank (a cap of ",
@@ -475,35 +476,13 @@ template <typename Call>
 void AttentionBatch::collective(const char* name, Call&& call) {
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
-  const runtime::CallLedger::State earlier = ledger.state();
-  // What the caller needs to go on, as the next batch's plan agreement will find: a call that
-  // threw after reaching the transport leaves messages that may still arrive (a new transport);
-  // one that threw in its checks needs only a new batch if it threw so on every rank.
-  const bool posted = earlier.kind == 2;
-  const ErrorCode code = posted ? ErrorCode::kTransport : ErrorCode::kInvalidArgument;
-  const std::string need =
-      posted ? "expected a new transport (a new communicator or process group) and batch, since "
-             : "expected a new batch, since ";
-  const std::string after =
-      posted ? "after it had sent or posted messages, which may still arrive"
-      : earlier.kind == 1
-          ? "in its checks (if it did so on every rank, the transport goes on; if not, the other "
-            "ranks were inside it, and the next batch's agreement asks for a new transport)"
-          : "";
-  if (!failure_.empty()) {
-    // The first error last: a long one is cut at the message limit, not what to do.
-    throw Error(code, "rank " + std::to_string(rank_) + ": this batch refuses " + name + ": " +
-                          need + "an earlier call on it threw on this rank" +
-                          (after.empty() ? "" : " " + after) + "; that call's error: " + failure_);
-  }
-  if (earlier.kind != 0) {
+  if (const runtime::CallLedger::State earlier = ledger.state();
+      !failure_.empty() || earlier.kind != 0) {
+    const Error refused = refusal(name, earlier);
     // Another batch's call threw here: its peers' messages, with the tags of this batch's, may
     // still arrive. This batch fails too (the other ranks may be inside this call now).
-    const std::string message = "rank " + std::to_string(rank_) + ": this batch refuses " + name +
-                                ": " + need + "call #" + std::to_string(earlier.call) +
-                                " of another batch over this transport threw on this rank " + after;
-    recordFailure(message);
-    throw Error(code, message);
+    recordFailure(refused.what());
+    throw refused;
   }
   // The call's tags: a window keyed by this batch, the call's kind and its place among the
   // transport's calls, the same on every rank while the ranks' calls are in step. Ranks out of
@@ -519,13 +498,40 @@ void AttentionBatch::collective(const char* name, Call&& call) {
     call();
   } catch (const std::exception& e) {
     ledger.failed(index, reached_);  // first: recordFailure allocates
+    failedCall_ = index;
     recordFailure(e.what());
     throw;
   } catch (...) {
     ledger.failed(index, reached_);
+    failedCall_ = index;
     recordFailure("an exception that is not a std::exception");
     throw;
   }
+}
+
+Error AttentionBatch::refusal(const char* name, const runtime::CallLedger::State& earlier) const {
+  // What the caller needs to go on, as the next batch's plan agreement will find (CallLedger):
+  // after a call that threw having posted messages (or after a second failure), a new transport,
+  // since messages may still arrive; after one that threw in its checks, a new batch, and a new
+  // transport too unless that call threw so on every rank. Built only when refusing.
+  std::string text = "rank " + std::to_string(rank_) + ": this batch refuses " + name + ": ";
+  const std::string which = "call #" + std::to_string(earlier.call) + " over this transport (" +
+                            (earlier.call == failedCall_ ? "this batch's" : "another batch's") +
+                            ") threw on this rank";
+  if (earlier.kind == 2) {
+    text += "expected a new transport (a new communicator or process group) and batch, since " +
+            which + " after it had sent or posted messages, or after another call had thrown, " +
+            "so messages may still arrive";
+  } else if (earlier.kind == 1) {
+    text += "expected a new batch, since " + which +
+            " in its checks (if it did so on every rank, the transport goes on; if not, the other "
+            "ranks were inside it, and the next batch's agreement asks for a new transport)";
+  } else {
+    text += "expected a new batch, since an earlier call on it threw on this rank";
+  }
+  // The first error last: a long one is cut at the message limit, not what to do.
+  if (!failure_.empty()) text += "; this batch's first error: " + failure_;
+  return Error(earlier.kind == 2 ? ErrorCode::kTransport : ErrorCode::kInvalidArgument, text);
 }
 
 void AttentionBatch::recordFailure(const std::string& message) {
@@ -538,7 +544,10 @@ void AttentionBatch::fail(const std::string& message) {
   // failed already, or another batch's call over the transport threw.
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
-  if (failure_.empty() && ledger.state().kind == 0) ledger.failed(index, false);
+  if (failure_.empty() && ledger.state().kind == 0) {
+    ledger.failed(index, false);
+    failedCall_ = index;
+  }
   recordFailure(message);
   throw Error(ErrorCode::kInvalidArgument, message);
 }

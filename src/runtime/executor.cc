@@ -79,8 +79,9 @@ void checkStride(const char* name, int64_t strideBytes, int64_t rowBytes, int64_
   const int64_t most = std::numeric_limits<int64_t>::max() / std::max<int64_t>(rows, 1);
   if (strideBytes < rowBytes || strideBytes % elemBytes != 0 || strideBytes > most) {
     throwInvalidArgument(name, "'s row stride of ", strideBytes, " bytes: expected 0 (rows back ",
-                         "to back) or a multiple of ", elemBytes, " from ", rowBytes,
-                         " (one row) to ", most, " (", rows, " rows)");
+                         "to back) or ",
+                         elemBytes > 1 ? "a multiple of " + std::to_string(elemBytes) + " " : "",
+                         "from ", rowBytes, " (one row) to ", most, " (", rows, " rows)");
   }
 }
 
@@ -947,12 +948,20 @@ void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int6
   };
   const int64_t user = extent(userTokens(), userStride), local = extent(localTokens(), localStride);
   if (static_cast<int64_t>(userBytes) == user && static_cast<int64_t>(localBytes) == local) return;
+  // The strides that give those sizes, where any is set.
+  const auto strides = [](int64_t from, int64_t to) {
+    return from == 0 && to == 0
+               ? std::string()
+               : " (row strides " + std::to_string(from) + " and " + std::to_string(to) + " bytes)";
+  };
   if (intoFcp) {
     throwInvalidArgument("dispatch of ", userBytes, " bytes into ", localBytes, " bytes of ",
-                         rowBytes, " per token: expected ", user, " and ", local);
+                         rowBytes, " per token: expected ", user, " and ", local,
+                         strides(userStride, localStride));
   }
   throwInvalidArgument("undispatch of ", localBytes, " bytes into ", userBytes, " bytes of ",
-                       rowBytes, " per token: expected ", local, " and ", user);
+                       rowBytes, " per token: expected ", local, " and ", user,
+                       strides(localStride, userStride));
 }
 
 void Executor::dispatch(std::span<const std::byte> user, std::span<std::byte> local,

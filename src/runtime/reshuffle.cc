@@ -102,7 +102,10 @@ void Inward::send(int peer, int32_t block) {
         buf.insert(buf.end(), src, src + p.numTokens * w);
         continue;
       }
-      for (int64_t i = 0; i < p.numTokens; ++i, src += step) buf.insert(buf.end(), src, src + w);
+      for (int64_t i = 0; i < p.numTokens; ++i) {
+        const std::byte* row = src + i * step;
+        buf.insert(buf.end(), row, row + w);
+      }
     }
   }
   if (ctx_.stats) ctx_.stats->sentBytes += static_cast<int64_t>(buf.size());
@@ -269,8 +272,8 @@ void Outward::finish() {
           src += p.numTokens * w;
           continue;
         }
-        for (int64_t i = 0; i < p.numTokens; ++i, src += w, dst += step) {
-          std::memcpy(dst, src, static_cast<size_t>(w));
+        for (int64_t i = 0; i < p.numTokens; ++i, src += w) {
+          std::memcpy(dst + i * step, src, static_cast<size_t>(w));
         }
       }
     }

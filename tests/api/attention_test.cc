@@ -600,6 +600,7 @@ void runStridedLayer(AttentionBatch& batch, Transport& t, const Problem& p, cons
     for (size_t i = 0; i < 4; ++i) {
       batch.dispatch(ref(user, i, heads[i], e - b), ref(call, i, heads[i], n));
     }
+    EXPECT_TRUE(padsUntouched(call, d)) << "rank " << t.rank();
   }
   Fused o = fusedOutputs({qw}, n, 1, d), grads = fusedOutputs({qw, kw, kw}, n, 2, d);
   std::vector<float> lse(static_cast<size_t>(n * (p.hq + 3)), -1.f);
@@ -1028,19 +1029,17 @@ TEST(AttentionBatchErrorTest, PendingBatchesFailWhereThePlanIsTaken) {
   p.lengths = {100, 60};
   p.starts = {0, 80, 160};
   std::atomic<int> made = 0;
-  expectErrorOnEveryRank(2,
-                         "memory budget of 50 tokens a rank (a cap of 55 with its slack of 0.1) "
-                         "cannot hold the batch's 160 tokens on 2 ranks: expected a cap (budget "
-                         "× (1 + slack)) of at least 80 tokens a rank, or no budget (the even "
-                         "share, raised as a batch needs)",
-                         [&](Transport& t) {
-                           BatchOptions o = optionsFor(p, t.rank());
-                           o.planConfig.memoryLimitTokens =
-                               50;  // 2 x 50 < 160 tokens: no plan exists
-                           PendingBatch pending(t, o);
-                           ++made;
-                           AttentionBatch batch(std::move(pending));
-                         });
+  const std::string noRoom =
+      "memory budget of 50 tokens a rank (a cap of 55 with its slack of 0.1) cannot hold the "
+      "batch's 160 tokens on 2 ranks: expected a cap (budget × (1 + slack)) of at least 80 tokens "
+      "a rank, or no budget (the even share, raised as a batch needs)";
+  expectErrorOnEveryRank(2, noRoom, [&](Transport& t) {
+    BatchOptions o = optionsFor(p, t.rank());
+    o.planConfig.memoryLimitTokens = 50;  // 2 x 50 < 160 tokens: no plan exists
+    PendingBatch pending(t, o);
+    ++made;
+    AttentionBatch batch(std::move(pending));
+  });
   EXPECT_EQ(made.load(), 2) << "the pending batches were made; planning failed later";
   expectErrorOnEveryRank(2, "already used", [&](Transport& t) {
     PendingBatch pending(t, optionsFor(p, t.rank()));
@@ -1269,15 +1268,16 @@ TEST(AttentionLayerErrorTest, WrongShapesDtypesAndAnotherBatch) {
         },
         "dispatch of " + std::to_string(user.size() * 4) + " bytes into " +
             std::to_string(local.size() * 4) + " bytes of 16 per token: expected " +
-            std::to_string((u - 1) * 24 + 16) + " and " + std::to_string(l * 16));
+            std::to_string((u - 1) * 24 + 16) + " and " + std::to_string(l * 16) +
+            " (row strides 24 and 0 bytes)");
     batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {
           batch->undispatch(std::as_bytes(std::span(local)),
                             std::as_writable_bytes(std::span(user)), 16, 8);
         },
-        "undispatch input's row stride of 8 bytes: expected 0 (rows back to back) or a multiple "
-        "of 1 from 16 (one row) to ");
+        "undispatch input's row stride of 8 bytes: expected 0 (rows back to back) or from 16 "
+        "(one row) to ");
     batch.emplace(t, optionsFor(p, t.rank()));
     expectError(
         [&] {
@@ -1406,13 +1406,17 @@ TEST(AttentionLayerErrorTest, ABatchRefusesEveryCallAfterOneThrew) {
               EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
               const std::string what = e.what();
               EXPECT_EQ(what.find("rank 1: this batch refuses " + name +
-                                  ": expected a new batch, since an earlier call on it threw on "
-                                  "this rank in its checks (if it did so on every rank, the "
-                                  "transport goes on; if not, the other ranks were inside it, and "
-                                  "the next batch's agreement asks for a new transport)"),
+                                  ": expected a new batch, since call #"),
                         0u)
                   << what;
-              EXPECT_NE(what.find("; that call's error: " + first), std::string::npos) << what;
+              EXPECT_NE(what.find(" over this transport (this batch's) threw on this rank in its "
+                                  "checks (if it did so on every rank, the transport goes on; if "
+                                  "not, the other ranks were inside it, and the next batch's "
+                                  "agreement asks for a new transport); this batch's first "
+                                  "error: " +
+                                  first),
+                        std::string::npos)
+                  << what;
             }
           }
           EXPECT_EQ(batch.failure().find(first), 0u)
@@ -1470,7 +1474,7 @@ TEST(AttentionBatchErrorTest, BatchesUsedInDifferentOrdersOnTwoRanksFailRatherTh
         // The call had posted messages: the other batch, and the one that threw, ask for a new
         // transport, with the code a loop recovers from (a review: they asked for a new batch,
         // which the next agreement then refused, or for a new transport with kInvalidArgument).
-        for (AttentionBatch* batch : {&a, &b}) {
+        for (AttentionBatch* batch : {&first, t.rank() == 0 ? &b : &a}) {
           try {
             layer.forward(
                 *batch, {q.data(), p.dtype, n, p.hq, p.dim}, {k.data(), p.dtype, n, p.hkv, p.dim},
@@ -1483,9 +1487,11 @@ TEST(AttentionBatchErrorTest, BatchesUsedInDifferentOrdersOnTwoRanksFailRatherTh
                           "communicator or process group) and batch, since "),
                       std::string::npos)
                 << e.what();
-            EXPECT_NE(std::string(e.what()).find("after it had sent or posted messages, which may "
-                                                 "still arrive"),
-                      std::string::npos)
+            EXPECT_NE(
+                std::string(e.what()).find(
+                    std::string(" over this transport (") + (batch == &first ? "this" : "another") +
+                    " batch's) threw on this rank after it had sent or posted messages"),
+                std::string::npos)
                 << e.what();
           }
         }
@@ -1607,8 +1613,8 @@ TEST(AttentionBatchErrorTest, TheSameMistakeOnEveryRankLeavesTheTransportUsable)
       ADD_FAILURE() << "the batch made before the failure was not refused";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(
-                    "this batch refuses dispatch: expected a new batch, since call #0 of "
-                    "another batch over this transport threw on this rank"),
+                    "this batch refuses dispatch: expected a new batch, since call #0 over this "
+                    "transport (another batch's) threw on this rank in its checks"),
                 std::string::npos)
           << e.what();
     }

@@ -66,8 +66,10 @@ refuse "--strategy fcp," "unknown --strategy '': expected fcp" --strategy fcp,
 # the memory budget (it used to be ignored, even 'garbage').
 refuse "--trace with --tokens-per-worker garbage" "invalid --tokens-per-worker 'garbage'" \
   --trace "$dir/trace_4k.txt" --tokens-per-worker garbage
-refuse "--trace with --tokens-per-worker 1K" "memory budget of 1024 tokens a rank (a cap of 1126 with its slack of 0.1) cannot hold the batch's 4096 tokens on 1 rank: expected a cap (budget × (1 + slack)) of at least 4096 tokens a rank" \
+refuse "--trace with --tokens-per-worker 1K" "memory cap cannot hold the batch: 4096 tokens > 1 rank x 1126 tokens (the budget --tokens-per-worker 1K sets with --trace, and --memory-slack 0.1): expected a larger budget or slack, or more ranks" \
   --trace "$dir/trace_4k.txt" --tokens-per-worker 1K "${model[@]}"
+refuse "--memory-limit 1K" "memory cap cannot hold the batch: 4096 tokens > 1 rank x 1126 tokens (the budget --memory-limit 1K sets, and --memory-slack 0.1): expected a larger budget or slack, or more ranks" \
+  --trace "$dir/trace_4k.txt" --memory-limit 1K "${model[@]}"
 # A batch past 2^32 tokens is named by its flag, as in fcp plan.
 refuse "--tokens-per-worker 5G" \
   "1 rank x --tokens-per-worker 5368709120 passes 4294967296 tokens: expected a smaller batch" \

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <new>
 #include <string>
 #include <vector>
@@ -57,6 +58,39 @@ TEST(ExecutorTagsTest, APlanFitsTheTransportsTagsExactly) {
                 std::string::npos)
           << e.what();
     }
+  });
+}
+
+// The executor checks the strides it is given itself (the public API checks them first, in
+// elements): under one row, not a multiple of the element, or past an int64 offset is refused
+// before any message, naming the tensor; a null lse's stride is not looked at.
+TEST(ExecutorStridesTest, BadStridesAreRefusedBeforeAnyMessage) {
+  const plan::Plan p = makePlan("fcp", Batch{{100}}, 1, MaskKind::kCausal);
+  testing::runRanks(1, [&](Transport& t) {
+    Executor ex(p, t);
+    const auto n = static_cast<size_t>(ex.callTokens());
+    std::vector<float> q(n * (4 * 16 + 1)), kv(n * 2 * 16), o(n * 4 * 16);  // q: rows 65 apart
+    LayerState layer;
+    const int64_t row = 4 * 16 * 4, most = std::numeric_limits<int64_t>::max() / 100;
+    const std::vector<std::pair<int64_t, std::string>> bad = {
+        {row - 4,
+         "q's row stride of 252 bytes: expected 0 (rows back to back) or a multiple of 4 "
+         "from 256 (one row) to " +
+             std::to_string(most) + " (100 rows)"},
+        {row + 2, "q's row stride of 258 bytes: expected 0"},
+        {most + 1, "q's row stride of " + std::to_string(most + 1) + " bytes: expected 0"}};
+    for (const auto& [stride, text] : bad) {
+      try {
+        ex.forward(layer, {q.data(), stride}, kv.data(), kv.data(), o.data(), {nullptr, -7});
+        ADD_FAILURE() << "stride " << stride << " was accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        EXPECT_EQ(std::string(e.what()).find(text), 0u) << e.what();
+      }
+    }
+    EXPECT_EQ(layer.batchId, 0u) << "a refused forward changed the layer";
+    ex.forward(layer, {q.data(), row + 4}, kv.data(), kv.data(), o.data(), {nullptr, -7});
+    EXPECT_EQ(layer.batchId, ex.id());
   });
 }
 

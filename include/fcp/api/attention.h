@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "fcp/core/cost_model.h"
+#include "fcp/core/error.h"
 #include "fcp/kernels/attention.h"
 #include "fcp/plan/plan.h"
 #include "fcp/runtime/executor.h"
@@ -242,6 +243,9 @@ class AttentionBatch {
   void collective(const char* name, Call&& call);
   /// Keeps `message` (or a placeholder for an empty one) as failure() unless there is one.
   void recordFailure(const std::string& message);
+  /// The error a call `name` throws, refused after a failure (this batch's, or one that
+  /// `earlier`, the transport's ledger, records).
+  Error refusal(const char* name, const runtime::CallLedger::State& earlier) const;
   void dispatchTensor(ConstTensorRef user, TensorRef local);
   void undispatchTensor(ConstTensorRef local, TensorRef user);
   /// Numbers localSequence() as cu_seqlens does, given each planned sequence's index there
@@ -253,6 +257,7 @@ class AttentionBatch {
   int rank_;
   int64_t serial_;  ///< the batch's place among the transport's batches: keys its tags
   std::string failure_;
+  int64_t failedCall_ = -1;  ///< the transport's index of this batch's call that threw, if any
   bool reached_ = false;  ///< the running call has reached the executor (messages may be out)
   /// localSequence() in cu_seqlens' numbering, where some sequence is empty (else empty).
   std::vector<int32_t> userSequence_;

@@ -12,7 +12,9 @@ namespace fcp {
 enum class ErrorCode {
   kInvalidArgument,  ///< bad input from the user: flags, files, sizes
   kInvalidPlan,      ///< a plan that breaks an invariant of `validate`
-  kTransport,        ///< communication failed (a peer died, MPI reported an error)
+  kTransport,        ///< communication failed (a peer died, MPI reported an error, a wait
+                     ///< timed out), or a transport can no longer be used: messages of an
+                     ///< earlier call may still arrive on it (a new one is needed)
   kInternal,         ///< a bug in FCP
 };
 

@@ -59,6 +59,7 @@ struct ConstRows {
   const void* data = nullptr;
   int64_t strideBytes = 0;
   ConstRows() = default;
+  // Implicit, so that a caller with rows back to back passes a plain pointer.
   ConstRows(const void* rows, int64_t stride = 0) : data(rows), strideBytes(stride) {}  // NOLINT
 };
 
@@ -67,6 +68,7 @@ struct Rows {
   void* data = nullptr;
   int64_t strideBytes = 0;
   Rows() = default;
+  // Implicit, as ConstRows's.
   Rows(void* rows, int64_t stride = 0) : data(rows), strideBytes(stride) {}  // NOLINT
 };
 
@@ -142,8 +144,8 @@ class Executor {
 
   /// Attention forward of one layer: q, k, v in, o (and lse unless its data is null) out, all
   /// callTokens rows; keeps what backward needs in `layer`. Collective: every rank calls it.
-  /// A stride that is not 0, not a multiple of the element or under one row throws before
-  /// any message.
+  /// A stride that is not 0, not a multiple of the element, under one row or past what an
+  /// int64 offset reaches for callTokens rows throws before any message.
   void forward(LayerState& layer, ConstRows q, ConstRows k, ConstRows v, Rows o, Rows lse);
   /// Attention backward of `layer`'s last forward: dO in, dQ, dK, dV out. Collective.
   /// `layer` is not changed, except after an error whose pending sends may still read its K|V
