@@ -375,10 +375,6 @@ double referenceFlops(const Batch& batch, const AttentionConfig& att) {
   return flops;
 }
 
-/// Refuses, in one line that every rank prints alike, a batch `fcp run` could not finish in
-/// bounded time and memory: its attention FLOPs per rank (forward and backward of every warm-up
-/// and timed repeat of every strategy) past kMaxRunFlopsPerRank, or its tensors per rank past
-/// kMaxRunBytesPerRank. A 600K-token sequence on 2 ranks needs ~10 PFLOP: days on a CPU.
 // A memory budget from the flags that no plan can hold the batch under, named by the flag that
 // set it (the library's own message names its options), on every rank alike.
 void checkBudget(int64_t tokens, const plan::PlanConfig& c, const RunArgs& a, int ranks) {
@@ -396,6 +392,10 @@ void checkBudget(int64_t tokens, const plan::PlanConfig& c, const RunArgs& a, in
                        "): expected a larger budget or slack, or more ranks");
 }
 
+/// Refuses, in one line that every rank prints alike, a batch `fcp run` could not finish in
+/// bounded time and memory: its attention FLOPs per rank (forward and backward of every warm-up
+/// and timed repeat of every strategy) past kMaxRunFlopsPerRank, or its tensors per rank past
+/// kMaxRunBytesPerRank. A 600K-token sequence on 2 ranks needs ~10 PFLOP: days on a CPU.
 void checkRunSize(const Setup& s, const RunArgs& a, int ranks) {
   const auto& att = s.config.attention;
   const double passes = static_cast<double>(s.strategies.size()) *

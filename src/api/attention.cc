@@ -377,8 +377,7 @@ detail::CheckedPlan planAgreed(const Agreed& a) {
             ") cannot hold the batch's ", total, " tokens on ", ranks,
             ranks == 1 ? " rank" : " ranks", ": expected a cap (budget × (1 + slack)) of at least ",
             (total + ranks - 1) / ranks,
-            " tokens a rank, or no budget (the even share, raised as a batch "
-            "needs)");
+            " tokens a rank, or no budget (the even share, raised as a batch needs)");
       }
       if (!capFailed || config.memoryLimit() >= total) throw;
       config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
@@ -478,9 +477,10 @@ void AttentionBatch::collective(const char* name, Call&& call) {
   const int64_t index = ledger.begin();
   if (const runtime::CallLedger::State earlier = ledger.state();
       !failure_.empty() || earlier.kind != 0) {
+    // A call threw here before, this batch's or another's over the transport: its peers'
+    // messages may still arrive, or the other ranks may be inside this call now. Refused, with
+    // what the caller needs to go on.
     const Error refused = refusal(name, earlier);
-    // Another batch's call threw here: its peers' messages, with the tags of this batch's, may
-    // still arrive. This batch fails too (the other ranks may be inside this call now).
     recordFailure(refused.what());
     throw refused;
   }

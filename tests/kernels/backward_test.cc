@@ -101,9 +101,14 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 4, 8),
                        ::testing::Values(Layout::kCausalOffsets, Layout::kFull, Layout::kVarlen)),
     [](const auto& param_info) {
-      return "L" + std::to_string(std::get<0>(param_info.param)) + "_g" +
-             std::to_string(std::get<1>(param_info.param)) + "_" +
-             testing::layoutName(std::get<2>(param_info.param));
+      // Appended, not "L" + ...: GCC 12 warns falsely on that operator+ (-Wrestrict).
+      std::string name = "L";
+      name += std::to_string(std::get<0>(param_info.param));
+      name += "_g";
+      name += std::to_string(std::get<1>(param_info.param));
+      name += "_";
+      name += testing::layoutName(std::get<2>(param_info.param));
+      return name;
     });
 
 // A scale other than 1/sqrt(d) (a model's own: 1/d, or none), forward and backward, on every
