@@ -704,6 +704,10 @@ void onTerminate(int) {
   _exit(1);
 }
 
+/// Once this rank has printed its error, a launcher's SIGTERM (a peer that exited first) ends
+/// it without a second line.
+void onTerminateQuietly(int) { _exit(1); }
+
 void runRun(const RunArgs& a) {
   Setup s = validate(a);
   std::unique_ptr<runtime::Transport> net =
@@ -871,6 +875,7 @@ void runRun(const RunArgs& a) {
       // Every rank prints its line before any exits: the launcher kills the others as soon
       // as one rank exits nonzero, which could cut a slower rank's message.
       printErrorLine("error", e.what());
+      std::signal(SIGTERM, onTerminateQuietly);  // a rank exiting first may have us killed
       int64_t barrier = 0;
       net->allreduce({&barrier, 1}, runtime::ReduceOp::kMax);
       net.reset();  // MPI_Finalize
