@@ -590,7 +590,9 @@ void runStridedLayer(AttentionBatch& batch, Transport& t, const Problem& p, cons
   const DType d = p.dtype;
   const bool dispatched = p.layout == Layout::kDispatched;
   auto ref = [&](Fused& f, size_t i, int64_t heads, int64_t rows) {
-    return TensorRef{f.bytes.data() + f.offset[i] * dtypeBytes(d), d, rows, heads, p.dim, f.stride};
+    // No rows (a rank that holds none): no data, rather than an offset from a null pointer.
+    std::byte* data = f.bytes.empty() ? nullptr : f.bytes.data() + f.offset[i] * dtypeBytes(d);
+    return TensorRef{data, d, rows, heads, p.dim, f.stride};
   };
   Fused user = fuse({{&in.q, qw}, {&in.k, kw}, {&in.v, kw}, {&in.dO, qw}}, b, e, 3, d);
   Fused call = user;
