@@ -13,7 +13,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -232,12 +231,9 @@ TensorRef view(uintptr_t address, const std::string& dtype, int64_t tokens, int6
   return {reinterpret_cast<void*>(address), dtypeOf(dtype), tokens, heads, dim, rowStride};
 }
 
-// The bytes from a tensor's first row to the end of its last, rows `stride` bytes apart (0:
-// rowBytes). Unchecked: the batch checks the stride, and takes a size that is not this.
+// The bytes from a tensor's first row to the end of its last: the span the batch checks.
 size_t extent(int64_t rows, int64_t rowBytes, int64_t stride) {
-  if (rows <= 0 || rowBytes <= 0 || stride < 0) return 0;
-  if (stride > std::numeric_limits<int64_t>::max() / rows) return 0;
-  return static_cast<size_t>((rows - 1) * (stride > 0 ? stride : rowBytes) + rowBytes);
+  return static_cast<size_t>(runtime::rowsExtentBytes(rows, rowBytes, stride));
 }
 
 }  // namespace

@@ -66,8 +66,7 @@ int64_t strideBytes(ConstTensorRef t) { return t.rowStride * kernels::dtypeBytes
 
 // The bytes from the first of t's `rows` rows of `rowBytes` to the end of its last (checked).
 size_t extentBytes(ConstTensorRef t, int64_t rows, int64_t rowBytes) {
-  const int64_t step = t.rowStride > 0 ? strideBytes(t) : rowBytes;
-  return static_cast<size_t>(rows == 0 ? 0 : (rows - 1) * step + rowBytes);
+  return static_cast<size_t>(runtime::rowsExtentBytes(rows, rowBytes, strideBytes(t)));
 }
 
 const char* rowsText(Layout layout) {

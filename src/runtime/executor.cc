@@ -87,6 +87,13 @@ void checkStride(const char* name, int64_t strideBytes, int64_t rowBytes, int64_
 
 }  // namespace
 
+int64_t rowsExtentBytes(int64_t rows, int64_t rowBytes, int64_t strideBytes) {
+  if (rows <= 0 || rowBytes <= 0 || strideBytes < 0) return 0;
+  const int64_t step = strideBytes > 0 ? strideBytes : rowBytes;
+  if (step > std::numeric_limits<int64_t>::max() / rows) return 0;
+  return (rows - 1) * step + rowBytes;
+}
+
 struct Executor::State {
   plan::Plan plan;
   Transport& transport;
@@ -942,11 +949,8 @@ void Executor::checkMove(bool intoFcp, size_t userBytes, size_t localBytes, int6
               userTokens());
   checkStride(intoFcp ? "dispatch output" : "undispatch input", localStride, rowBytes, 1,
               localTokens());
-  // From the first row's start to the last row's end.
-  const auto extent = [rowBytes](int64_t rows, int64_t stride) {
-    return rows == 0 ? 0 : (rows - 1) * (stride > 0 ? stride : rowBytes) + rowBytes;
-  };
-  const int64_t user = extent(userTokens(), userStride), local = extent(localTokens(), localStride);
+  const int64_t user = rowsExtentBytes(userTokens(), rowBytes, userStride),
+                local = rowsExtentBytes(localTokens(), rowBytes, localStride);
   if (static_cast<int64_t>(userBytes) == user && static_cast<int64_t>(localBytes) == local) return;
   // The strides that give those sizes, where any is set.
   const auto strides = [](int64_t from, int64_t to) {

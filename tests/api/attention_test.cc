@@ -523,27 +523,6 @@ struct Fused {
 
 constexpr std::byte kPadByte{0x5a};
 
-Fused fuse(const std::vector<std::pair<const std::vector<float>*, int64_t>>& parts, int64_t begin,
-           int64_t end, int64_t padElements, DType d) {
-  Fused f;
-  for (const auto& [x, width] : parts) {
-    f.offset.push_back(f.stride);
-    f.width.push_back(width);
-    f.stride += width;
-  }
-  f.stride += padElements;
-  const int64_t e = dtypeBytes(d), rows = end - begin;
-  f.bytes.assign(static_cast<size_t>(rows * f.stride * e), kPadByte);
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const std::vector<std::byte> dense = storage(*parts[i].first, begin, end, f.width[i], d);
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(f.bytes.data() + (t * f.stride + f.offset[i]) * e,
-                  dense.data() + t * f.width[i] * e, static_cast<size_t>(f.width[i] * e));
-    }
-  }
-  return f;
-}
-
 // An empty fused buffer of `rows` rows with `widths` parts, every byte 0x5a.
 Fused fusedOutputs(const std::vector<int64_t>& widths, int64_t rows, int64_t padElements, DType d) {
   Fused f;
@@ -554,6 +533,22 @@ Fused fusedOutputs(const std::vector<int64_t>& widths, int64_t rows, int64_t pad
   }
   f.stride += padElements;
   f.bytes.assign(static_cast<size_t>(rows * f.stride * dtypeBytes(d)), kPadByte);
+  return f;
+}
+
+Fused fuse(const std::vector<std::pair<const std::vector<float>*, int64_t>>& parts, int64_t begin,
+           int64_t end, int64_t padElements, DType d) {
+  std::vector<int64_t> widths;
+  for (const auto& [x, width] : parts) widths.push_back(width);
+  const int64_t e = dtypeBytes(d), rows = end - begin;
+  Fused f = fusedOutputs(widths, rows, padElements, d);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::vector<std::byte> dense = storage(*parts[i].first, begin, end, f.width[i], d);
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(f.bytes.data() + (t * f.stride + f.offset[i]) * e,
+                  dense.data() + t * f.width[i] * e, static_cast<size_t>(f.width[i] * e));
+    }
+  }
   return f;
 }
 

@@ -72,6 +72,11 @@ struct Rows {
   Rows(void* rows, int64_t stride = 0) : data(rows), strideBytes(stride) {}  // NOLINT
 };
 
+/// The bytes from the first of `rows` rows of `rowBytes` bytes to the end of the last, rows
+/// `strideBytes` apart (0: back to back): what a span of them holds. 0 for no rows, and for a
+/// row size or stride that dispatch refuses (negative, or past what an int64 offset reaches).
+int64_t rowsExtentBytes(int64_t rows, int64_t rowBytes, int64_t strideBytes);
+
 /// What one pass cost on this rank.
 struct PassStats {
   double wallMs = 0;      ///< the whole pass, reshuffles included
