@@ -379,9 +379,7 @@ double referenceFlops(const Batch& batch, const AttentionConfig& att) {
 // set it (the library's own message names its options), on every rank alike.
 void checkBudget(int64_t tokens, const plan::PlanConfig& c, const RunArgs& a, int ranks) {
   if (c.memoryLimitTokens == 0) return;
-  plan::DistributorOptions o;
-  o.memoryLimitTokens = c.memoryLimit();
-  o.memorySlack = c.memorySlack;
+  const plan::DistributorOptions o = plan::distributorOptions(c);
   if (plan::safeBlockTokens(tokens, o) > 0) return;
   const std::string flag = a.memoryLimit.empty()
                                ? "--tokens-per-worker " + a.tokensPerWorker + " sets with --trace"

@@ -342,7 +342,7 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
 /// its own.
 detail::CheckedPlan planAgreed(const Agreed& a) {
   const int64_t total = a.batch.numTokens();
-  plan::PlanConfig config = a.config;
+  const plan::PlanConfig& config = a.config;
   // WLB-LLM's oracle here: the busiest worker's compute, then the fewer transfer bytes (the
   // simulator's oracle needs a hardware model the runtime does not have).
   const baselines::PlanOracle oracle = [](const plan::Plan& p) {
@@ -350,38 +350,26 @@ detail::CheckedPlan planAgreed(const Agreed& a) {
     for (const plan::WorkerLoad& w : p.loads) busiest = std::max(busiest, w.cost);
     return busiest;
   };
-  plan::Plan plan;
-  for (;;) {
-    try {
-      plan = baselines::makePlan(a.strategy, a.batch, config, a.costModel, oracle);
-      break;
-    } catch (const Error& e) {
-      // A training step must not stop because a batch packed badly. FCP's planner cuts blocks
-      // finer rather than refuse a batch that fits (issue 15); should another strategy's
-      // planner refuse one, a budget the caller did not set is doubled until the blocks fit
-      // (every rank takes the same steps; plan.config says the budget used).
-      const bool capFailed =
-          std::string_view(e.what()).find("memory cap") != std::string_view::npos;
-      plan::DistributorOptions o;
-      o.memoryLimitTokens = config.memoryLimit();
-      o.memorySlack = config.memorySlack;
-      if (capFailed && a.budgetSet && plan::safeBlockTokens(total, o) == 0) {
-        // No plan holds the batch under the caller's budget. The planner's message offers the
-        // planner's knobs (workers, tokens per worker), which the batch sets itself: the
-        // caller's are the budget and its slack.
-        const int64_t ranks = config.numWorkers;
-        throwInvalidArgument(
-            "memory budget of ", config.memoryLimitTokens, " tokens a rank (a cap of ",
-            plan::memoryCapTokens(o), " with its slack of ", config.memorySlack,
-            ") cannot hold the batch's ", total, " tokens on ", ranks,
-            ranks == 1 ? " rank" : " ranks", ": expected a cap (budget × (1 + slack)) of at least ",
-            (total + ranks - 1) / ranks,
-            " tokens a rank, or no budget (the even share, raised as a batch needs)");
-      }
-      if (!capFailed || config.memoryLimit() >= total) throw;
-      config.memoryLimitTokens = std::min(total, 2 * config.memoryLimit());
+  if (a.budgetSet) {
+    const plan::DistributorOptions o = plan::distributorOptions(config);
+    if (plan::safeBlockTokens(total, o) == 0) {
+      // No plan holds the batch under the caller's budget. The planner's message would offer
+      // the planner's knobs (workers, tokens per worker), which the batch sets itself: the
+      // caller's are the budget and its slack.
+      const int64_t ranks = config.numWorkers;
+      throwInvalidArgument(
+          "memory budget of ", config.memoryLimitTokens, " tokens a rank (a cap of ",
+          plan::memoryCapTokens(o), " with its slack of ", config.memorySlack,
+          ") cannot hold the batch's ", total, " tokens on ", ranks,
+          ranks == 1 ? " rank" : " ranks", ": expected a cap (budget × (1 + slack)) of at least ",
+          (total + ranks - 1) / ranks,
+          " tokens a rank, or no budget (the even share, which always holds the batch)");
     }
   }
+  // Any budget that holds the batch gives a plan: FCP's planner cuts blocks finer where the cap
+  // cannot place them (issue 15), and the baselines raise the budget to what their layout
+  // holds (plan.config says the budget used).
+  plan::Plan plan = baselines::makePlan(a.strategy, a.batch, config, a.costModel, oracle);
   plan::checkValid(plan);
   const uint64_t digest = plan::planDigest(plan);
   return {std::move(plan), digest};

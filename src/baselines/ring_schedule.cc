@@ -49,10 +49,9 @@ void finishLayout(Plan& p) {
   p.loads = plan::computeLoads(p);
   int64_t maxTokens = 0;
   for (const plan::WorkerLoad& l : p.loads) maxTokens = std::max(maxTokens, l.numTokens);
-  plan::DistributorOptions o;
-  o.memoryLimitTokens = p.config.memoryLimit();
-  o.memorySlack = p.config.memorySlack;
-  if (maxTokens > plan::memoryCapTokens(o)) p.config.memoryLimitTokens = maxTokens;
+  if (maxTokens > plan::memoryCapTokens(plan::distributorOptions(p.config))) {
+    p.config.memoryLimitTokens = maxTokens;
+  }
   double total = 0, maxCost = 0;
   for (const plan::WorkerLoad& l : p.loads) total += l.cost;
   for (const plan::BlockPair& pair : p.pairs) maxCost = std::max(maxCost, pair.cost);

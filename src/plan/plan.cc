@@ -41,19 +41,6 @@ double msSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-DistributorOptions distributorOptions(const PlanConfig& config) {
-  DistributorOptions o;
-  o.numWorkers = config.numWorkers;
-  o.memoryLimitTokens = config.memoryLimit();
-  o.memorySlack = config.memorySlack;
-  o.alpha = config.alpha;
-  o.beta = config.beta;
-  o.improveTarget = config.improveTarget;
-  o.improveStepsPerBlock = config.improveStepsPerBlock;
-  o.localitySlack = config.localitySlack;
-  return o;
-}
-
 /// The user worker holding most of each block's tokens (ties: the lower id).
 std::vector<int32_t> homeWorkers(const Batch& batch, const std::vector<Block>& blocks,
                                  const std::vector<int64_t>& user) {
@@ -1303,6 +1290,19 @@ void checkLowerBound(const Plan& plan, Violations& v) {
 }
 
 }  // namespace
+
+DistributorOptions distributorOptions(const PlanConfig& config) {
+  DistributorOptions o;
+  o.numWorkers = config.numWorkers;
+  o.memoryLimitTokens = config.memoryLimit();
+  o.memorySlack = config.memorySlack;
+  o.alpha = config.alpha;
+  o.beta = config.beta;
+  o.improveTarget = config.improveTarget;
+  o.improveStepsPerBlock = config.improveStepsPerBlock;
+  o.localitySlack = config.localitySlack;
+  return o;
+}
 
 std::vector<std::string> validateCosts(const Plan& plan, const CostModel& costModel) {
   Violations v;

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "../runtime/thread_transport.h"
+#include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
 #include "fcp/core/random.h"
 #include "fcp/plan/communication.h"
@@ -1029,7 +1030,7 @@ TEST(AttentionBatchErrorTest, PendingBatchesFailWhereThePlanIsTaken) {
   const std::string noRoom =
       "memory budget of 50 tokens a rank (a cap of 55 with its slack of 0.1) cannot hold the "
       "batch's 160 tokens on 2 ranks: expected a cap (budget × (1 + slack)) of at least 80 tokens "
-      "a rank, or no budget (the even share, raised as a batch needs)";
+      "a rank, or no budget (the even share, which always holds the batch)";
   expectErrorOnEveryRank(2, noRoom, [&](Transport& t) {
     BatchOptions o = optionsFor(p, t.rank());
     o.planConfig.memoryLimitTokens = 50;  // 2 x 50 < 160 tokens: no plan exists
@@ -1043,6 +1044,38 @@ TEST(AttentionBatchErrorTest, PendingBatchesFailWhereThePlanIsTaken) {
     AttentionBatch batch(std::move(pending));
     AttentionBatch again(std::move(pending));
   });
+}
+
+// A budget is held against every rank's cap, not one rank's: 80 tokens a rank (no slack) holds
+// 160 tokens on 2 ranks, with every strategy, and FCP's plan keeps each rank within it; 79 does
+// not hold them, with any strategy (ring used to raise a budget the caller set).
+TEST(AttentionBatchErrorTest, ABudgetHoldsTheBatchWhenAllRanksTogetherCan) {
+  Problem p;
+  p.lengths = {100, 60};
+  p.starts = {0, 80, 160};
+  p.blockSize = 16;
+  for (const std::string& strategy : baselines::strategyNames()) {
+    SCOPED_TRACE(strategy);
+    runtime::testing::runRanks(2, [&](Transport& t) {
+      BatchOptions o = optionsFor(p, t.rank());
+      o.strategy = strategy;
+      o.planConfig.memoryLimitTokens = 80;
+      o.planConfig.memorySlack = 0;
+      AttentionBatch batch(t, o);
+      EXPECT_GE(batch.plan().config.memoryLimitTokens, 80);
+      if (strategy == "fcp") {
+        for (const plan::WorkerLoad& l : batch.plan().loads) EXPECT_LE(l.numTokens, 80);
+      }
+    });
+    expectErrorOnEveryRank(2, "memory budget of 79 tokens a rank (a cap of 79 with its slack of 0)",
+                           [&](Transport& t) {
+                             BatchOptions o = optionsFor(p, t.rank());
+                             o.strategy = strategy;
+                             o.planConfig.memoryLimitTokens = 79;
+                             o.planConfig.memorySlack = 0;
+                             AttentionBatch batch(t, o);
+                           });
+  }
 }
 
 // A rank with a thread count out of range names its own; the others name the lowest such rank

@@ -97,6 +97,18 @@ if [ "$(grep -cE '^fcp: error: rank [01]: 2 ranks x --tokens-per-worker' "$dir/e
   fail "--tokens-per-worker 4G: expected the error on both ranks"; cat "$dir/err"
 fi
 
+# A budget is checked against every rank's cap, not one rank's: 2K a rank holds a 4096-token
+# batch on 2 ranks (it was refused as "4096 tokens > 2 ranks x 2252 tokens"), 1K does not.
+if ! timeout 60 "$mpirun" -n 2 "$fcp" run --trace "$dir/trace_4k.txt" --memory-limit 2K \
+     "${model[@]}" >"$dir/out" 2>"$dir/err" || ! grep -q "^  fcp " "$dir/out"; then
+  fail "--memory-limit 2K on 2 ranks: expected a run, stderr:"; cat "$dir/err"
+else
+  echo "ok: --memory-limit 2K holds 4096 tokens on 2 ranks"
+fi
+expect_error "--memory-limit 1K on 2 ranks" \
+  "rank [01]: memory cap cannot hold the batch: 4096 tokens > 2 ranks x 1126 tokens \\(the budget --memory-limit 1K sets" \
+  30 "$mpirun" -n 2 "$fcp" run --trace "$dir/trace_4k.txt" --memory-limit 1K "${model[@]}"
+
 # Batch mismatch: rank 1 samples its batch with another seed. Both ranks must say so.
 expect_error "batch mismatch" "the ranks passed different batches" 20 \
   "$mpirun" -n 1 "$fcp" "${tiny[@]}" --seed 1 : -n 1 "$fcp" "${tiny[@]}" --seed 2

@@ -106,6 +106,10 @@ struct PlanConfig {
   friend bool operator==(const PlanConfig&, const PlanConfig&) = default;
 };
 
+/// The Block Distributor's options for a plan of `config`: its workers, the memory cap
+/// (memoryLimit() and memorySlack; memoryCapTokens, safeBlockTokens) and the balancing knobs.
+DistributorOptions distributorOptions(const PlanConfig& config);
+
 /// One worker's load in the FCP layout.
 struct WorkerLoad {
   int64_t numTokens = 0;
