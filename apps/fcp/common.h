@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fcp/plan/limits.h"
 #include "fcp/plan/plan.h"
 
 namespace fcp::app {
@@ -17,9 +18,6 @@ inline constexpr const char* kWorkloadHelp =
     "Length distribution: lognormal, lognormal-narrow, bimodal, or a file of lengths (one per "
     "line) to draw sequences from uniformly, e.g. data/workloads/code-corpus.txt";
 
-/// Smallest --block-size accepted: below it the pairs of even a modest batch outgrow the
-/// planner's limits (fcp/plan/limits.h) long before the blocks could run efficiently.
-inline constexpr int64_t kMinBlockSize = 16;
 /// Most kernel threads per rank (--threads).
 inline constexpr int64_t kMaxThreads = 256;
 /// Largest block `fcp bench kernel --tokens` measures, and the most forward FLOPs of one of its

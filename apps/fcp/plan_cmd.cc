@@ -209,7 +209,7 @@ void runPlan(const PlanArgs& a) {
   plan::PlanConfig config;
   config.numWorkers = a.workers;
   config.blockSize = parseTokenCount(a.blockSize, "--block-size");
-  requireAtLeast(config.blockSize, kMinBlockSize, "--block-size",
+  requireAtLeast(config.blockSize, plan::kMinBlockSize, "--block-size",
                  "smaller blocks make more pairs than any batch can use");
   config.memorySlack = a.memorySlack;
   config.alpha = a.alpha;

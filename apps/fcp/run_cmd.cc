@@ -168,7 +168,7 @@ Setup validate(const RunArgs& a) {
                                           : kFp32Tolerance;
   auto& c = s.config;
   c.blockSize = parseTokenCount(a.blockSize, "--block-size");
-  requireAtLeast(c.blockSize, kMinBlockSize, "--block-size",
+  requireAtLeast(c.blockSize, plan::kMinBlockSize, "--block-size",
                  "smaller blocks make more pairs than any batch can use");
   c.memorySlack = a.memorySlack;
   c.coalesce = a.coalesce;

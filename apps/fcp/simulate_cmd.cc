@@ -199,7 +199,7 @@ void runSimulate(const SimulateArgs& a) {
   const sim::HardwareProfile hw = sim::loadHardwareProfile(a.hardware);
   plan::PlanConfig base;
   base.blockSize = parseTokenCount(a.blockSize, "--block-size");
-  requireAtLeast(base.blockSize, kMinBlockSize, "--block-size",
+  requireAtLeast(base.blockSize, plan::kMinBlockSize, "--block-size",
                  "smaller blocks make more pairs than any batch can use");
   base.coalesce = a.coalesce;
   base.bufferDepth = a.buffers;

@@ -18,6 +18,7 @@
 #include "fcp/plan/communication.h"
 #include "fcp/plan/distributor.h"
 #include "fcp/plan/json.h"
+#include "fcp/plan/limits.h"
 
 namespace fcp {
 namespace {
@@ -287,6 +288,13 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   if (o.layout != Layout::kTransparent && o.layout != Layout::kDispatched) {
     throwInvalidArgument("layout ", static_cast<int>(o.layout),
                          ": expected transparent or dispatched");
+  }
+  // As fcp's --block-size: smaller blocks only make the plan slow or refused for its pairs (in
+  // 1-token blocks a 5,000-token sequence alone makes 25M pairs).
+  if (o.planConfig.blockSize < plan::kMinBlockSize || o.planConfig.blockSize > kMaxSequenceLength) {
+    throwInvalidArgument("block size ", o.planConfig.blockSize, ": expected ", plan::kMinBlockSize,
+                         " to ", kMaxSequenceLength,
+                         " tokens (smaller blocks make more pairs than any batch can use)");
   }
   if (o.planConfig.memoryLimitTokens < 0) {
     throwInvalidArgument("memory budget ", o.planConfig.memoryLimitTokens,

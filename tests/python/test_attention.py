@@ -353,7 +353,8 @@ def test_bad_input_is_one_line_error(group):
         ft.user_positions([10, 20], 0, 5)
     # Options out of range (every rank passes the same, so every rank refuses alike).
     for options, message in [({"threads": 1000}, "thread count 1000: expected 1 to 256"),
-                             ({"block_size": 2 ** 40}, "block size 1099511627776: expected 1 to"),
+                             ({"block_size": 2 ** 40}, "block size 1099511627776: expected 16 to"),
+                             ({"block_size": 15}, "block size 15: expected 16 to"),
                              ({"timeout_seconds": 0}, "timeout_seconds 0: expected"),
                              ({"timeout_seconds": float("nan")}, "timeout_seconds nan: expected")]:
         with pytest.raises(fcp.Error, match=message):

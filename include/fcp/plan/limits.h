@@ -18,6 +18,11 @@ struct PlanConfig;
 /// Most block pairs a plan may have: 2^25 (about 1.6 GB of pairs across the plan's two
 /// candidate placements, and a few minutes of planning here).
 inline constexpr int64_t kMaxPairs = int64_t{1} << 25;
+/// Smallest block size the front ends accept (fcp's --block-size, the API's planConfig.blockSize):
+/// below it the pairs of even a modest batch outgrow kMaxPairs, or take minutes to plan, long
+/// before the blocks could run efficiently. The planner itself takes any size from 1, as it
+/// cuts blocks finer where the memory cap needs it.
+inline constexpr int64_t kMinBlockSize = 16;
 /// Most improvement steps per block a plan may ask of the distributor.
 inline constexpr int64_t kMaxImproveStepsPerBlock = 1024;
 /// The range of the communication balance slack (negative: balancing off).
