@@ -1,5 +1,6 @@
 // `fcp plan`: build a batch, shard it, assign its blocks, print the summary (and the plan).
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <limits>
@@ -59,6 +60,13 @@ int64_t elementBytes(const std::string& dtype) {
   throwInvalidArgument("unknown --dtype '", dtype, "': expected bf16, fp16 or fp32");
 }
 
+/// A fraction as a percentage for %.4f: a rounding residue prints as 0.0000, not -0.0000
+/// (one worker's gap to its bound came out at -1e-16).
+double percent(double fraction) {
+  const double p = 100 * fraction;
+  return std::fabs(p) < 5e-5 ? 0.0 : p;
+}
+
 /// One line when the sharding differs from the configured block size: what the memory cap
 /// and cost-aware blocks did.
 void printSharding(const plan::Plan& p) {
@@ -104,13 +112,13 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
   std::printf(
       "  busiest worker %.4f%% above the lower bound (greedy alone: %.4f%%, %lld "
       "improvement steps)\n",
-      100 * s.lowerBoundGap, 100 * (p.greedyMaxCost / p.lowerBound - 1),
+      percent(s.lowerBoundGap), percent(p.greedyMaxCost / p.lowerBound - 1),
       static_cast<long long>(p.improveSteps));
   if (s.memoryLowerBound > p.lowerBound) {
     std::printf(
         "  the memory cap raises the bound %.4f%% (no assignment of these blocks does "
         "better): busiest worker %.4f%% above it\n",
-        100 * (s.memoryLowerBound / p.lowerBound - 1), 100 * s.memoryBoundGap);
+        percent(s.memoryLowerBound / p.lowerBound - 1), percent(s.memoryBoundGap));
   }
   std::printf("  memory: max %lld tokens per worker, cap %lld\n",
               static_cast<long long>(s.maxWorkerTokens), static_cast<long long>(s.memoryCapTokens));
@@ -129,12 +137,16 @@ void printSummary(const plan::Plan& p, const plan::PlanStats& s, const plan::Pla
               static_cast<double>(s.sumRoundMaxima), static_cast<double>(s.maxWorkerCommBytes),
               static_cast<double>(s.sortedRoundBound));
   std::printf("  reshuffle: %.4g bytes\n", static_cast<double>(s.reshuffleBytes));
+  // Only the local placement starts from the home workers; LPT's count of moves is not one.
+  const std::string moves =
+      p.placement == plan::Placement::kLocal
+          ? " (" + std::to_string(p.localityMoves) + " blocks moved off their home worker)"
+          : "";
   std::printf(
-      "  placement %s (%lld blocks moved off their home worker); a step (forward and "
-      "backward) moves %.4g bytes, the busiest worker %.4g\n",
-      std::string(plan::placementName(p.placement)).c_str(),
-      static_cast<long long>(p.localityMoves), static_cast<double>(s.stepBytes),
-      static_cast<double>(s.maxWorkerStepBytes));
+      "  placement %s%s; a step (forward and backward) moves %.4g bytes, the busiest worker "
+      "%.4g\n",
+      std::string(plan::placementName(p.placement)).c_str(), moves.c_str(),
+      static_cast<double>(s.stepBytes), static_cast<double>(s.maxWorkerStepBytes));
   if (!t) {
     std::printf("  loaded, not planned here: no planning times\n");
     return;

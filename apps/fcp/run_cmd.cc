@@ -163,6 +163,11 @@ Setup validate(const RunArgs& a) {
   if (a.buffers < 2) throwInvalidArgument("invalid --buffers ", a.buffers, ": expected at least 2");
   if (!(a.commRatio >= 0))
     throwInvalidArgument("invalid --comm-ratio ", a.commRatio, ": expected FLOP per byte >= 0");
+  if (a.tolerance > 0 && !a.check) {
+    throwInvalidArgument(
+        "--tolerance ", a.tolerance,
+        " without --check: expected --check too (the tolerance is what it accepts)");
+  }
   s.tolerance = a.tolerance > 0           ? a.tolerance
                 : s.dtype == DType::kBf16 ? kBf16Tolerance
                                           : kFp32Tolerance;
@@ -357,10 +362,11 @@ struct StrategyRun {
   /// This rank's outputs in the user layout, fp32, for --check.
   std::vector<float> userO, userDq, userDk, userDv;
   std::vector<double> fwd, bwd;
-  double kernelMs = 0, flops = 0;
+  double flops = 0;
   int64_t sent = 0, kv = 0;
-  // Per pass (forward, backward), summed over the measured repeats on this rank.
-  double passKernelMs[2] = {0, 0};
+  // Per pass (forward, backward): this rank's kernel time in each measured repeat, and its
+  // bytes summed over them.
+  std::vector<double> passKernelMs[2];
   double passBytes[2] = {0, 0};  // max(sent, received)
 };
 
@@ -590,10 +596,9 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Setup& s, b
   if (!measured) return;
   run.fwd.push_back(f);
   run.bwd.push_back(bw);
-  run.kernelMs += b.forwardStats().kernelMs + b.backwardStats().kernelMs;
   for (int pass = 0; pass < 2; ++pass) {
     const PassStats& st = pass == 0 ? b.forwardStats() : b.backwardStats();
-    run.passKernelMs[pass] += st.kernelMs;
+    run.passKernelMs[pass].push_back(st.kernelMs);
     run.passBytes[pass] += static_cast<double>(std::max(st.sentBytes, st.recvBytes));
   }
   run.flops = b.forwardStats().flops + b.backwardStats().flops;
@@ -607,7 +612,11 @@ StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun&
   r.strategy = run.strategy;
   r.fwdMs = median(run.fwd);
   r.bwdMs = median(run.bwd);
-  const double kernelMs = run.kernelMs / static_cast<double>(a.repeats);
+  // Kernel times are medians over the repeats too, pass by pass as the wall times: a mean let
+  // one slow repeat put a rank's kernels above the median wall time (η and × bound under 1).
+  // Each repeat's wall time is at least every rank's kernel time, so the medians keep that.
+  const double passKernelMs[2] = {median(run.passKernelMs[0]), median(run.passKernelMs[1])};
+  const double kernelMs = passKernelMs[0] + passKernelMs[1];
   const double busiestKernelMs = maxOverRanks(net, kernelMs, 1e-6);
   const double totalFlops = sumOverRanks(net, run.flops, 1.0);
   const double totalKernelMs = sumOverRanks(net, kernelMs, 1e-6);
@@ -620,7 +629,7 @@ StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun&
   r.kvBytes = static_cast<int64_t>(sumOverRanks(net, static_cast<double>(run.kv), 1.0));
   const auto repeats = static_cast<double>(a.repeats);
   for (int pass = 0; pass < 2; ++pass) {
-    const double kernel = maxOverRanks(net, run.passKernelMs[pass] / repeats, 1e-6);
+    const double kernel = maxOverRanks(net, passKernelMs[pass], 1e-6);
     const double bytes = maxOverRanks(net, run.passBytes[pass] / repeats, 1.0);
     r.boundMs += std::max(kernel, linkBytesPerSecond > 0 ? bytes / linkBytesPerSecond * 1e3 : 0.0);
     r.maxRankBytes += static_cast<int64_t>(bytes);

@@ -111,6 +111,14 @@ int64_t sampledTokensPerWorker(const SimulateArgs& a) {
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   if (a.strategies.empty()) throwInvalidArgument("empty --strategy: expected at least one strategy");
+  for (auto it = a.strategies.begin(); it != a.strategies.end(); ++it) {
+    // Each strategy's cell is keyed by its name: a repeat added its batches into the first's
+    // cell and was averaged twice (fcp,fcp printed halved figures), and the simulation is
+    // deterministic, so a repeat could only print the same row again.
+    if (std::find(a.strategies.begin(), it, *it) != it) {
+      throwInvalidArgument("--strategy lists '", *it, "' twice: expected each strategy once");
+    }
+  }
   for (const std::string& s : a.strategies) {
     static const std::vector<std::string> kAblation = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce"};
     const auto& known = baselines::strategyNames();
@@ -240,6 +248,22 @@ void runSimulate(const SimulateArgs& a) {
   }
   const int64_t givenTokens = givenTokensPerWorker(a);
   const int64_t tokensPerWorker = a.trace.empty() ? sampledTokensPerWorker(a) : givenTokens;
+  if (!a.trace.empty() && givenTokens > 0) {
+    // Before any cell runs, named by simulate's own flags (the planner's message offers a
+    // memory limit, which simulate does not take).
+    for (const int64_t workers : a.workers) {
+      plan::PlanConfig config = base;
+      config.numWorkers = workers;
+      config.tokensPerWorker = givenTokens;
+      const plan::DistributorOptions o = plan::distributorOptions(config);
+      if (plan::safeBlockTokens(traceBatch.numTokens(), o) > 0) continue;
+      throwInvalidArgument("memory cap cannot hold the batch: ", traceBatch.numTokens(),
+                           " tokens > ", workers, workers == 1 ? " worker x " : " workers x ",
+                           plan::memoryCapTokens(o), " tokens (--tokens-per-worker ",
+                           a.tokensPerWorker, " with --trace, and --memory-slack ", a.memorySlack,
+                           "): expected more tokens per worker or workers, or a larger slack");
+    }
+  }
   for (const int64_t workers : a.workers) {
     plan::PlanConfig config = base;
     config.numWorkers = workers;

@@ -550,7 +550,7 @@ Placed placeFeasibly(PlaceFn place, const Batch& batch, const PlanConfig& config
   int64_t size = firstSize(batch, config, options, &retries);
   double shardMs = 0, assignMs = 0;
   for (;;) {
-    checkPairCount(batch, size);
+    checkPairCountUnderCap(batch, size, config.blockSize, memoryCapTokens(options));
     Sharding sharding{size, {}};
     sharding.made = std::exchange(made, nullptr);
     std::optional<Placed> p = place(batch, config, costModel, options, sharding);
@@ -1398,7 +1398,7 @@ Plan buildPlan(const Batch& batch, const PlanConfig& config, const CostModel& co
   if (parallel && withLocal) {
     int64_t unusedRetries = 0;
     const int64_t size = firstSize(batch, config, options, &unusedRetries);
-    checkPairCount(batch, size);
+    checkPairCountUnderCap(batch, size, config.blockSize, cap);
     std::optional<detail::PairHalves> halves;
     lptFirst = shardLpt(batch, config, costModel, options, Sharding{size, {}}, &halves);
     if (lptFirst) lptFirst->pendingPairs = &lptPairs.emplace(std::move(*halves));

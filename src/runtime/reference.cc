@@ -81,7 +81,7 @@ double relativeL2(std::span<const float> a, std::span<const double> b) {
     diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
     norm += b[i] * b[i];
   }
-  if (norm == 0) return diff == 0 ? 0 : INFINITY;
+  if (norm == 0) return diff == 0 ? 0 : std::sqrt(diff / static_cast<double>(a.size()));
   return std::sqrt(diff / norm);
 }
 

@@ -30,6 +30,12 @@ expect() {
 }
 
 expect unknown_strategy "'zigzag'" --strategy fcp,zigzag
+printf '40000\n48000\n' > "$tmp/trace_88k.txt"
+# Named by simulate's own flags: it has no --memory-limit, which the planner's message offered.
+expect trace_over_cap "memory cap cannot hold the batch: 88000 tokens > 2 workers x 9011 tokens (--tokens-per-worker 8K with --trace, and --memory-slack 0.1): expected more tokens per worker or workers, or a larger slack" \
+  --trace "$tmp/trace_88k.txt" --workers 2 --tokens-per-worker 8K
+# A repeat was averaged into its first's cell and printed halved figures.
+expect repeated_strategy "--strategy lists 'fcp' twice: expected each strategy once" --strategy fcp,ring,fcp
 expect zero_workers "--workers item '0'" --workers 0
 expect zero_batches "--batches '0'" --batches 0
 expect unknown_hardware "'tpu-v9'" --hardware tpu-v9

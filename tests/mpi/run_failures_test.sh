@@ -77,6 +77,18 @@ refuse "--tokens-per-worker 5G" \
 refuse "--tolerance 0" "invalid --tolerance '0': expected a finite number above 0, up to 1e+06" \
   --tolerance 0
 refuse "--timeout 0" "invalid --timeout '0': expected a finite number above 0, up to 86400" --timeout 0
+refuse "--tolerance without --check" \
+  "--tolerance 0.001 without --check: expected --check too (the tolerance is what it accepts)" \
+  --tolerance 1e-3
+# One-token sequences: the exact dQ and dK are zero, so the check holds the run's rounding to
+# the tolerance as an RMS error (it was infinite, and the check failed).
+printf '1\n1\n' >"$dir/ones.txt"
+if ! "$fcp" run --trace "$dir/ones.txt" --check --json "${model[@]}" >"$dir/out" 2>"$dir/err" ||
+   grep -q null "$dir/out"; then
+  fail "--check of one-token sequences: expected a pass with finite errors"; cat "$dir/out" "$dir/err"
+else
+  echo "ok: --check of one-token sequences passes"
+fi
 # The help gives the ranges the flags accept (0 is refused) and the tolerance by dtype.
 "$fcp" run --help >"$dir/help"
 if grep -E -A1 -- "--(tolerance|timeout) " "$dir/help" | grep -q "\[0 to" ||

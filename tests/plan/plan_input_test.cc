@@ -134,15 +134,28 @@ TEST(PlanInputTest, PairCountIsBoundedBeforePlanning) {
   const std::string message = errorOf([&] { buildPlan(batch, c, CostModel{c.attention}); });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_NE(message.find("more than 33554432 block pairs"), std::string::npos) << message;
-  EXPECT_NE(message.find("expected a block size of at least 16384"), std::string::npos) << message;
-  // At the suggested size the estimate fits.
-  EXPECT_LE(estimatePairs(batch, 16384), kMaxPairs);
+  // The least size that fits: ceil(2^26 / B) blocks, squared, within 2^25 needs at most 5792
+  // blocks (5792^2 = 33,547,264; 5793^2 passes), so B = ceil(2^26 / 5792) = 11587.
+  EXPECT_NE(message.find("expected a block size of at least 11587 "), std::string::npos) << message;
+  EXPECT_LE(estimatePairs(batch, 11587), kMaxPairs);
+  EXPECT_GT(estimatePairs(batch, 11586), kMaxPairs);
   // Block size 1 on an ordinary batch is refused the same way.
   const Batch ordinary = sampleBatch(findWorkload("lognormal"), 16 * 32 * 1024, 0);
   c.tokensPerWorker = 32 * 1024;
   c.blockSize = 1;
   EXPECT_NE(errorOf([&] { buildPlan(ordinary, c, CostModel{c.attention}); }).find("block pairs"),
             std::string::npos);
+  // Blocks the memory cap cut finer: a larger block size cannot help, so the refusal asks for
+  // a larger cap (it offered a block size of 1024 while 4096 was asked for).
+  c.numWorkers = 1 << 24;
+  c.tokensPerWorker = 16;
+  c.blockSize = 4096;
+  const Batch capped = sampleBatch(findWorkload("lognormal"), c.numWorkers * c.tokensPerWorker, 0);
+  const std::string underCap = errorOf([&] { buildPlan(capped, c, CostModel{c.attention}); });
+  EXPECT_NE(underCap.find("cut finer than the block size 4096 so that the memory cap of 17 tokens "
+                          "a worker can place them: expected a larger cap"),
+            std::string::npos)
+      << underCap;
 }
 
 TEST(PlanInputTest, PairEstimateBoundsTheRealCount) {

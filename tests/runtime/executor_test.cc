@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <limits>
@@ -210,6 +211,17 @@ TEST(ReferenceTest, RelativeL2IsZeroForEqualAndOneForZero) {
   const std::vector<double> b{1, 2, 3};
   EXPECT_EQ(relativeL2(a, b), 0);
   EXPECT_DOUBLE_EQ(relativeL2(std::vector<float>{0, 0, 0}, b), 1.0);
+  EXPECT_EQ(relativeL2(std::vector<float>{}, std::vector<double>{}), 0);
+}
+
+// Against a reference of zeros (dQ, dK of one-token sequences) the error is the RMS error: a
+// rounding residue is small, not infinite (fcp run --check failed such a run).
+TEST(ReferenceTest, RelativeL2AgainstZerosIsTheRmsError) {
+  const std::vector<double> zeros{0, 0, 0, 0};
+  EXPECT_EQ(relativeL2(std::vector<float>{0, 0, 0, 0}, zeros), 0);
+  EXPECT_DOUBLE_EQ(relativeL2(std::vector<float>{3e-8f, 0, -4e-8f, 0}, zeros),
+                   std::sqrt((double(3e-8f) * 3e-8f + double(4e-8f) * 4e-8f) / 4));
+  EXPECT_DOUBLE_EQ(relativeL2(std::vector<float>{2, 2, 2, 2}, zeros), 2.0);
 }
 
 }  // namespace

@@ -38,4 +38,11 @@ int64_t estimatePairs(const Batch& batch, int64_t blockSize);
 /// sequence, its block count and pairs, and the smallest block size that would fit.
 void checkPairCount(const Batch& batch, int64_t blockSize);
 
+/// checkPairCount for blocks the planner cut finer than `requestedBlockSize` to place them
+/// under a memory cap of `capTokens` tokens a worker: a larger block size cannot help there,
+/// so the refusal asks for a larger cap. The same as checkPairCount when blockSize is at least
+/// requestedBlockSize.
+void checkPairCountUnderCap(const Batch& batch, int64_t blockSize, int64_t requestedBlockSize,
+                            int64_t capTokens);
+
 }  // namespace fcp::plan

@@ -28,7 +28,10 @@ ReferenceResult referenceAttention(const Batch& batch, const AttentionConfig& at
                                    std::span<const float> v, std::span<const float> dO,
                                    double softmaxScale = 0);
 
-/// ||a − b||₂ / ||b||₂ (0 when both are empty or zero).
+/// ||a − b||₂ / ||b||₂; where b is all zeros (no relative error exists: dQ and dK of a batch of
+/// one-token sequences, whose softmax has one entry), the RMS error ||a − b||₂ / sqrt(n), so
+/// that a run's rounding residue there is held to the tolerance in absolute terms rather than
+/// reported as infinite (0 when both are empty or zero).
 double relativeL2(std::span<const float> a, std::span<const double> b);
 
 /// Relative L2 error (relativeL2) of each output of a run against the reference.
