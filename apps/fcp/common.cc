@@ -38,6 +38,13 @@ std::string describeDraw(const std::string& workload, uint64_t seed, int64_t min
   return text + ")";
 }
 
+std::string_view workloadFile(const std::string& workload) {
+  for (const Workload& w : builtinWorkloads()) {
+    if (w.name == workload) return {};
+  }
+  return workload;
+}
+
 CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
                      const std::string& help) {
   CLI::Option* option = cmd->add_option_function<std::string>(

@@ -43,6 +43,9 @@ inline constexpr double kMaxRunBytesPerRank = 8.0 * (1 << 30);
 /// minimum count "workload lognormal (seed 4, at least 8 sequences)".
 std::string describeDraw(const std::string& workload, uint64_t seed, int64_t minSequences);
 
+/// The file --workload reads, or "" for a built-in workload (built-in names win over files).
+std::string_view workloadFile(const std::string& workload);
+
 /// A text flag; an empty value ('') is an error rather than "not given".
 CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,
                      const std::string& help);

@@ -216,7 +216,12 @@ void checkPlanInOptions(const CLI::App& cmd) {
 
 void runPlan(const PlanArgs& a) {
   // Refuse an output that is not a regular file before any work, and again when writing.
-  if (!a.planOut.empty()) checkOutputPath(a.planOut, "--plan-out file");
+  if (!a.planOut.empty()) {
+    checkOutputPath(a.planOut, "--plan-out file");
+    checkNotAnInput(
+        a.planOut, "--plan-out file",
+        {{a.trace, "--trace"}, {workloadFile(a.workload), "--workload"}, {a.curve, "--curve"}});
+  }
   if (!a.planIn.empty()) return runLoadedPlan(a);
   plan::PlanConfig config;
   config.numWorkers = a.workers;

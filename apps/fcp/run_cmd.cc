@@ -733,6 +733,10 @@ void runRun(const RunArgs& a) {
       if (net->rank() == 0) {
         try {
           checkOutputPath(a.timeline, "--timeline file");
+          checkNotAnInput(a.timeline, "--timeline file",
+                          {{a.trace, "--trace"},
+                           {workloadFile(a.workload), "--workload"},
+                           {a.curve, "--curve"}});
         } catch (const Error& e) {
           why = e.what();
         }

@@ -223,6 +223,20 @@ void checkOutputPath(const std::string& path, std::string_view what) {
   }
 }
 
+void checkNotAnInput(const std::string& path, std::string_view what,
+                     std::initializer_list<std::pair<std::string_view, std::string_view>> inputs) {
+  struct stat out {};
+  if (::stat(path.c_str(), &out) != 0) return;  // a new file is no input
+  for (const auto& [input, flag] : inputs) {
+    struct stat in {};
+    if (input.empty() || ::stat(std::string(input).c_str(), &in) != 0) continue;
+    if (in.st_dev == out.st_dev && in.st_ino == out.st_ino) {
+      throwInvalidArgument("cannot write ", what, " '", printable(path), "': it is the ", flag,
+                           " file, expected another path");
+    }
+  }
+}
+
 void writeUserFile(const std::string& path, std::string_view what, std::string_view text) {
   checkOutputPath(path, what);
   const std::string shown = printable(path);

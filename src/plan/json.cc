@@ -1,10 +1,13 @@
 #include "fcp/plan/json.h"
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <string_view>
 #include <type_traits>
 
 #include "fcp/core/error.h"
@@ -388,6 +391,18 @@ Plan planFromJson(std::string_view text) {
     plan.packedBlockSize = sharding.contains("packed_block_size")
                                ? field<int64_t>(sharding, "packed_block_size")
                                : plan.shardBlockSize;
+  }
+  // An unknown field is refused by name, as a hardware profile's is: a misspelt or hand-added
+  // one was ignored. After the known ones, so that a misspelt field is named as missing.
+  const json header = headerJson(Plan{});
+  static constexpr std::array<std::string_view, 9> kArrays = {"batch",   "blocks",   "owner",
+                                                              "pairs",   "loads",    "transfers",
+                                                              "forward", "backward", "reshuffle"};
+  for (const auto& [key, unused] : doc.items()) {
+    if (header.contains(key) || std::find(kArrays.begin(), kArrays.end(), key) != kArrays.end())
+      continue;
+    throwInvalidArgument("plan JSON has an unknown field '", key,
+                         "': expected only the fields fcp plan --plan-out writes");
   }
   return plan;
 }

@@ -77,6 +77,13 @@ printf '4096\n100\n' > "$tmp/small.txt"
 expect huge_trace_share "memory limit" --trace "$tmp/small.txt" --workers 3 --tokens-per-worker 9223372036854775807
 expect nan_slack "slack" --comm-balance-slack nan
 expect unwritable_plan_out "cannot write --plan-out" --workers 2 --plan-out "$tmp/no/such/dir/plan.json"
+# An output that is one of the inputs (the trace, by a symlink too) is refused; the trace stays.
+printf '1000\n2000\n' > "$tmp/trace_in.txt"
+ln -s "$tmp/trace_in.txt" "$tmp/trace_link.txt"
+expect plan_out_is_trace "cannot write --plan-out file '$tmp/trace_in.txt': it is the --trace file" \
+  --workers 2 --trace "$tmp/trace_link.txt" --plan-out "$tmp/trace_in.txt"
+[ "$(cat "$tmp/trace_in.txt")" = "$(printf '1000\n2000')" ] ||
+  { echo "FAIL plan_out_is_trace: the trace was written"; failures=$((failures + 1)); }
 expect zero_coalesce "--coalesce '0'" --coalesce 0
 expect one_buffer "--buffers '1'" --buffers 1
 expect missing_plan_in "$tmp/none.json" --plan-in "$tmp/none.json"

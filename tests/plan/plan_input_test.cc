@@ -124,6 +124,19 @@ TEST(PlanInputTest, JsonNumberOutOfRangeIsNamed) {
   EXPECT_NE(message.find("plan JSON has a number out of range"), std::string::npos) << message;
 }
 
+// A field the writer does not write is named, not ignored; every field it writes reads back.
+TEST(PlanInputTest, JsonWithAnUnknownFieldIsNamed) {
+  const std::string text = planToJson(smallPlan());
+  EXPECT_EQ(planToJson(planFromJson(text)), text);
+  std::string extra = text;
+  extra.insert(1, "\"extra\":1,");
+  const std::string message = errorOf([&] { planFromJson(extra); });
+  EXPECT_NE(message.find("plan JSON has an unknown field 'extra': expected only the fields fcp "
+                         "plan --plan-out writes"),
+            std::string::npos)
+      << message;
+}
+
 TEST(PlanInputTest, PairCountIsBoundedBeforePlanning) {
   PlanConfig c;
   c.numWorkers = 16;

@@ -4,8 +4,10 @@
 /// Error(kInvalidArgument) with one printable line naming the value and what was expected.
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace fcp {
 
@@ -44,6 +46,12 @@ std::string readUserFile(const std::string& path, std::string_view what, int64_t
 /// replaces something that is not an ordinary file; and its directory must exist and take new
 /// files, so a command refuses a bad path before its work rather than after.
 void checkOutputPath(const std::string& path, std::string_view what);
+
+/// Throws when `path` already names the same file as one of `inputs` (a path and the flag that
+/// gave it; empty paths and paths that name nothing are skipped): writing the output would
+/// replace an input the command was given (`fcp plan --trace t.txt --plan-out t.txt`).
+void checkNotAnInput(const std::string& path, std::string_view what,
+                     std::initializer_list<std::pair<std::string_view, std::string_view>> inputs);
 
 /// Writes `text` to `path` through a uniquely named temporary file in the same directory,
 /// renamed into place, so a failure never leaves a half-written file. Checks the target with
