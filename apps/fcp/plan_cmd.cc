@@ -425,8 +425,8 @@ void addPlanCommand(CLI::App& app) {
             "i.e. peak FLOP/s / 3.5 / link bytes/s (GPU-X about 1700; 0: unknown); the placement "
             "then wins on estimated step time, not compute balance alone");
   cmd->add_flag("--no-locality", args->noLocality,
-                "With --placement lpt: do not relabel workers to keep blocks where the user "
-                "layout holds them");
+                "For an LPT placement (--placement lpt, or local where it falls back to LPT): "
+                "do not relabel workers to keep blocks where the user layout holds them");
   cmd->add_flag("--no-cost-aware-blocks", args->noCostAwareBlocks,
                 "Keep every block of a long sequence at the block size, even when one costs a "
                 "large part of a worker's share");

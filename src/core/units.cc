@@ -46,6 +46,9 @@ int64_t parseTokenCount(std::string_view text, std::string_view what) {
 }
 
 std::string formatTokenCount(int64_t numTokens) {
+  if (numTokens > 0 && numTokens % (int64_t{1} << 30) == 0) {
+    return std::to_string(numTokens >> 30) + "G";
+  }
   if (numTokens > 0 && numTokens % (int64_t{1} << 20) == 0) {
     return std::to_string(numTokens >> 20) + "M";
   }

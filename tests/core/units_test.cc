@@ -36,6 +36,9 @@ TEST(UnitsTest, FormatsCompactly) {
   EXPECT_EQ(formatTokenCount(4096), "4K");
   EXPECT_EQ(formatTokenCount(1536), "1536");
   EXPECT_EQ(formatTokenCount(1 << 20), "1M");
+  EXPECT_EQ(formatTokenCount(int64_t{1} << 30), "1G");  // it was "1024M"
+  EXPECT_EQ(formatTokenCount(int64_t{3} << 31), "6G");
+  EXPECT_EQ(formatTokenCount((int64_t{1} << 30) + (int64_t{1} << 20)), "1025M");
   EXPECT_EQ(formatTokenCount(7), "7");
 }
 

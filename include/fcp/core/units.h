@@ -12,7 +12,8 @@ namespace fcp {
 /// Throws Error(kInvalidArgument) for anything else, zero, or a value past int64.
 int64_t parseTokenCount(std::string_view text, std::string_view what);
 
-/// Formats a token count compactly: 4096 -> "4K", 1536 -> "1536", 1048576 -> "1M".
+/// Formats a token count compactly, as parseTokenCount reads it: 4096 -> "4K", 1536 -> "1536",
+/// 1048576 -> "1M", 2^30 -> "1G".
 std::string formatTokenCount(int64_t numTokens);
 
 }  // namespace fcp
