@@ -336,7 +336,9 @@ void addSimulateCommand(CLI::App& app) {
       ->default_str("fcp,ring,bytescale,wlb,magi,megatron");
   addIntegerList(cmd, "--workers", args->workers, 1, kMaxSimulatedWorkers,
                  "Comma-separated worker counts, e.g. 16,32,64");
-  addText(cmd, "--hardware", args->hardware, "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file");
+  addText(cmd, "--hardware", args->hardware,
+          "Profile name (h100, gpu-x, gpu-y, cpu) or JSON file; every planner costs blocks with "
+          "its efficiency curve (as fcp plan --curve)");
   auto* workload = addText(cmd, "--workload", args->workload, kWorkloadHelp);
   auto* trace = addText(cmd, "--trace", args->trace, "Trace file: one sequence length per line");
   workload->excludes(trace);
