@@ -8,6 +8,8 @@
 
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
+#include "fcp/core/units.h"
+#include "fcp/core/workload.h"
 
 namespace fcp::app {
 namespace {
@@ -146,8 +148,18 @@ CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& t
       ->default_str(shownDefault);
 }
 
-void requireAtLeast(int64_t value, int64_t min, std::string_view flag, std::string_view why) {
-  if (value < min) throwInvalidArgument("invalid ", flag, " ", value, ": expected at least ", min, " (", why, ")");
+int64_t parseBlockSize(const std::string& text) {
+  const int64_t size = parseTokenCount(text, "--block-size");
+  if (size < plan::kMinBlockSize) {
+    throwInvalidArgument("invalid --block-size ", size, ": expected at least ", plan::kMinBlockSize,
+                         " (smaller blocks make more pairs than any batch can use)");
+  }
+  if (size > kMaxSequenceLength) {
+    // The planner's own message said "expected 1 to ...", though 1 is refused here.
+    throwInvalidArgument("invalid --block-size ", size, ": expected at most ", kMaxSequenceLength,
+                         " (the longest sequence)");
+  }
+  return size;
 }
 
 void printErrorLine(std::string_view kind, std::string_view message) {

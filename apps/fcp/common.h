@@ -67,8 +67,9 @@ CLI::Option* addNumber(CLI::App* cmd, const std::string& name, double& target, d
 CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& target, double max,
                                const std::string& help, const std::string& shownDefault);
 
-/// Checks a token count already parsed is at least `min` (e.g. --block-size >= kMinBlockSize).
-void requireAtLeast(int64_t value, int64_t min, std::string_view flag, std::string_view why);
+/// --block-size parsed (parseTokenCount) and checked: plan::kMinBlockSize to
+/// kMaxSequenceLength tokens, named by the flag either way.
+int64_t parseBlockSize(const std::string& text);
 
 /// Prints "fcp: <kind>: [rank R: ]<message>" and a newline to stderr in one write(2), so that
 /// lines of several ranks sharing stderr never interleave; the rank is named when the process

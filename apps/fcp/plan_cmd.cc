@@ -218,16 +218,15 @@ void runPlan(const PlanArgs& a) {
   // Refuse an output that is not a regular file before any work, and again when writing.
   if (!a.planOut.empty()) {
     checkOutputPath(a.planOut, "--plan-out file");
-    checkNotAnInput(
-        a.planOut, "--plan-out file",
-        {{a.trace, "--trace"}, {workloadFile(a.workload), "--workload"}, {a.curve, "--curve"}});
+    checkNotAnInput(a.planOut, "--plan-out file",
+                    {{a.trace, "--trace"},
+                     {workloadFile(a.workload), "--workload"},
+                     {sim::isProfileName(a.curve) ? "" : a.curve, "--curve"}});
   }
   if (!a.planIn.empty()) return runLoadedPlan(a);
   plan::PlanConfig config;
   config.numWorkers = a.workers;
-  config.blockSize = parseTokenCount(a.blockSize, "--block-size");
-  requireAtLeast(config.blockSize, plan::kMinBlockSize, "--block-size",
-                 "smaller blocks make more pairs than any batch can use");
+  config.blockSize = parseBlockSize(a.blockSize);
   config.memorySlack = a.memorySlack;
   config.alpha = a.alpha;
   config.beta = a.beta;

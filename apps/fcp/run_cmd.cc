@@ -172,9 +172,7 @@ Setup validate(const RunArgs& a) {
                 : s.dtype == DType::kBf16 ? kBf16Tolerance
                                           : kFp32Tolerance;
   auto& c = s.config;
-  c.blockSize = parseTokenCount(a.blockSize, "--block-size");
-  requireAtLeast(c.blockSize, plan::kMinBlockSize, "--block-size",
-                 "smaller blocks make more pairs than any batch can use");
+  c.blockSize = parseBlockSize(a.blockSize);
   c.memorySlack = a.memorySlack;
   c.coalesce = a.coalesce;
   c.bufferDepth = a.buffers;
@@ -736,7 +734,7 @@ void runRun(const RunArgs& a) {
           checkNotAnInput(a.timeline, "--timeline file",
                           {{a.trace, "--trace"},
                            {workloadFile(a.workload), "--workload"},
-                           {a.curve, "--curve"}});
+                           {sim::isProfileName(a.curve) ? "" : a.curve, "--curve"}});
         } catch (const Error& e) {
           why = e.what();
         }
@@ -867,8 +865,8 @@ void runRun(const RunArgs& a) {
     if (failed) {
       std::ostringstream os;
       if (failed & kCheckFailed) {
-        os << "--check: relative L2 error above --tolerance " << s.tolerance
-           << (a.json ? " (see rel_error in the JSON records)" : " (see the table)");
+        os << "--check: relative L2 error (RMS where the reference is all zeros) above --tolerance "
+           << s.tolerance << (a.json ? " (see rel_error in the JSON records)" : " (see the table)");
       }
       if (failed & kWriteFailed) {
         if (failed & kCheckFailed) os << "; and ";

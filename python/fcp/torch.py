@@ -270,7 +270,7 @@ class _Settings:
             # Anything valid: the agreement fails on every rank before it is read. An error the
             # checks did not foresee (not an fcp.Error) is named by its type.
             message = str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
-            self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 1, 1, 0.0, 0.0,
+            self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 2048, 1, 0.0, 0.0,
                                               local_error=message)
 
     def _check(self, cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,

@@ -293,8 +293,10 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // 1-token blocks a 5,000-token sequence alone makes 25M pairs).
   if (o.planConfig.blockSize < plan::kMinBlockSize || o.planConfig.blockSize > kMaxSequenceLength) {
     throwInvalidArgument("block size ", o.planConfig.blockSize, ": expected ", plan::kMinBlockSize,
-                         " to ", kMaxSequenceLength,
-                         " tokens (smaller blocks make more pairs than any batch can use)");
+                         " to ", kMaxSequenceLength, " tokens",
+                         o.planConfig.blockSize < plan::kMinBlockSize
+                             ? " (smaller blocks make more pairs than any batch can use)"
+                             : " (the longest sequence)");
   }
   if (o.planConfig.memoryLimitTokens < 0) {
     throwInvalidArgument("memory budget ", o.planConfig.memoryLimitTokens,

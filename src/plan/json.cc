@@ -1,9 +1,9 @@
 #include "fcp/plan/json.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <span>
@@ -98,6 +98,20 @@ T field(const json& object, const char* key) {
   }
 }
 
+/// Refuses a field of the object `j` (at `where`: "" for the top level, "config.") that is
+/// neither a key of `written` nor one of `more`, by name, as a hardware profile's is: a
+/// misspelt or hand-added field was ignored (a misspelt optional one silently took its
+/// default). Called after the known fields are read, so that a misspelt required one is still
+/// named as missing.
+void refuseUnknownFields(const json& j, const json& written,
+                         std::initializer_list<std::string_view> more, std::string_view where) {
+  for (const auto& [key, unused] : j.items()) {
+    if (written.contains(key) || std::find(more.begin(), more.end(), key) != more.end()) continue;
+    throwInvalidArgument("plan JSON has an unknown field '", where, key,
+                         "': expected only the fields fcp plan --plan-out writes");
+  }
+}
+
 PlanConfig configFromJson(const json& j) {
   PlanConfig c;
   c.numWorkers = field<int64_t>(j, "workers");
@@ -127,6 +141,7 @@ PlanConfig configFromJson(const json& j) {
   c.attention.mask = parseMask(field<std::string>(j, "mask"));
   // Absent in plans saved before the user layout was configurable: the even split.
   if (j.contains("user_starts")) c.userStarts = field<std::vector<int64_t>>(j, "user_starts");
+  refuseUnknownFields(j, configToJson(PlanConfig{}), {"comm_ratio"}, "config.");
   return c;
 }
 
@@ -391,19 +406,13 @@ Plan planFromJson(std::string_view text) {
     plan.packedBlockSize = sharding.contains("packed_block_size")
                                ? field<int64_t>(sharding, "packed_block_size")
                                : plan.shardBlockSize;
+    refuseUnknownFields(sharding, headerJson(Plan{})["sharding"], {"packed_block_size"},
+                        "sharding.");
   }
-  // An unknown field is refused by name, as a hardware profile's is: a misspelt or hand-added
-  // one was ignored. After the known ones, so that a misspelt field is named as missing.
-  const json header = headerJson(Plan{});
-  static constexpr std::array<std::string_view, 9> kArrays = {"batch",   "blocks",   "owner",
-                                                              "pairs",   "loads",    "transfers",
-                                                              "forward", "backward", "reshuffle"};
-  for (const auto& [key, unused] : doc.items()) {
-    if (header.contains(key) || std::find(kArrays.begin(), kArrays.end(), key) != kArrays.end())
-      continue;
-    throwInvalidArgument("plan JSON has an unknown field '", key,
-                         "': expected only the fields fcp plan --plan-out writes");
-  }
+  refuseUnknownFields(doc, headerJson(Plan{}),
+                      {"batch", "blocks", "owner", "pairs", "loads", "transfers", "forward",
+                       "backward", "reshuffle"},
+                      "");
   return plan;
 }
 

@@ -23,10 +23,9 @@ int64_t estimatePairs(const Batch& batch, int64_t blockSize) {
 namespace {
 
 /// The smallest block size from `from` at which estimatePairs is within kMaxPairs (it never
-/// rises with the block size), or kMaxSequenceLength when none is.
+/// rises with the block size); there is one (checkPairCount checks kMaxSequenceLength first).
 int64_t smallestFittingBlock(const Batch& batch, int64_t from) {
-  int64_t lo = from, hi = kMaxSequenceLength;  // estimatePairs(lo) > kMaxPairs
-  if (estimatePairs(batch, hi) > kMaxPairs) return hi;
+  int64_t lo = from, hi = kMaxSequenceLength;  // estimatePairs(lo) > kMaxPairs >= at hi
   while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
     (estimatePairs(batch, mid) > kMaxPairs ? lo : hi) = mid;
@@ -53,6 +52,12 @@ std::string tooManyPairs(const Batch& batch, int64_t blockSize) {
 
 void checkPairCount(const Batch& batch, int64_t blockSize) {
   if (estimatePairs(batch, blockSize) <= kMaxPairs) return;
+  if (estimatePairs(batch, kMaxSequenceLength) > kMaxPairs) {
+    // Every sequence makes a pair at least, whatever the block size.
+    throwInvalidArgument("the batch has ", batch.sequenceLengths.size(),
+                         " sequences, each at least one block pair: expected at most ", kMaxPairs,
+                         " sequences");
+  }
   throwInvalidArgument(tooManyPairs(batch, blockSize), ": expected a block size of at least ",
                        smallestFittingBlock(batch, blockSize), " or shorter sequences");
 }
@@ -61,6 +66,7 @@ void checkPairCountUnderCap(const Batch& batch, int64_t blockSize, int64_t reque
                             int64_t capTokens) {
   if (blockSize >= requestedBlockSize) return checkPairCount(batch, blockSize);
   if (estimatePairs(batch, blockSize) <= kMaxPairs) return;
+  checkPairCount(batch, kMaxSequenceLength);  // too many sequences is the same refusal here
   throwInvalidArgument(tooManyPairs(batch, blockSize), ", cut finer than the block size ",
                        requestedBlockSize, " so that the memory cap of ", capTokens,
                        " tokens a worker can place them: expected a larger cap (more tokens per "

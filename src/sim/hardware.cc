@@ -177,17 +177,6 @@ std::string profileDir() {
   return std::string(env && *env ? env : FCP_SOURCE_DATA_DIR) + "/hardware";
 }
 
-/// A built-in profile's name, not a file: no '/' and no ".json", and either a built-in profile
-/// of that name exists (it wins over a file of the same name here, as built-in workloads do:
-/// `./h100` names the file) or no such file exists here (an unknown name).
-bool isProfileName(const std::string& nameOrPath) {
-  if (nameOrPath.find('/') != std::string::npos || nameOrPath.find(".json") != std::string::npos)
-    return false;
-  std::error_code ignored;  // a name too long for a path is no profile, and no file here
-  return std::filesystem::exists(profileDir() + "/" + nameOrPath + ".json", ignored) ||
-         !std::filesystem::is_regular_file(nameOrPath, ignored);
-}
-
 /// A profile or curve file: a regular file of at most kMaxSmallJsonFileBytes (never a FIFO,
 /// device or directory).
 std::string readText(const std::string& path, const char* what) {
@@ -195,6 +184,14 @@ std::string readText(const std::string& path, const char* what) {
 }
 
 }  // namespace
+
+bool isProfileName(const std::string& nameOrPath) {
+  if (nameOrPath.find('/') != std::string::npos || nameOrPath.find(".json") != std::string::npos)
+    return false;
+  std::error_code ignored;  // a name too long for a path is no profile, and no file here
+  return std::filesystem::exists(profileDir() + "/" + nameOrPath + ".json", ignored) ||
+         !std::filesystem::is_regular_file(nameOrPath, ignored);
+}
 
 HardwareProfile loadHardwareProfile(const std::string& nameOrPath) {
   if (nameOrPath.empty()) throwInvalidArgument("empty hardware profile: expected a name or a file");

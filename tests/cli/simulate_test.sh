@@ -34,6 +34,16 @@ printf '40000\n48000\n' > "$tmp/trace_88k.txt"
 # Named by simulate's own flags: it has no --memory-limit, which the planner's message offered.
 expect trace_over_cap "memory cap cannot hold the batch: 88000 tokens > 2 workers x 9011 tokens (--tokens-per-worker 8K with --trace, and --memory-slack 0.1): expected more tokens per worker or workers, or a larger slack" \
   --trace "$tmp/trace_88k.txt" --workers 2 --tokens-per-worker 8K
+# ... by FCP's cells only: a baseline raises the cap to what its layout holds, and runs.
+if ! "$fcp" simulate --trace "$tmp/trace_88k.txt" --workers 2 --tokens-per-worker 8K \
+     --strategy ring --csv > "$tmp/ring.csv" 2> "$tmp/stderr" || [ "$(wc -l < "$tmp/ring.csv")" -ne 2 ]; then
+  echo "FAIL trace_over_cap_ring: expected ring to run"; sed 's/^/    stderr: /' "$tmp/stderr"
+  failures=$((failures + 1))
+else
+  passed=$((passed + 1))
+fi
+# An unknown name is named as unknown, before any repeat.
+expect repeated_unknown_strategy "unknown --strategy 'zig'" --strategy zig,zig
 # A repeat was averaged into its first's cell and printed halved figures.
 expect repeated_strategy "--strategy lists 'fcp' twice: expected each strategy once" --strategy fcp,ring,fcp
 expect zero_workers "--workers item '0'" --workers 0

@@ -158,11 +158,11 @@ else
 fi
 
 # A check that fails (an impossible tolerance) is a nonzero exit on every rank, not a hang.
-expect_error "check above tolerance" "relative L2 error above --tolerance" 30 \
+expect_error "check above tolerance" "relative L2 error \(RMS where the reference is all zeros\) above --tolerance" 30 \
   "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15
 # With --json there is no table: the error points at the records' rel_error.
 expect_error "check above tolerance, --json" \
-  "relative L2 error above --tolerance 1e-15 \(see rel_error in the JSON records\)" 30 \
+  "relative L2 error \(RMS where the reference is all zeros\) above --tolerance 1e-15 \(see rel_error in the JSON records\)" 30 \
   "$mpirun" -n 2 "$fcp" "${tiny[@]}" --check --tolerance 1e-15 --json
 if grep -q "see the table" "$dir/err"; then fail "--check --json: the error names a table"; fi
 

@@ -5,13 +5,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <string>
 
+#include "../common/error_of.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/json.h"
 #include "fcp/plan/limits.h"
 #include "fcp/plan/plan.h"
-#include "../common/error_of.h"
 
 namespace fcp::plan {
 namespace {
@@ -135,6 +136,17 @@ TEST(PlanInputTest, JsonWithAnUnknownFieldIsNamed) {
                          "plan --plan-out writes"),
             std::string::npos)
       << message;
+  // Inside config (a misspelt optional field took its default) and sharding too.
+  for (const auto& [object, field] :
+       {std::pair{"\"config\":{", "config.comm_rato"}, {"\"sharding\":{", "sharding.extra"}}) {
+    std::string nested = text;
+    const auto at = nested.find(object);
+    ASSERT_NE(at, std::string::npos) << object;
+    const std::string name = std::string(field).substr(std::string(field).find('.') + 1);
+    nested.insert(at + std::strlen(object), "\"" + name + "\":5,");
+    const std::string why = errorOf([&] { planFromJson(nested); });
+    EXPECT_NE(why.find(std::string("unknown field '") + field + "'"), std::string::npos) << why;
+  }
 }
 
 TEST(PlanInputTest, PairCountIsBoundedBeforePlanning) {

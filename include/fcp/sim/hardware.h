@@ -56,6 +56,12 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
 /// name or an unreadable file.
 HardwareProfile loadHardwareProfile(const std::string& nameOrPath);
 
+/// Whether `nameOrPath` names a built-in profile rather than a file: no '/' and no ".json", and
+/// either a built-in profile of that name exists (it wins over a file of the same name here, as
+/// built-in workloads do: `./h100` names the file) or no such file exists here (an unknown
+/// name).
+bool isProfileName(const std::string& nameOrPath);
+
 /// The forward and backward kernel-efficiency curves of a curve file written by `fcp bench
 /// kernel --curve-out` ({"kind": "fcp-efficiency-curve", "forward": [[tokens, fraction], ...],
 /// "backward": [...]}) or of a hardware profile (a built-in name or a file), so that planners
