@@ -150,15 +150,7 @@ CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& t
 
 int64_t parseBlockSize(const std::string& text) {
   const int64_t size = parseTokenCount(text, "--block-size");
-  if (size < plan::kMinBlockSize) {
-    throwInvalidArgument("invalid --block-size ", size, ": expected at least ", plan::kMinBlockSize,
-                         " (smaller blocks make more pairs than any batch can use)");
-  }
-  if (size > kMaxSequenceLength) {
-    // The planner's own message said "expected 1 to ...", though 1 is refused here.
-    throwInvalidArgument("invalid --block-size ", size, ": expected at most ", kMaxSequenceLength,
-                         " (the longest sequence)");
-  }
+  plan::checkBlockSize(size, "--block-size");
   return size;
 }
 

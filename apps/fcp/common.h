@@ -67,8 +67,7 @@ CLI::Option* addNumber(CLI::App* cmd, const std::string& name, double& target, d
 CLI::Option* addPositiveNumber(CLI::App* cmd, const std::string& name, double& target, double max,
                                const std::string& help, const std::string& shownDefault);
 
-/// --block-size parsed (parseTokenCount) and checked: plan::kMinBlockSize to
-/// kMaxSequenceLength tokens, named by the flag either way.
+/// --block-size parsed (parseTokenCount) and checked (plan::checkBlockSize), named by the flag.
 int64_t parseBlockSize(const std::string& text);
 
 /// Prints "fcp: <kind>: [rank R: ]<message>" and a newline to stderr in one write(2), so that

@@ -291,13 +291,7 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   }
   // As fcp's --block-size: smaller blocks only make the plan slow or refused for its pairs (in
   // 1-token blocks a 5,000-token sequence alone makes 25M pairs).
-  if (o.planConfig.blockSize < plan::kMinBlockSize || o.planConfig.blockSize > kMaxSequenceLength) {
-    throwInvalidArgument("block size ", o.planConfig.blockSize, ": expected ", plan::kMinBlockSize,
-                         " to ", kMaxSequenceLength, " tokens",
-                         o.planConfig.blockSize < plan::kMinBlockSize
-                             ? " (smaller blocks make more pairs than any batch can use)"
-                             : " (the longest sequence)");
-  }
+  plan::checkBlockSize(o.planConfig.blockSize, "block size");
   if (o.planConfig.memoryLimitTokens < 0) {
     throwInvalidArgument("memory budget ", o.planConfig.memoryLimitTokens,
                          " tokens: expected 0 (the tokens per rank) or more");

@@ -70,9 +70,9 @@ echo 67108864 > "$tmp/one_64m.txt"
 echo 536870912 > "$tmp/one_512m.txt"
 expect sequence_64m "expected a block size of at least 11587 " 20 plan --trace "$tmp/one_64m.txt"
 expect sequence_512m "more than 33554432 block pairs" 20 plan --trace "$tmp/one_512m.txt"
-expect block_size_1 "--block-size 1: expected at least 16" 10 plan --block-size 1
+expect block_size_1 "--block-size 1: expected 16 to 1073741824 tokens (smaller blocks make more pairs" 10 plan --block-size 1
 expect block_size_16 "block pairs" 20 plan --block-size 16
-expect simulate_block_size_1 "--block-size 1: expected at least 16" 10 simulate --block-size 1
+expect simulate_block_size_1 "--block-size 1: expected 16 to 1073741824 tokens (smaller blocks make more pairs" 10 simulate --block-size 1
 expect head_dim_1m "--head-dim '1000000': expected an integer from 1 to 1024" 10 bench kernel --head-dim 1000000
 expect bench_tensor "FLOP per forward pair: expected at most" 10 bench kernel --head-dim 1024 --heads-q 64 --heads-kv 8
 expect bench_tokens "--tokens 1048576: expected at most 16384" 10 bench kernel --tokens 1M

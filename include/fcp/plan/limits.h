@@ -7,8 +7,10 @@
 /// transfers and stages they imply), so it refuses batches whose pairs pass kMaxPairs.
 
 #include <cstdint>
+#include <string_view>
 
 #include "fcp/core/config.h"
+#include "fcp/core/error.h"
 #include "fcp/core/workload.h"
 
 namespace fcp::plan {
@@ -23,6 +25,17 @@ inline constexpr int64_t kMaxPairs = int64_t{1} << 25;
 /// before the blocks could run efficiently. The planner itself takes any size from 1, as it
 /// cuts blocks finer where the memory cap needs it.
 inline constexpr int64_t kMinBlockSize = 16;
+/// Throws Error(kInvalidArgument) unless `blockSize` is kMinBlockSize to kMaxSequenceLength,
+/// naming it as `name` ("--block-size", "block size") and the bound it broke. Inline, so that
+/// the CLI's flag parsing (and its fuzzer, which links fcp::core only) needs no plan library.
+inline void checkBlockSize(int64_t blockSize, std::string_view name) {
+  if (blockSize >= kMinBlockSize && blockSize <= kMaxSequenceLength) return;
+  throwInvalidArgument("invalid ", name, " ", blockSize, ": expected ", kMinBlockSize, " to ",
+                       kMaxSequenceLength, " tokens",
+                       blockSize < kMinBlockSize
+                           ? " (smaller blocks make more pairs than any batch can use)"
+                           : " (the longest sequence)");
+}
 /// Most improvement steps per block a plan may ask of the distributor.
 inline constexpr int64_t kMaxImproveStepsPerBlock = 1024;
 /// The range of the communication balance slack (negative: balancing off).
