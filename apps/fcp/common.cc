@@ -41,10 +41,7 @@ std::string describeDraw(const std::string& workload, uint64_t seed, int64_t min
 }
 
 std::string_view workloadFile(const std::string& workload) {
-  for (const Workload& w : builtinWorkloads()) {
-    if (w.name == workload) return {};
-  }
-  return workload;
+  return builtinWorkload(workload) != nullptr ? std::string_view{} : std::string_view{workload};
 }
 
 CLI::Option* addText(CLI::App* cmd, const std::string& name, std::string& target,

@@ -51,13 +51,27 @@ const std::vector<Workload>& builtinWorkloads() {
   return workloads;
 }
 
-const Workload& findWorkload(std::string_view name) {
-  std::string known;
+const Workload* builtinWorkload(std::string_view name) {
   for (const auto& w : builtinWorkloads()) {
-    if (w.name == name) return w;
-    known += known.empty() ? w.name : ", " + w.name;
+    if (w.name == name) return &w;
   }
-  throwInvalidArgument("unknown workload '", name, "': expected one of ", known);
+  return nullptr;
+}
+
+namespace {
+
+/// "lognormal, lognormal-narrow, bimodal": the names an unknown workload's error lists.
+std::string builtinWorkloadNames() {
+  std::string known;
+  for (const auto& w : builtinWorkloads()) known += (known.empty() ? "" : ", ") + w.name;
+  return known;
+}
+
+}  // namespace
+
+const Workload& findWorkload(std::string_view name) {
+  if (const Workload* w = builtinWorkload(name)) return *w;
+  throwInvalidArgument("unknown workload '", name, "': expected one of ", builtinWorkloadNames());
 }
 
 namespace {
@@ -185,17 +199,13 @@ Batch parseTrace(std::string_view content, const std::string& source) {
 }
 
 Workload loadWorkload(const std::string& nameOrPath) {
-  for (const auto& w : builtinWorkloads()) {
-    if (w.name == nameOrPath) return w;
-  }
-  std::string known;
-  for (const auto& w : builtinWorkloads()) known += (known.empty() ? "" : ", ") + w.name;
+  if (const Workload* w = builtinWorkload(nameOrPath)) return *w;
   std::string content;
   try {
     content = readUserFile(nameOrPath, "workload file", kMaxTraceFileBytes);
   } catch (const Error& e) {
-    throwInvalidArgument("unknown workload '", printable(nameOrPath), "': expected one of ", known,
-                         " or a file of lengths (", e.what(), ")");
+    throwInvalidArgument("unknown workload '", printable(nameOrPath), "': expected one of ",
+                         builtinWorkloadNames(), " or a file of lengths (", e.what(), ")");
   }
   Workload w;
   w.name = nameOrPath;

@@ -138,6 +138,19 @@ TEST(WorkloadTest, UnknownWorkloadListsTheKnownOnes) {
   EXPECT_NE(msg.find("lognormal-narrow"), std::string::npos);
 }
 
+TEST(WorkloadTest, BuiltinWorkloadFindsExactlyTheBuiltinNames) {
+  for (const Workload& w : builtinWorkloads()) {
+    const Workload* found = builtinWorkload(w.name);
+    ASSERT_NE(found, nullptr) << w.name;
+    EXPECT_EQ(found->name, w.name);
+    EXPECT_EQ(found, &findWorkload(w.name));
+  }
+  for (const char* other :
+       {"zipf", "", "Lognormal", "lognormal ", "data/workloads/code-corpus.txt"}) {
+    EXPECT_EQ(builtinWorkload(other), nullptr) << "'" << other << "'";
+  }
+}
+
 TEST(WorkloadTest, EmpiricalWorkloadDrawsItsListedLengthsUniformly) {
   // Lengths 100, 200, 300 and 400 listed 1, 1, 1 and 5 times: over ~10^5 draws each length's
   // share of the sequences must be its share of the list (8 entries) within 3 %.

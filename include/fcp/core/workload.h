@@ -46,6 +46,9 @@ struct Workload {
 
 /// The built-in workloads: "lognormal", "lognormal-narrow", "bimodal".
 const std::vector<Workload>& builtinWorkloads();
+/// The built-in workload named `name`, or nullptr when there is none (a name that is not
+/// built in is a file's path to loadWorkload).
+const Workload* builtinWorkload(std::string_view name);
 /// Looks up a built-in workload; throws Error(kInvalidArgument) listing the known names.
 const Workload& findWorkload(std::string_view name);
 
