@@ -65,8 +65,12 @@ ABLATION = {"fwd": [0.29, 0.48, 0.62, 0.70, 0.75], "bwd": [0.37, 0.46, 0.59, 0.6
 STEPS = ["fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce", "fcp"]
 
 
+# Flags every simulation gets (--kernel-launch).
+SIM_EXTRA = []
+
+
 def simulate(fcp, args):
-    cmd = ["nice", fcp, "simulate", "--csv"] + args
+    cmd = ["nice", fcp, "simulate", "--csv"] + args + SIM_EXTRA
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {r["strategy"]: r for r in csv.DictReader(io.StringIO(out))}
 
@@ -215,7 +219,11 @@ def main():
     ap.add_argument("--packs", type=int, default=20, help="varlen packs per point (Magi used 20)")
     ap.add_argument("--fcp-blocks", default="2K,4K", help="FCP block sizes on Magi's setup ('' for none)")
     ap.add_argument("--save", help="also write the raw results here (JSON)")
+    ap.add_argument("--kernel-launch", choices=["pair", "stage"],
+                    help="fcp simulate --kernel-launch for every run (default: each profile's own)")
     a = ap.parse_args()
+    if a.kernel_launch:
+        SIM_EXTRA.extend(["--kernel-launch", a.kernel_launch])
     a.fcp_blocks = [b for b in a.fcp_blocks.split(",") if b]
     sections = set(a.sections.split(","))
     saved = {}

@@ -50,6 +50,7 @@ struct SimulateArgs {
   std::string dtype = "bf16";
   bool forwardOnly = false;
   bool noReshuffle = false;
+  std::string kernelLaunch;  ///< empty: the profile's
   bool json = false;
   bool csv = false;
 };
@@ -108,8 +109,17 @@ int64_t sampledTokensPerWorker(const SimulateArgs& a) {
   return given > 0 ? given : 32 * 1024;
 }
 
+/// --kernel-launch's value, or the profile's when it was not given.
+sim::KernelLaunch kernelLaunch(const std::string& text, sim::KernelLaunch profiles) {
+  if (text.empty()) return profiles;
+  if (text == "pair") return sim::KernelLaunch::kPair;
+  if (text == "stage") return sim::KernelLaunch::kStage;
+  throwInvalidArgument("invalid --kernel-launch '", printable(text), "': expected pair or stage");
+}
+
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
+  (void)kernelLaunch(a.kernelLaunch, sim::KernelLaunch::kPair);
   if (a.strategies.empty())
     throwInvalidArgument("empty --strategy: expected at least one strategy");
   for (const std::string& s : a.strategies) {
@@ -205,7 +215,11 @@ static_assert(kMaxCommRatio == 1e5, "--comm-ratio's help names the largest ratio
 void runSimulate(const SimulateArgs& a) {
   checkArgs(a);
   Output table;
-  const sim::HardwareProfile hw = sim::loadHardwareProfile(a.hardware);
+  const sim::HardwareProfile hw = [&] {
+    sim::HardwareProfile h = sim::loadHardwareProfile(a.hardware);
+    h.launch = kernelLaunch(a.kernelLaunch, h.launch);
+    return h;
+  }();
   plan::PlanConfig base;
   base.blockSize = parseBlockSize(a.blockSize);
   base.coalesce = a.coalesce;
@@ -239,9 +253,11 @@ void runSimulate(const SimulateArgs& a) {
                 "imbalance_compute,imbalance_comm,compute_ms,idle_ms,transfer_bytes,reshuffle_bytes,"
                 "plan_ms,sim_ms\n");
   } else if (!a.json) {
-    table.printf("hardware %s, %s, block %s\n", hw.name.c_str(),
-                a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
-                a.blockSize.c_str());
+    table.printf(
+        "hardware %s, %s, block %s%s\n", hw.name.c_str(),
+        a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
+        a.blockSize.c_str(),
+        hw.launch == sim::KernelLaunch::kStage ? ", a launch per stage" : ", a kernel per pair");
     table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
                 "time_ms", "imb_comp", "imb_comm");
   }
@@ -389,6 +405,10 @@ void addSimulateCommand(CLI::App& app) {
   addText(cmd, "--dtype", args->dtype, "Element type: bf16, fp16 or fp32");
   cmd->add_flag("--forward-only", args->forwardOnly, "Simulate the forward pass only");
   cmd->add_flag("--no-reshuffle", args->noReshuffle, "Do not charge the reshuffle");
+  addText(cmd, "--kernel-launch", args->kernelLaunch,
+          "pair (each pair its own kernel and merge) or stage (one launch per worker and stage, "
+          "as the paper's coalescer and MagiAttention's FFA run them); default: the profile's "
+          "kernel_launch (h100, gpu-x, gpu-y: stage; cpu: pair, as FCP's CPU executor runs)");
   addText(cmd, "--placement", args->placement,
           "FCP's placement, as for fcp plan: local (blocks stay where the user layout holds "
           "them unless balance needs them elsewhere) or lpt (the paper's Zig-Zag blocks and LPT "

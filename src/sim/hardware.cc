@@ -53,7 +53,7 @@ constexpr double kMinProfileRate = 1e-6;
 
 /// The fields a profile may have; any other is refused, so a misspelt optional field (a
 /// latency, say) is named rather than silently read as absent.
-constexpr std::array<std::string_view, 12> kProfileFields = {"kind",
+constexpr std::array<std::string_view, 13> kProfileFields = {"kind",
                                                              "name",
                                                              "note",
                                                              "peak_tflops",
@@ -63,6 +63,7 @@ constexpr std::array<std::string_view, 12> kProfileFields = {"kind",
                                                              "intra_node_latency_us",
                                                              "inter_node_latency_us",
                                                              "merge_ps_per_element",
+                                                             "kernel_launch",
                                                              "forward",
                                                              "backward"};
 
@@ -159,6 +160,13 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   h.intraNodeLatencySeconds = optionalNumber(j, "intra_node_latency_us", source) * 1e-6;
   h.interNodeLatencySeconds = optionalNumber(j, "inter_node_latency_us", source) * 1e-6;
   h.mergeSecondsPerElement = optionalNumber(j, "merge_ps_per_element", source) * 1e-12;
+  const std::string launch = optionalString(j, "kernel_launch", "pair", source);
+  if (launch == "stage") {
+    h.launch = KernelLaunch::kStage;
+  } else if (launch != "pair") {
+    throwInvalidArgument("hardware profile ", source, ": kernel_launch '", printable(launch),
+                         "': expected pair or stage");
+  }
   try {
     h.forward = curve(j, "forward");
     h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;

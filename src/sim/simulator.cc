@@ -4,7 +4,9 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <queue>
+#include <span>
 #include <sstream>
 #include <tuple>
 
@@ -394,6 +396,111 @@ std::vector<double> pairSeconds(const Plan& plan, const HardwareProfile& hw, boo
   return seconds;
 }
 
+/// Compute seconds of one worker's stage run as one launch (KernelLaunch::kStage). Each
+/// pair's visible entries are split by sequence; in the forward they are grouped by (Q block,
+/// sequence) and run at f(the keys of that sequence in the group's KV blocks), in the backward
+/// by (KV block, sequence) at f(the queries of that sequence in the group's Q blocks), on the
+/// pass's own curve.
+class FusedStageTimer {
+ public:
+  FusedStageTimer(const Plan& plan, const HardwareProfile& hw, bool backward)
+      : plan_(plan),
+        curve_(backward ? hw.backward : hw.forward),
+        backward_(backward),
+        peak_(hw.peakFlops),
+        bySequence_(plan.blocks.size()) {
+    for (size_t b = 0; b < plan.blocks.size(); ++b) {
+      bySequence_[b] = plan.blocks[b].chunks;
+      std::stable_sort(
+          bySequence_[b].begin(), bySequence_[b].end(),
+          [](const plan::Chunk& x, const plan::Chunk& y) { return x.sequence < y.sequence; });
+    }
+  }
+
+  double seconds(std::span<const int32_t> stagePairs) {
+    // Pairs grouped by the block a kernel parallelises over: the Q block forward, the KV
+    // block backward.
+    order_.assign(stagePairs.begin(), stagePairs.end());
+    const auto keyOf = [&](int32_t p) {
+      const plan::BlockPair& pair = plan_.pairs[static_cast<size_t>(p)];
+      return backward_ ? pair.kvBlock : pair.qBlock;
+    };
+    std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+      return std::make_pair(keyOf(a), a) < std::make_pair(keyOf(b), b);
+    });
+    double total = 0;
+    for (size_t i = 0; i < order_.size();) {
+      const int32_t key = keyOf(order_[i]);
+      parts_.clear();
+      for (; i < order_.size() && keyOf(order_[i]) == key; ++i) addPair(order_[i]);
+      std::sort(parts_.begin(), parts_.end());
+      for (size_t j = 0; j < parts_.size();) {
+        int64_t visible = 0, loop = 0;
+        const int32_t sequence = parts_[j].sequence;
+        for (; j < parts_.size() && parts_[j].sequence == sequence; ++j) {
+          visible += parts_[j].visible;
+          loop += parts_[j].loopTokens;
+        }
+        const double flops = backward_ ? backwardFlops(plan_.config.attention, visible)
+                                       : forwardFlops(plan_.config.attention, visible);
+        total += flops / (curve_.at(loop) * peak_);
+      }
+    }
+    return total;
+  }
+
+ private:
+  struct Part {
+    int32_t sequence;
+    int64_t visible;
+    int64_t loopTokens;  ///< keys (forward) or queries (backward) of the sequence in the pair
+    friend bool operator<(const Part& a, const Part& b) {
+      return std::tie(a.sequence, a.visible, a.loopTokens) <
+             std::tie(b.sequence, b.visible, b.loopTokens);
+    }
+  };
+
+  /// One pair's visible entries and loop tokens, per sequence its two blocks share.
+  void addPair(int32_t p) {
+    const plan::BlockPair& pair = plan_.pairs[static_cast<size_t>(p)];
+    const auto& q = bySequence_[static_cast<size_t>(pair.qBlock)];
+    const auto& k = bySequence_[static_cast<size_t>(pair.kvBlock)];
+    const MaskKind mask = plan_.config.attention.mask;
+    size_t qi = 0, ki = 0;
+    while (qi < q.size() && ki < k.size()) {
+      if (q[qi].sequence < k[ki].sequence) {
+        ++qi;
+      } else if (k[ki].sequence < q[qi].sequence) {
+        ++ki;
+      } else {
+        const int32_t sequence = q[qi].sequence;
+        size_t qj = qi, kj = ki;
+        while (qj < q.size() && q[qj].sequence == sequence) ++qj;
+        while (kj < k.size() && k[kj].sequence == sequence) ++kj;
+        int64_t visible = 0, qTokens = 0, kTokens = 0;
+        for (size_t a = qi; a < qj; ++a) qTokens += q[a].numTokens();
+        for (size_t b = ki; b < kj; ++b) kTokens += k[b].numTokens();
+        for (size_t a = qi; a < qj; ++a) {
+          for (size_t b = ki; b < kj; ++b) {
+            visible += visibleEntries(mask, q[a].begin, q[a].end, k[b].begin, k[b].end);
+          }
+        }
+        if (visible > 0) parts_.push_back({sequence, visible, backward_ ? qTokens : kTokens});
+        qi = qj;
+        ki = kj;
+      }
+    }
+  }
+
+  const Plan& plan_;
+  const EfficiencyCurve& curve_;
+  bool backward_;
+  double peak_;
+  std::vector<std::vector<plan::Chunk>> bySequence_;
+  std::vector<int32_t> order_;
+  std::vector<Part> parts_;
+};
+
 /// Merges the flows one sender sends one receiver in one stage into one message, as an
 /// all-to-all-v or a grouped send does (a flow sits in the same stage at both ends); this also
 /// keeps the number of flows sharing a port at most the number of peers. A message takes the
@@ -470,9 +577,17 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       flows.push_back({t.receiver, t.sender, static_cast<double>(t.bytes)});
     }
   }
-  const std::vector<double> seconds = pairSeconds(plan, hw, backward);
+  const bool perStage = hw.launch == KernelLaunch::kStage;
+  std::vector<double> seconds;
+  std::optional<FusedStageTimer> fused;
+  if (perStage) {
+    fused.emplace(plan, hw, backward);
+  } else {
+    seconds = pairSeconds(plan, hw, backward);
+  }
   std::vector<std::vector<SimStage>> stages(n);
-  std::vector<int32_t> merged;  // this stage's Q blocks that compute with remote KV
+  // This stage's Q blocks that compute with remote KV, once per pair (kPair) or per stage.
+  std::vector<int32_t> merged;
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
     stages[w].resize(ws.size());
@@ -481,15 +596,18 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       SimStage& out = stages[w][s];
       out.planStage = static_cast<int32_t>(s);
       merged.clear();
+      if (fused) out.computeSeconds = fused->seconds(st.compute);
       for (int32_t p : st.compute) {
-        out.computeSeconds += seconds[static_cast<size_t>(p)];
+        if (!fused) out.computeSeconds += seconds[static_cast<size_t>(p)];
         if (hw.mergeSecondsPerElement == 0) continue;
         const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
         if (plan.owner[static_cast<size_t>(pair.kvBlock)] != static_cast<int32_t>(w))
           merged.push_back(pair.qBlock);
       }
-      std::sort(merged.begin(), merged.end());
-      merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+      if (perStage) {
+        std::sort(merged.begin(), merged.end());
+        merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+      }
       for (const int32_t q : merged) {
         out.computeSeconds += hw.mergeSecondsPerElement *
                               static_cast<double>(plan.blocks[static_cast<size_t>(q)].numTokens() *

@@ -56,6 +56,20 @@ expect bad_comm_ratio "--comm-ratio 'fast': expected a number from 0 to 100000, 
   --comm-ratio fast
 expect negative_comm_ratio "--comm-ratio '-1'" --comm-ratio -1
 expect unknown_placement "unknown placement 'far'" --placement far
+expect unknown_kernel_launch "invalid --kernel-launch 'fused': expected pair or stage" --kernel-launch fused
+# The profile's launch unless told: h100 launches per stage; --kernel-launch pair times each
+# pair apart, and a stage of several KV blocks per Q block then runs slower (fewer keys a kernel).
+for launch in "" pair; do
+  "$fcp" simulate --workers 16 --strategy fcp ${launch:+--kernel-launch $launch} > "$tmp/launch$launch.txt" 2> /dev/null
+done
+if ! grep -q "a launch per stage" "$tmp/launch.txt" || ! grep -q "a kernel per pair" "$tmp/launchpair.txt" ||
+   ! awk 'FNR == 3 { t[FILENAME] = $6 } END { exit !(t[ARGV[1]] < t[ARGV[2]]) }' "$tmp/launch.txt" "$tmp/launchpair.txt"; then
+  echo "FAIL kernel_launch: expected h100's stage launch, faster than --kernel-launch pair"
+  cat "$tmp/launch.txt" "$tmp/launchpair.txt" | sed 's/^/    /'
+  failures=$((failures + 1))
+else
+  passed=$((passed + 1))
+fi
 # Every cell's batch is checked before the first cell runs (the 1-worker cell used to run, with
 # its progress on stderr, before the 2^20-worker one was refused).
 expect later_cell_batch_too_large \

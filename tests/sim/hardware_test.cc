@@ -177,6 +177,30 @@ TEST(HardwareInputTest, AnUnknownFieldIsNamed) {
     EXPECT_NO_THROW(loadHardwareProfile(name)) << name;
 }
 
+TEST(HardwareInputTest, KernelLaunchIsPairUnlessTheProfileSaysStage) {
+  const auto with = [](const std::string& launch) {
+    return R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8,)"
+           R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]])" +
+           (launch.empty() ? std::string{} : ", \"kernel_launch\": " + launch) + "}";
+  };
+  EXPECT_EQ(parseHardwareProfile(with(""), "p").launch, KernelLaunch::kPair);
+  EXPECT_EQ(parseHardwareProfile(with(R"("pair")"), "p").launch, KernelLaunch::kPair);
+  EXPECT_EQ(parseHardwareProfile(with(R"("stage")"), "p").launch, KernelLaunch::kStage);
+  EXPECT_NE(errorOf([&] {
+              parseHardwareProfile(with(R"("fused")"), "p");
+            }).find("hardware profile p: kernel_launch 'fused': expected pair or stage"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] {
+              parseHardwareProfile(with("1"), "p");
+            }).find("field 'kernel_launch' must be a string"),
+            std::string::npos);
+  // The GPU profiles launch per stage, as the paper's and MagiAttention's GPU kernels do; the
+  // CPU profile per pair, as FCP's CPU executor runs (sim_vs_real compares against it).
+  for (const std::string name : {"h100", "gpu-x", "gpu-y"})
+    EXPECT_EQ(loadHardwareProfile(name).launch, KernelLaunch::kStage) << name;
+  EXPECT_EQ(loadHardwareProfile("cpu").launch, KernelLaunch::kPair);
+}
+
 TEST(HardwareInputTest, TheNameIsOnePrintableLine) {
   const std::string text =
       R"({"kind": "fcp-hardware", "name": "evil\u001b[31m\nline", "peak_tflops": 1,)"

@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/error_of.h"
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
+#include "fcp/core/workload.h"
+#include "fcp/plan/plan.h"
 #include "fcp/sim/hardware.h"
 
 namespace fcp::sim {
@@ -236,6 +240,179 @@ TEST(SimulatorTest, EachStageMergesItsRemoteQBlocksOnce) {
     EXPECT_NEAR(after.forward.computeMs[w] - before.forward.computeMs[w], mergeMs, 1e-9) << w;
     EXPECT_NEAR(after.backward.computeMs[w] - before.backward.computeMs[w], mergeMs, 1e-9) << w;
   }
+}
+
+/// Visible (query, key) entries between two chunks of one sequence, counted query by query
+/// (not with visibleEntries): under a causal mask query i sees keys j <= i.
+int64_t visibleByRows(MaskKind mask, const plan::Chunk& q, const plan::Chunk& k) {
+  int64_t visible = 0;
+  for (int64_t i = q.begin; i < q.end; ++i) {
+    const int64_t last = mask == MaskKind::kCausal ? std::min(k.end, i + 1) : k.end;
+    visible += std::max<int64_t>(0, last - k.begin);
+  }
+  return visible;
+}
+
+/// Per worker, the compute seconds of `plan`'s pass as one launch per stage: the pairs of a
+/// stage grouped by (Q block, sequence) forward and (KV block, sequence) backward, each group's
+/// entries at f(its keys forward, its queries backward); no merges.
+std::vector<double> stageLaunchSeconds(const plan::Plan& plan, const HardwareProfile& hw,
+                                       bool backward) {
+  const auto& passStages = backward ? plan.backward : plan.forward;
+  const EfficiencyCurve& curve = backward ? hw.backward : hw.forward;
+  std::vector<double> seconds(static_cast<size_t>(plan.config.numWorkers), 0.0);
+  for (size_t w = 0; w < seconds.size(); ++w) {
+    for (const plan::Stage& st : passStages[w]) {
+      std::map<std::pair<int32_t, int32_t>, std::pair<int64_t, int64_t>> groups;  // visible, loop
+      for (const int32_t id : st.compute) {
+        const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(id)];
+        const plan::Block& q = plan.blocks[static_cast<size_t>(pair.qBlock)];
+        const plan::Block& k = plan.blocks[static_cast<size_t>(pair.kvBlock)];
+        std::map<int32_t, std::pair<int64_t, int64_t>> bySequence;
+        for (const plan::Chunk& qc : q.chunks) {
+          for (const plan::Chunk& kc : k.chunks) {
+            if (qc.sequence == kc.sequence)
+              bySequence[qc.sequence].first += visibleByRows(plan.config.attention.mask, qc, kc);
+          }
+        }
+        for (auto& [sequence, entry] : bySequence) {
+          if (entry.first == 0) continue;
+          for (const plan::Chunk& c : (backward ? q : k).chunks) {
+            if (c.sequence == sequence) entry.second += c.numTokens();
+          }
+          auto& g = groups[{backward ? pair.kvBlock : pair.qBlock, sequence}];
+          g.first += entry.first;
+          g.second += entry.second;
+        }
+      }
+      for (const auto& [key, g] : groups) {
+        const double flops = backward ? backwardFlops(plan.config.attention, g.first)
+                                      : forwardFlops(plan.config.attention, g.first);
+        seconds[w] += flops / (curve.at(g.second) * hw.peakFlops);
+      }
+    }
+  }
+  return seconds;
+}
+
+/// A curve that rises over the whole range (0.05 at 64 tokens to 1 at 64K), so that which
+/// tokens a kernel loops over shows in its time.
+HardwareProfile risingCurveHardware() {
+  HardwareProfile h = unitHardware();
+  h.forward = EfficiencyCurve({{64, 0.05}, {65536, 1.0}});
+  h.backward = EfficiencyCurve({{64, 0.04}, {65536, 0.8}});
+  return h;
+}
+
+TEST(SimulatorTest, AStageLaunchRunsEachSequenceAtTheKeysOrQueriesItLoopsOver) {
+  // FCP plans of a long-tailed batch with coalesce 4, where a stage holds several KV blocks of
+  // one Q block: each worker's compute in both passes against the grouping done here by rows.
+  HardwareProfile h = risingCurveHardware();
+  h.launch = KernelLaunch::kStage;
+  HardwareProfile perPair = h;
+  perPair.launch = KernelLaunch::kPair;
+  SimOptions o;
+  o.reshuffle = false;
+  int differs = 0;  // workers whose time per pair differs: the grouping is exercised
+  for (const MaskKind mask : {MaskKind::kCausal, MaskKind::kFull}) {
+    for (const uint64_t seed : {0, 1}) {
+      plan::PlanConfig c;
+      c.numWorkers = 4;
+      c.tokensPerWorker = 4096;
+      c.blockSize = 512;
+      c.coalesce = 4;
+      c.attention.mask = mask;
+      const Batch batch = sampleBatch(findWorkload("lognormal"), 4 * 4096, seed);
+      const plan::Plan p = plan::buildPlan(batch, c, h.costModel(c.attention));
+      const SimResult r = simulate(p, h, o);
+      const SimResult pairs = simulate(p, perPair, o);
+      for (const bool backward : {false, true}) {
+        const std::vector<double> want = stageLaunchSeconds(p, h, backward);
+        const PassResult& got = backward ? r.backward : r.forward;
+        const PassResult& perPairGot = backward ? pairs.backward : pairs.forward;
+        for (size_t w = 0; w < want.size(); ++w) {
+          EXPECT_NEAR(got.computeMs[w], want[w] * 1e3, 1e-9 * want[w] * 1e3)
+              << "seed " << seed << (backward ? " backward" : " forward") << " worker " << w;
+          differs += std::abs(perPairGot.computeMs[w] - got.computeMs[w]) > 1e-6 * got.computeMs[w];
+        }
+      }
+    }
+  }
+  EXPECT_GE(differs, 8);
+}
+
+TEST(SimulatorTest, ARingStepTimesAlikeWhicheverWayKernelsLaunch) {
+  // One KV block per stage and Q and KV pieces of equal length: a stage launch is the pair.
+  HardwareProfile h = risingCurveHardware();
+  h.mergeSecondsPerElement = 1e-12;
+  plan::PlanConfig c;
+  c.numWorkers = 4;
+  c.tokensPerWorker = 4096;
+  const plan::Plan p =
+      baselines::ringPlan(Batch{{8192, 4096, 2048, 2048}}, c, h.costModel(c.attention));
+  SimOptions o;
+  o.reshuffle = false;
+  const SimResult pairs = simulate(p, h, o);
+  h.launch = KernelLaunch::kStage;
+  const SimResult stages = simulate(p, h, o);
+  for (size_t w = 0; w < 4; ++w) {
+    EXPECT_NEAR(stages.forward.computeMs[w], pairs.forward.computeMs[w],
+                1e-12 * pairs.forward.computeMs[w]);
+    EXPECT_NEAR(stages.backward.computeMs[w], pairs.backward.computeMs[w],
+                1e-12 * pairs.backward.computeMs[w]);
+  }
+}
+
+TEST(SimulatorTest, MergesComeAfterEveryRemotePairOrOncePerStageAsKernelsLaunch) {
+  // One 32K-token sequence on 4 workers in 1K blocks, coalesce 8: a Q block computes with
+  // several remote KV blocks in one stage. Per pair, every such pair merges its Q block; per
+  // stage, each Q block once in each stage where it reads remote KV.
+  plan::PlanConfig c;
+  c.numWorkers = 4;
+  c.tokensPerWorker = 8192;
+  c.blockSize = 1024;
+  c.coalesce = 8;
+  HardwareProfile h = unitHardware();
+  const plan::Plan p = plan::buildPlan(Batch{{32768}}, c, h.costModel(c.attention));
+  SimOptions o;
+  o.reshuffle = false;
+  const double perElement = 1e-12;
+  const double elements = static_cast<double>(c.attention.numHeadsQ * c.attention.headDim);
+  int64_t fewer = 0;  // workers where the stage launch merges less often
+  for (const KernelLaunch launch : {KernelLaunch::kPair, KernelLaunch::kStage}) {
+    h.launch = launch;
+    h.mergeSecondsPerElement = 0;
+    const SimResult before = simulate(p, h, o);
+    h.mergeSecondsPerElement = perElement;
+    const SimResult after = simulate(p, h, o);
+    for (const bool backward : {false, true}) {
+      const auto& passStages = backward ? p.backward : p.forward;
+      for (size_t w = 0; w < 4; ++w) {
+        double perPairTokens = 0, perStageTokens = 0;
+        for (const plan::Stage& st : passStages[w]) {
+          std::vector<int32_t> remote;
+          for (const int32_t id : st.compute) {
+            const plan::BlockPair& pair = p.pairs[static_cast<size_t>(id)];
+            if (p.owner[static_cast<size_t>(pair.kvBlock)] != static_cast<int32_t>(w))
+              remote.push_back(pair.qBlock);
+          }
+          for (const int32_t q : remote)
+            perPairTokens += static_cast<double>(p.blocks[static_cast<size_t>(q)].numTokens());
+          std::sort(remote.begin(), remote.end());
+          remote.erase(std::unique(remote.begin(), remote.end()), remote.end());
+          for (const int32_t q : remote)
+            perStageTokens += static_cast<double>(p.blocks[static_cast<size_t>(q)].numTokens());
+        }
+        const double tokens = launch == KernelLaunch::kPair ? perPairTokens : perStageTokens;
+        const PassResult& a = backward ? after.backward : after.forward;
+        const PassResult& b = backward ? before.backward : before.forward;
+        EXPECT_NEAR(a.computeMs[w] - b.computeMs[w], tokens * elements * perElement * 1e3, 1e-9)
+            << (launch == KernelLaunch::kPair ? "pair" : "stage") << " worker " << w;
+        fewer += launch == KernelLaunch::kStage && perStageTokens < perPairTokens;
+      }
+    }
+  }
+  EXPECT_GE(fewer, 4);
 }
 
 TEST(SimulatorTest, ATransferWaitsForBothSidesToPostIt) {

@@ -11,6 +11,23 @@
 
 namespace fcp::sim {
 
+/// How a worker's kernels run the pairs of a stage.
+enum class KernelLaunch {
+  /// Each pair is its own kernel: each sequence's visible entries in it at f(that sequence's
+  /// tokens in the Q block), and a merge of partials after every pair that reads remote KV (as
+  /// FCP's CPU executor runs them).
+  kPair,
+  /// One launch per worker and stage over all its pairs, as the paper's coalescer ("merged
+  /// into a larger stage") and MagiAttention's FFA run them. The forward's work for a (Q
+  /// block, sequence) loops over every key of that sequence that the stage's KV blocks hold
+  /// for it, at f(those keys); the backward's for a (KV block, sequence) over every query of
+  /// it that the stage's Q blocks hold, at f(those queries) (FlashAttention parallelises the
+  /// forward over query tiles and the backward over key tiles). One merge per stage for each
+  /// Q block that reads remote KV there. A stage of one square pair per Q block (a ring step)
+  /// times the same either way.
+  kStage,
+};
+
 /// One worker type and its network. Bandwidths are bytes per second each way per worker.
 struct HardwareProfile {
   std::string name = "h100";
@@ -21,11 +38,13 @@ struct HardwareProfile {
   double interNodeBytesPerSecond = 50e9;  ///< per worker NIC, each way
   double intraNodeLatencySeconds = 3e-6;  ///< added once per transfer
   double interNodeLatencySeconds = 10e-6;
-  /// Seconds per output element (query token × query head × head dim) to merge a stage's
-  /// partials into a worker's accumulator: once per stage for every Q block that computes with
-  /// remote KV in it (O and LSE forward, dQ backward), a memory-bound pass outside the kernel.
-  /// 0 when the curve already includes it (the CPU profile's calibration merges every pair).
+  /// Seconds per output element (query token × query head × head dim) to merge partials into
+  /// a worker's accumulator (O and LSE forward, dQ backward), a memory-bound pass outside the
+  /// kernel: after every pair that computes with remote KV, or under KernelLaunch::kStage once
+  /// per stage for every Q block that does. 0 when the curve already includes it (the CPU
+  /// profile's calibration merges every pair).
   double mergeSecondsPerElement = 0;
+  KernelLaunch launch = KernelLaunch::kPair;  ///< JSON "kernel_launch": "pair" or "stage"
   /// Kernel efficiency f(block tokens) of the forward and backward kernels.
   EfficiencyCurve forward = EfficiencyCurve::paperDefault();
   EfficiencyCurve backward = EfficiencyCurve::paperDefault();
@@ -46,6 +65,7 @@ struct HardwareProfile {
 ///   {"kind": "fcp-hardware", "name": ..., "note": ..., "peak_tflops": 989,
 ///    "workers_per_node": 8, "intra_node_gbps": 450, "inter_node_gbps": 50,
 ///    "intra_node_latency_us": 3, "inter_node_latency_us": 10, "merge_ps_per_element": 0,
+///    "kernel_launch": "pair" (or "stage"; KernelLaunch),
 ///    "forward": [[tokens, fraction], ...], "backward": [[tokens, fraction], ...]}
 /// (GB/s = 1e9 bytes/s). Throws Error(kInvalidArgument) naming the bad or missing field.
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source);
