@@ -118,8 +118,8 @@ class CallbackTransport final : public runtime::Transport {
           std::string(e.what()) + " (" + (r.isSend ? "a send of " : "a receive of ") +
               std::to_string(r.bytes) + " bytes " + (r.isSend ? "to" : "from") + " rank " +
               std::to_string(r.peer) + ", tag " + std::to_string(r.tag) +
-              ": did that rank raise in this call, stop, run slower than the timeout, or make "
-              "its FCP calls in another order?)");
+              ": did that rank raise in this call, stop, run slower than the timeout, make "
+              "its FCP calls in another order, or dispatch rows of another shape or dtype?)");
     }
     requests_.erase(it);
   }
@@ -375,27 +375,29 @@ PYBIND11_MODULE(_fcp, m) {
       .def(
           "dispatch",
           [](AttentionBatch& b, uintptr_t user, uintptr_t local, int64_t rowBytes,
-             int64_t userStride) {
+             int64_t userStride, int64_t rowKind) {
             py::gil_scoped_release release;
             b.dispatch({reinterpret_cast<const std::byte*>(user),
                         extent(b.numUserTokens(), rowBytes, userStride)},
                        {reinterpret_cast<std::byte*>(local),
                         static_cast<size_t>(b.numLocalTokens() * rowBytes)},
-                       rowBytes, userStride);
+                       rowBytes, userStride, 0, rowKind);
           },
-          py::arg("user"), py::arg("local"), py::arg("row_bytes"), py::arg("user_stride") = 0)
+          py::arg("user"), py::arg("local"), py::arg("row_bytes"), py::arg("user_stride") = 0,
+          py::arg("row_kind") = 0)
       .def(
           "undispatch",
           [](AttentionBatch& b, uintptr_t local, uintptr_t user, int64_t rowBytes,
-             int64_t localStride) {
+             int64_t localStride, int64_t rowKind) {
             py::gil_scoped_release release;
             b.undispatch({reinterpret_cast<const std::byte*>(local),
                           extent(b.numLocalTokens(), rowBytes, localStride)},
                          {reinterpret_cast<std::byte*>(user),
                           static_cast<size_t>(b.numUserTokens() * rowBytes)},
-                         rowBytes, localStride);
+                         rowBytes, localStride, 0, rowKind);
           },
-          py::arg("local"), py::arg("user"), py::arg("row_bytes"), py::arg("local_stride") = 0)
+          py::arg("local"), py::arg("user"), py::arg("row_bytes"), py::arg("local_stride") = 0,
+          py::arg("row_kind") = 0)
       .def_property_readonly("failure",
                              [](const AttentionBatch& b) -> std::optional<std::string> {
                                if (b.failure().empty()) return std::nullopt;

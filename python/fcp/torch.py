@@ -46,6 +46,7 @@ import numbers
 import operator
 import time
 import weakref
+import zlib
 from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple
 
@@ -512,10 +513,16 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     if row_bytes == 0:  # nothing to move (every rank sees the same row shape)
         return out
+    # The row's dtype and shape key the call's tags with its size: ranks that pass rows of
+    # another kind time out (TransportError) rather than take one another's bytes as their own.
+    # crc32, not hash(): str hashes differ between processes.
+    kind = zlib.crc32(f"{x.dtype} {tuple(x.shape[1:])}".encode())
     if into_fcp:
-        batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes, user_stride=stride * x.element_size())
+        batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes, user_stride=stride * x.element_size(),
+                             row_kind=kind)
     else:
-        batch._impl.undispatch(x.data_ptr(), out.data_ptr(), row_bytes, local_stride=stride * x.element_size())
+        batch._impl.undispatch(x.data_ptr(), out.data_ptr(), row_bytes, local_stride=stride * x.element_size(),
+                               row_kind=kind)
     return out
 
 

@@ -157,8 +157,9 @@ class OptionsHash {
 /// What every rank must pass alike, one hash per setting (named in kSettingNames), so that
 /// ranks that differ fail together before planning, with the settings that differ named.
 constexpr std::array<const char*, 11> kSettingNames = {
-    "cu_seqlens",       "heads",      "head dim",  "mask",         "dtype", "layout", "strategy",
-    "planner settings", "cost model", "first tag", "softmax scale"};
+    "cu_seqlens", "heads",     "head dim",     "mask",
+    "dtype",      "layout",    "strategy",     "block size or other planner settings",
+    "cost model", "first tag", "softmax scale"};
 constexpr size_t kSettings = kSettingNames.size();
 
 std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
@@ -463,7 +464,7 @@ void AttentionBatch::numberAsUser(const std::vector<int32_t>& ids) {
 }
 
 template <typename Call>
-void AttentionBatch::collective(const char* name, Call&& call) {
+void AttentionBatch::collective(const char* name, int64_t rowKey, Call&& call) {
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
   if (const runtime::CallLedger::State earlier = ledger.state();
@@ -479,10 +480,14 @@ void AttentionBatch::collective(const char* name, Call&& call) {
   // transport's calls, the same on every rank while the ranks' calls are in step. Ranks out of
   // step (one calls another batch's forward, or backward where the other calls forward) then
   // miss each other's messages and time out, rather than take them and compute wrong results.
+  // So do ranks that dispatch rows of different sizes or kinds: the ranks agreed on the batch's
+  // own tensors' shapes, not on what a caller moves (through a process group, rows of another
+  // size were taken as this rank's, or aborted the process).
   OptionsHash key;
   key.add(serial_);
   key.add(index);
   key.add(int64_t{name[0]});  // d, u, f, b: dispatch, undispatch, forward, backward
+  key.add(rowKey);
   executor_.setTagKey(static_cast<uint64_t>(key.value()));
   reached_ = false;
   try {
@@ -543,9 +548,28 @@ void AttentionBatch::fail(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 
+namespace {
+
+/// A key for rows of `rowBytes` bytes of the caller's kind `rowKind`.
+int64_t rowKey(int64_t rowBytes, int64_t rowKind) {
+  OptionsHash key;
+  key.add(rowBytes);
+  key.add(rowKind);
+  return key.value();
+}
+
+/// A tensor's rows: heads x dim elements of dtype.
+int64_t rowKey(int64_t heads, int64_t dim, DType dtype) {
+  return rowKey(heads * dim * kernels::dtypeBytes(dtype),
+                (heads << 24) ^ (dim << 4) ^ static_cast<int64_t>(dtype));
+}
+
+}  // namespace
+
 void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::byte> local,
-                              int64_t rowBytes, int64_t userStride, int64_t localStride) {
-  collective("dispatch", [&] {
+                              int64_t rowBytes, int64_t userStride, int64_t localStride,
+                              int64_t rowKind) {
+  collective("dispatch", rowKey(rowBytes, rowKind), [&] {
     executor_.checkMove(true, user.size(), local.size(), rowBytes, userStride, localStride);
     reached_ = true;
     executor_.dispatch(user, local, rowBytes, userStride, localStride);
@@ -553,8 +577,9 @@ void AttentionBatch::dispatch(std::span<const std::byte> user, std::span<std::by
 }
 
 void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std::byte> user,
-                                int64_t rowBytes, int64_t localStride, int64_t userStride) {
-  collective("undispatch", [&] {
+                                int64_t rowBytes, int64_t localStride, int64_t userStride,
+                                int64_t rowKind) {
+  collective("undispatch", rowKey(rowBytes, rowKind), [&] {
     executor_.checkMove(false, user.size(), local.size(), rowBytes, userStride, localStride);
     reached_ = true;
     executor_.undispatch(local, user, rowBytes, localStride, userStride);
@@ -562,11 +587,13 @@ void AttentionBatch::undispatch(std::span<const std::byte> local, std::span<std:
 }
 
 void AttentionBatch::dispatch(ConstTensorRef user, TensorRef local) {
-  collective("dispatch", [&] { dispatchTensor(user, local); });
+  collective("dispatch", rowKey(user.numHeads, user.headDim, user.dtype),
+             [&] { dispatchTensor(user, local); });
 }
 
 void AttentionBatch::undispatch(ConstTensorRef local, TensorRef user) {
-  collective("undispatch", [&] { undispatchTensor(local, user); });
+  collective("undispatch", rowKey(local.numHeads, local.headDim, local.dtype),
+             [&] { undispatchTensor(local, user); });
 }
 
 /// A tensor that dispatch and undispatch move takes its heads and dim from the caller: they must
@@ -609,12 +636,12 @@ void AttentionBatch::undispatchTensor(ConstTensorRef local, TensorRef user) {
 
 void AttentionLayer::forward(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
                              ConstTensorRef v, TensorRef o, TensorRef lse) {
-  batch.collective("forward", [&] { forwardChecked(batch, q, k, v, o, lse); });
+  batch.collective("forward", 0, [&] { forwardChecked(batch, q, k, v, o, lse); });
 }
 
 void AttentionLayer::backward(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,
                               TensorRef dv) {
-  batch.collective("backward", [&] { backwardChecked(batch, dO, dq, dk, dv); });
+  batch.collective("backward", 0, [&] { backwardChecked(batch, dO, dq, dk, dv); });
 }
 
 void AttentionLayer::release() { state_ = runtime::LayerState{}; }

@@ -967,7 +967,8 @@ TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
          o.numHeadsKv = 4;
        },
        "(heads, strategy)"},
-      {[](BatchOptions& o) { o.planConfig.commRatio = 1700; }, "(planner settings)"},
+      {[](BatchOptions& o) { o.planConfig.commRatio = 1700; },
+       "(block size or other planner settings)"},
       {[](BatchOptions& o) {
          o.headDim = 32;
          o.mask = MaskKind::kFull;
@@ -999,12 +1000,13 @@ TEST(AttentionBatchErrorTest, TheSettingsThatDifferAreNamed) {
       [](plan::PlanConfig& c) { c.costAwareBlocks = false; },
   };
   for (size_t i = 0; i < planner.size(); ++i) {
-    expectErrorOnEveryRank(3, "different batches or settings (planner settings): expected",
-                           [&](Transport& t) {
-                             BatchOptions o = optionsFor(p, t.rank());
-                             if (t.rank() == 2) planner[i](o.planConfig);
-                             AttentionBatch batch(t, o);
-                           });
+    expectErrorOnEveryRank(
+        3, "different batches or settings (block size or other planner settings): expected",
+        [&](Transport& t) {
+          BatchOptions o = optionsFor(p, t.rank());
+          if (t.rank() == 2) planner[i](o.planConfig);
+          AttentionBatch batch(t, o);
+        });
   }
   for (const auto& [change, named] : cases) {
     for (const int odd : {1, 2}) {
@@ -1528,6 +1530,49 @@ TEST(AttentionBatchErrorTest, BatchesUsedInDifferentOrdersOnTwoRanksFailRatherTh
       },
       std::chrono::milliseconds(500));
   EXPECT_EQ(timedOut.load(), 2);
+}
+
+// Ranks that dispatch rows of different kinds, here 16 bytes each (fp32 [2, 2] against bf16
+// [4, 2]; raw rows of one size and two caller's kinds): the receiving rank times out rather than
+// take the other's bytes as its own, since the rows key the call's tags. Before, both returned (a
+// review found it through a process group, where rows of different sizes were not even caught).
+TEST(AttentionBatchErrorTest, DispatchesOfRowsOfAnotherKindFailRatherThanMix) {
+  Problem p;
+  p.lengths = {300};
+  p.starts = {0, 300, 300};  // rank 0 holds every token: FCP's layout moves some to rank 1
+  p.mask = MaskKind::kFull;
+  p.layout = Layout::kDispatched;
+  for (const bool raw : {false, true}) {
+    std::atomic<int> timedOut = 0;
+    runtime::testing::runRanks(
+        2,
+        [&](Transport& t) {
+          AttentionBatch batch(t, optionsFor(p, t.rank()));
+          const int64_t u = batch.numUserTokens(), n = batch.numLocalTokens();
+          std::vector<std::byte> user(static_cast<size_t>(u * 16)),
+              local(static_cast<size_t>(n * 16));
+          try {
+            if (raw) {
+              batch.dispatch(user, local, 16, 0, 0, /*rowKind=*/t.rank() + 1);
+            } else if (t.rank() == 0) {
+              batch.dispatch({user.data(), DType::kFp32, u, 2, 2},
+                             {local.data(), DType::kFp32, n, 2, 2});
+            } else {
+              batch.dispatch({user.data(), DType::kBf16, u, 4, 2},
+                             {local.data(), DType::kBf16, n, 4, 2});
+            }
+            // Rank 0 only sends, which may complete unmatched (a transport buffers it); rank 1
+            // must not take those rows.
+            if (t.rank() == 1)
+              ADD_FAILURE() << "rank 1: a dispatch of other rows returned" << (raw ? " (raw)" : "");
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kTransport) << e.what();
+            timedOut += t.rank() == 1;
+          }
+        },
+        std::chrono::milliseconds(500));
+    EXPECT_EQ(timedOut.load(), 1) << (raw ? "raw" : "tensors");
+  }
 }
 
 // A call one rank makes alone can meet another rank's next call of the same kind and batch and

@@ -520,6 +520,27 @@ def test_a_call_that_raised_on_one_rank_only_fails_the_next_batch_on_every_rank(
     own.Free()
 
 
+def test_ranks_dispatching_rows_of_another_dtype_time_out_rather_than_mix(group):
+    """Each rank dispatches rows of another kind, 16 bytes each (4 float32s, 2 float64s, 2 x 2
+    float32s), so no transport could tell by sizes. The rows' dtype and shape key the call's
+    tags, so every rank, each of which receives (ring's layout moves tokens to every rank),
+    times out with a transport error. Before, the rows were taken as each rank's own (and through a process
+    group, rows of another size were too, or gloo aborted the process: a review). On a group of
+    its own, which the timeout leaves unusable."""
+    comm, rank, ranks = group
+    own = comm.Dup() if USE_MPI else dist.new_group(list(range(ranks)))
+    cu = [0, 160]
+    starts = [160 * r // ranks for r in range(ranks + 1)]
+    batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), own, heads=4, kv_heads=2, head_dim=16, block_size=32,
+                     layout="dispatched", strategy="ring", timeout_seconds=3)
+    u = batch.num_user_tokens
+    x = [torch.randn(u, 4), torch.randn(u, 2, dtype=torch.float64), torch.randn(u, 2, 2)][rank % 3]
+    with pytest.raises(fcp.TransportError, match="dispatch rows of another shape or dtype"):
+        batch.dispatch(x)
+    if USE_MPI:
+        own.Free()
+
+
 def test_an_error_before_the_call_reaches_fcp_fails_the_batch(group, monkeypatch):
     """An error in what a call makes before FCP's collective (here torch.empty raising
     MemoryError, on every rank) fails the batch as a check does: the error is raised as it was,
@@ -724,7 +745,7 @@ def test_a_groups_transport_takes_each_batchs_timeout(group):
         assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
         return
     ft.Batch(cu, mine, comm, timeout_seconds=123, **options)
-    (keep,) = [entry[2] for entry in ft._transports.values() if entry[2] is not None]
+    keep = ft._transports["default"][2]  # the default group's (other tests make groups of their own)
     assert keep.timeout.total_seconds() == 123
     ft.Batch(cu, mine, comm, timeout_seconds=45, **options)
     assert keep.timeout.total_seconds() == 45

@@ -196,11 +196,14 @@ class AttentionBatch {
   /// Moves a per-token tensor of any element type (`rowBytes` bytes per token) from the
   /// caller's layout (numUserTokens rows) into FCP's (numLocalTokens rows), or back. Rows are
   /// the strides' bytes apart (0: rowBytes, back to back); each span runs from its first row's
-  /// start to its last row's end.
+  /// start to its last row's end. `rowKind` is the caller's code for what a row holds (its
+  /// element type and shape; 0 if it does not say). Each rank's rowBytes and rowKind key the
+  /// call's tags, so ranks whose rows differ time out (a transport error) rather than move one
+  /// another's bytes as their own.
   void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes,
-                int64_t userStride = 0, int64_t localStride = 0);
+                int64_t userStride = 0, int64_t localStride = 0, int64_t rowKind = 0);
   void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes,
-                  int64_t localStride = 0, int64_t userStride = 0);
+                  int64_t localStride = 0, int64_t userStride = 0, int64_t rowKind = 0);
   /// The same for a tensor: shapes [numUserTokens | numLocalTokens, heads, dim], same dtype.
   void dispatch(ConstTensorRef user, TensorRef local);
   void undispatch(ConstTensorRef local, TensorRef user);
@@ -238,9 +241,10 @@ class AttentionBatch {
   friend class AttentionLayer;
   static plan::Plan takePlan(PendingBatch& pending);
   /// Runs `call`, a collective on this batch named `name`: refused once a call has thrown, and
-  /// its own error recorded if it throws.
+  /// its own error recorded if it throws. `rowKey` (dispatch's rows; 0 otherwise) keys its tags
+  /// with the call's.
   template <typename Call>
-  void collective(const char* name, Call&& call);
+  void collective(const char* name, int64_t rowKey, Call&& call);
   /// Keeps `message` (or a placeholder for an empty one) as failure() unless there is one.
   void recordFailure(const std::string& message);
   /// The error a call `name` throws, refused after a failure (this batch's, or one that

@@ -161,8 +161,8 @@ class MpiTransport final : public Transport {
                     "rank " + std::to_string(rank_) + ": timed out after " +
                         std::to_string(static_cast<int>(options_.timeoutSeconds)) +
                         " s waiting for " + what +
-                        " (did that rank die, stop, run slower than the timeout, or make its "
-                        "FCP calls in another order?)");
+                        " (did that rank die, stop, run slower than the timeout, make its "
+                        "FCP calls in another order, or dispatch rows of another shape or dtype?)");
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
