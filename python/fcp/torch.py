@@ -115,6 +115,11 @@ def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
 
 
+def _not_a_member():
+    return _fcp.InvalidArgument(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
+                                f"passed as group: expected a group this rank belongs to")
+
+
 class _GroupTransport:
     """FCP's transport over a torch.distributed process group (gloo: FCP takes CPU tensors only).
     Messages it withdrew do not stop its all-reduces (gloo's point-to-point slots and its
@@ -126,6 +131,8 @@ class _GroupTransport:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
         rank = dist.get_rank(group)
+        if rank < 0:  # torch's answer for a rank outside the group, whose size is then -1 too
+            raise _not_a_member()
         size = dist.get_world_size(group)
         if group is None or group == dist.group.WORLD:
             self.peers = list(range(size))
@@ -187,6 +194,12 @@ def _transport(group, timeout_seconds: float):
     cancel them) refuses further use until the caller makes a new process group: with the
     default group (group None), a new default group gets a new transport and the old one is
     dropped."""
+    if group is not None and group is getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None):
+        # What dist.new_group returns on a rank it leaves out.
+        raise _not_a_member()
+    if group is not None and not hasattr(group, "py2f") and not isinstance(group, dist.ProcessGroup):
+        raise _fcp.InvalidArgument(f"group is {_describe(group)}: expected None (the default process group), a "
+                                   f"torch.distributed process group or an mpi4py communicator")
     if hasattr(group, "py2f"):  # an mpi4py communicator
         cached = _transports.get(id(group))
         if cached is not None and cached[0] is group:

@@ -349,6 +349,18 @@ def test_bad_input_is_one_line_error(group):
     with pytest.raises(fcp.InvalidArgument, match="dtype"):  # fcp.torch's own check, through the agreement
         ft.Batch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16,
                  dtype=torch.float16)
+    for bad in ("gloo", 123):  # torch's own errors before (RuntimeError, "Group gloo is not registered")
+        with pytest.raises(fcp.InvalidArgument, match=r"^group is %r: expected None \(the default process group\), "
+                                                      r"a torch.distributed process group or an mpi4py communicator$" % bad):
+            ft.Batch(cu, (starts[rank], starts[rank + 1]), bad, heads=2, kv_heads=1, head_dim=16)
+    if not USE_MPI:  # a group without this rank ("transport rank -1 of -1" before)
+        first = dist.new_group([0])
+        if rank == 0:
+            assert ft.Batch([0, 10], (0, 10), first, heads=2, kv_heads=1, head_dim=16).num_user_tokens == 10
+        else:
+            with pytest.raises(fcp.InvalidArgument, match=r"^this process \(global rank %d\) is not a member of the "
+                                                          r"process group passed as group" % rank):
+                ft.Batch([0, 10], (0, 10), first, heads=2, kv_heads=1, head_dim=16)
     with pytest.raises(fcp.InvalidArgument, match=r"cu_seqlens starts \[10\]"):  # fcp.torch's, here only
         ft.user_positions([10, 20], 0, 5)
     # Options out of range (every rank passes the same, so every rank refuses alike).
