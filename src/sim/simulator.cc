@@ -460,12 +460,15 @@ class FusedStageTimer {
     }
   };
 
-  /// One pair's visible entries and loop tokens, per sequence its two blocks share.
+  /// One pair's visible entries and loop tokens, per sequence its two blocks share. Throws
+  /// Error(kInvalidPlan) when the pair's own count of visible entries is not its blocks', as
+  /// pairSeconds does.
   void addPair(int32_t p) {
     const plan::BlockPair& pair = plan_.pairs[static_cast<size_t>(p)];
     const auto& q = bySequence_[static_cast<size_t>(pair.qBlock)];
     const auto& k = bySequence_[static_cast<size_t>(pair.kvBlock)];
     const MaskKind mask = plan_.config.attention.mask;
+    int64_t pairVisible = 0;
     size_t qi = 0, ki = 0;
     while (qi < q.size() && ki < k.size()) {
       if (q[qi].sequence < k[ki].sequence) {
@@ -486,9 +489,16 @@ class FusedStageTimer {
           }
         }
         if (visible > 0) parts_.push_back({sequence, visible, backward_ ? qTokens : kTokens});
+        pairVisible += visible;
         qi = qj;
         ki = kj;
       }
+    }
+    if (pairVisible != pair.visible) {
+      std::ostringstream message;
+      message << "plan pair " << p << " (Q block " << pair.qBlock << ", KV block " << pair.kvBlock
+              << ") says " << pair.visible << " visible entries; its blocks give " << pairVisible;
+      throw Error(ErrorCode::kInvalidPlan, message.str());
     }
   }
 

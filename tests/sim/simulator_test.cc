@@ -446,14 +446,18 @@ TEST(SimulatorTest, APairNotMadeOfItsBlocksIsRefused) {
   plan::Plan p = barePlan(1, 1);
   addPair(p, 0, 10, 10, 0);
   p.pairs[0].visible = 99;  // the blocks give 100
-  try {
-    simulate(p, unitHardware(), forwardOnly());
-    FAIL() << "timed a pair its blocks do not make";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
-    const std::string message = e.what();
-    EXPECT_NE(message.find("says 99"), std::string::npos) << message;
-    EXPECT_NE(message.find("give 100"), std::string::npos) << message;
+  for (const KernelLaunch launch : {KernelLaunch::kPair, KernelLaunch::kStage}) {
+    HardwareProfile h = unitHardware();
+    h.launch = launch;
+    try {
+      simulate(p, h, forwardOnly());
+      ADD_FAILURE() << "timed a pair its blocks do not make";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidPlan);
+      const std::string message = e.what();
+      EXPECT_NE(message.find("says 99"), std::string::npos) << message;
+      EXPECT_NE(message.find("give 100"), std::string::npos) << message;
+    }
   }
 }
 
