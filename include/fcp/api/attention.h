@@ -199,7 +199,8 @@ class AttentionBatch {
   /// start to its last row's end. `rowKind` is the caller's code for what a row holds (its
   /// element type and shape; 0 if it does not say). Each rank's rowBytes and rowKind key the
   /// call's tags, so ranks whose rows differ time out (a transport error) rather than move one
-  /// another's bytes as their own.
+  /// another's bytes as their own, unless the two keys share a tag window (1 in the number of
+  /// windows, docs/api.md).
   void dispatch(std::span<const std::byte> user, std::span<std::byte> local, int64_t rowBytes,
                 int64_t userStride = 0, int64_t localStride = 0, int64_t rowKind = 0);
   void undispatch(std::span<const std::byte> local, std::span<std::byte> user, int64_t rowBytes,

@@ -15,7 +15,8 @@ namespace fcp::sim {
 enum class KernelLaunch {
   /// Each pair is its own kernel: each sequence's visible entries in it at f(that sequence's
   /// tokens in the Q block), and a merge of partials after every pair that reads remote KV (as
-  /// FCP's CPU executor runs them).
+  /// FCP's CPU executor runs them; it merges after local pairs too, a cost the cpu profile's
+  /// curve includes).
   kPair,
   /// One launch per worker and stage over all its pairs, as the paper's coalescer ("merged
   /// into a larger stage") and MagiAttention's FFA run them. The forward's work for a (Q
@@ -23,8 +24,8 @@ enum class KernelLaunch {
   /// for it, at f(those keys); the backward's for a (KV block, sequence) over every query of
   /// it that the stage's Q blocks hold, at f(those queries) (FlashAttention parallelises the
   /// forward over query tiles and the backward over key tiles). One merge per stage for each
-  /// Q block that reads remote KV there. A stage of one square pair per Q block (a ring step)
-  /// times the same either way.
+  /// Q block that reads remote KV there. A stage of one square pair per Q block (a ring step
+  /// with pieces of one length) times the same either way.
   kStage,
 };
 

@@ -68,9 +68,11 @@ struct SimResult {
   int64_t numTransfers = 0;
 };
 
-/// Simulates `plan` on `hardware`. Pair costs must come from hardware.costModel() (the plan's
-/// own numbers are used). Throws Error(kInvalidPlan) if the plan's stages cannot all finish
-/// (a transfer posted by only one side) and Error(kInvalidArgument) for a bad profile.
+/// Simulates `plan` on `hardware`. Compute is timed from the plan's blocks on the hardware's
+/// own curves, as its `launch` says (a plan made with another curve is timed on these); a pair
+/// whose visible entries are not its blocks' is Error(kInvalidPlan). Throws Error(kInvalidPlan) if
+/// the plan's stages cannot all finish (a transfer posted by only one side) and
+/// Error(kInvalidArgument) for a bad profile.
 SimResult simulate(const plan::Plan& plan, const HardwareProfile& hardware,
                    const SimOptions& options = {});
 
