@@ -527,8 +527,9 @@ def _move(batch: Batch, x: torch.Tensor, into_fcp: bool) -> torch.Tensor:
     if row_bytes == 0:  # nothing to move (every rank sees the same row shape)
         return out
     # The row's dtype and shape key the call's tags with its size: ranks that pass rows of
-    # another kind time out (TransportError) rather than take one another's bytes as their own.
-    # crc32, not hash(): str hashes differ between processes.
+    # another kind time out (TransportError) rather than take one another's bytes as their own,
+    # unless the two keys share a tag window (docs/api.md gives the odds). crc32, not hash(): str
+    # hashes differ between processes.
     kind = zlib.crc32(f"{x.dtype} {tuple(x.shape[1:])}".encode())
     if into_fcp:
         batch._impl.dispatch(x.data_ptr(), out.data_ptr(), row_bytes, user_stride=stride * x.element_size(),
