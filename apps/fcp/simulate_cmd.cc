@@ -112,8 +112,7 @@ int64_t sampledTokensPerWorker(const SimulateArgs& a) {
 /// --kernel-launch's value, or the profile's when it was not given.
 sim::KernelLaunch kernelLaunch(const std::string& text, sim::KernelLaunch profiles) {
   if (text.empty()) return profiles;
-  if (text == "pair") return sim::KernelLaunch::kPair;
-  if (text == "stage") return sim::KernelLaunch::kStage;
+  if (const std::optional<sim::KernelLaunch> named = sim::kernelLaunchNamed(text)) return *named;
   throwInvalidArgument("invalid --kernel-launch '", printable(text), "': expected pair or stage");
 }
 

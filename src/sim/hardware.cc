@@ -121,6 +121,12 @@ EfficiencyCurve curve(const json& j, const char* field) {
 
 }  // namespace
 
+std::optional<KernelLaunch> kernelLaunchNamed(std::string_view name) {
+  if (name == "pair") return KernelLaunch::kPair;
+  if (name == "stage") return KernelLaunch::kStage;
+  return std::nullopt;
+}
+
 CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
   return CostModel{attention, forward, backward};
 }
@@ -161,12 +167,12 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   h.interNodeLatencySeconds = optionalNumber(j, "inter_node_latency_us", source) * 1e-6;
   h.mergeSecondsPerElement = optionalNumber(j, "merge_ps_per_element", source) * 1e-12;
   const std::string launch = optionalString(j, "kernel_launch", "pair", source);
-  if (launch == "stage") {
-    h.launch = KernelLaunch::kStage;
-  } else if (launch != "pair") {
+  const std::optional<KernelLaunch> named = kernelLaunchNamed(launch);
+  if (!named) {
     throwInvalidArgument("hardware profile ", source, ": kernel_launch '", printable(launch),
                          "': expected pair or stage");
   }
+  h.launch = *named;
   try {
     h.forward = curve(j, "forward");
     h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;

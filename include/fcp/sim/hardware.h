@@ -3,7 +3,9 @@
 /// the links between workers (NVLink-class inside a node, one NIC per worker across nodes).
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "fcp/core/config.h"
@@ -28,6 +30,10 @@ enum class KernelLaunch {
   /// with pieces of one length) times the same either way.
   kStage,
 };
+
+/// The launch named `name` ("pair" or "stage", as a profile's kernel_launch and fcp simulate's
+/// --kernel-launch spell it), or nullopt for any other name.
+std::optional<KernelLaunch> kernelLaunchNamed(std::string_view name);
 
 /// One worker type and its network. Bandwidths are bytes per second each way per worker.
 struct HardwareProfile {
