@@ -32,27 +32,36 @@ GPUS = [8, 16, 32, 64]
 # MagiAttention blog v1.1.0, H100, digitized (+-2 TFLOP/s): {mask: {pass: {column: [8,16,32,64]}}}
 MAGI = {
     "causal": {
-        "fwd": {"ring_p2p": [422, 456, 453, 448], "hybrid_dcp": [423, 452, 448, 448],
+        "fwd": {"ulysses": [602, 557, 582, 582], "usp": [595, 586, 591, 587],
+                "ring_p2p": [422, 456, 453, 448], "hybrid_dcp": [423, 452, 448, 448],
                 "magi_a2av": [611, 584, 579, 572], "magi_native": [645, 650, 622, 594]},
-        "bwd": {"ring_p2p": [432, 474, 470, 457], "hybrid_dcp": [428, 471, 470, 457],
+        "bwd": {"ulysses": [582, 562, 571, 585], "usp": [573, 570, 575, 572],
+                "ring_p2p": [432, 474, 470, 457], "hybrid_dcp": [428, 471, 470, 457],
                 "magi_a2av": [502, 511, 501, 497], "magi_native": [530, 532, 540, 528]}},
     "full": {
-        "fwd": {"ring_p2p": [510, 535, 516, 512], "hybrid_dcp": [506, 533, 521, 512],
+        "fwd": {"ulysses": [605, 574, 582, 619], "usp": [578, 591, 593, 600],
+                "ring_p2p": [510, 535, 516, 512], "hybrid_dcp": [506, 533, 521, 512],
                 "magi_a2av": [648, 645, 624, 617], "magi_native": [663, 653, 645, 627]},
-        "bwd": {"ring_p2p": [495, 513, 511, 503], "hybrid_dcp": [493, 513, 506, 501],
+        "bwd": {"ulysses": [575, 570, 581, 571], "usp": [568, 586, 585, 572],
+                "ring_p2p": [495, 513, 511, 503], "hybrid_dcp": [493, 513, 506, 501],
                 "magi_a2av": [512, 512, 506, 513], "magi_native": [532, 545, 546, 547]}},
     "varlen-causal": {
-        "fwd": {"ring_p2p": [89, 69, 48, 29], "hybrid_dcp": [278, 223, 191, 161],
+        "fwd": {"ulysses": [279, 199, 186, 163], "usp": [262, 252, 255, 192],
+                "ring_p2p": [89, 69, 48, 29], "hybrid_dcp": [278, 223, 191, 161],
                 "magi_a2av": [388, 306, 276, 207], "magi_native": [460, 427, 315, 238]},
-        "bwd": {"ring_p2p": [97, 86, 57, 29], "hybrid_dcp": [226, 220, 191, 163],
+        "bwd": {"ulysses": [332, 294, 277, 249], "usp": [325, 309, 284, 195],
+                "ring_p2p": [97, 86, 57, 29], "hybrid_dcp": [226, 220, 191, 163],
                 "magi_a2av": [335, 353, 326, 242], "magi_native": [361, 372, 333, 264]}},
     "varlen-full": {
-        "fwd": {"ring_p2p": [160, 134, 92, 56], "hybrid_dcp": [308, 258, 221, 190],
+        "fwd": {"ulysses": [390, 305, 284, 259], "usp": [374, 371, 373, 291],
+                "ring_p2p": [160, 134, 92, 56], "hybrid_dcp": [308, 258, 221, 190],
                 "magi_a2av": [462, 418, 375, 299], "magi_native": [535, 540, 454, 401]},
-        "bwd": {"ring_p2p": [161, 162, 101, 48], "hybrid_dcp": [267, 248, 213, 184],
+        "bwd": {"ulysses": [426, 399, 379, 346], "usp": [418, 407, 375, 280],
+                "ring_p2p": [161, 162, 101, 48], "hybrid_dcp": [267, 248, 213, 184],
                 "magi_a2av": [408, 425, 407, 353], "magi_native": [448, 464, 456, 424]}},
 }
-OURS = {"ring": "ring_p2p", "megatron": "hybrid_dcp", "magi": "magi_a2av"}
+OURS = {"ring": "ring_p2p", "megatron": "hybrid_dcp", "magi": "magi_a2av", "ulysses": "ulysses",
+        "usp": "usp"}
 COMMON = ["--hardware", "h100", "--heads-q", "64", "--heads-kv", "8", "--head-dim", "128",
           "--dtype", "bf16", "--tokens-per-worker", "8K", "--no-reshuffle"]
 # ring-flash-attention README (8 GPUs, one node): zigzag iter/s as % of the single-GPU kernel
@@ -93,7 +102,7 @@ def magi_runs(a, tmp):
                 traces = [f"data/traces/magi-varlen/cp{p}_pack{k:02d}.txt" for k in range(a.packs)]
             else:
                 traces = [write_trace(tmp, f"single_cp{p}.txt", [8192 * p])]
-            runs = [("", "ring,magi,megatron", "4K")] + [(f"fcp-{b}", "fcp", b) for b in a.fcp_blocks]
+            runs = [("", "ring,magi,megatron,ulysses,usp", "4K")] + [(f"fcp-{b}", "fcp", b) for b in a.fcp_blocks]
             for label, strategies, block in runs:
                 sums = {}
                 for t in traces:

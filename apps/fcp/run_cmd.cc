@@ -110,6 +110,13 @@ std::vector<std::string> splitStrategies(const std::string& text) {
     const auto& names = baselines::strategyNames();
     const bool ablation = item == "fcp-base" || item == "fcp-pipeline" || item == "fcp-cfree" ||
                           item == "fcp-coalesce";
+    const auto& heads = baselines::headParallelNames();
+    if (std::find(heads.begin(), heads.end(), item) != heads.end()) {
+      // They move heads, not KV blocks: no plan of theirs exists for the executor to run.
+      throwInvalidArgument("--strategy ", item,
+                           " is simulated only (fcp simulate): expected fcp, ring, bytescale, wlb, "
+                           "magi, megatron, fcp-base, fcp-pipeline, fcp-cfree or fcp-coalesce");
+    }
     if (!ablation && std::find(names.begin(), names.end(), item) == names.end()) {
       throwInvalidArgument("unknown --strategy '", item,
                            "': expected fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "

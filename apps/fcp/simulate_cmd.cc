@@ -28,7 +28,8 @@ constexpr int64_t kMaxSimulatedWorkers = int64_t{1} << 20;
 constexpr int64_t kMaxBatches = 10000;
 
 struct SimulateArgs {
-  std::vector<std::string> strategies = {"fcp", "ring", "bytescale", "wlb", "magi", "megatron"};
+  std::vector<std::string> strategies = {"fcp",  "ring",     "bytescale", "wlb",
+                                         "magi", "megatron", "usp"};
   std::vector<int64_t> workers = {16};
   std::string hardware = "h100";
   std::string workload = "lognormal";
@@ -124,11 +125,13 @@ void checkArgs(const SimulateArgs& a) {
   for (const std::string& s : a.strategies) {
     static const std::vector<std::string> kAblation = {"fcp-base", "fcp-pipeline", "fcp-cfree", "fcp-coalesce"};
     const auto& known = baselines::strategyNames();
+    const auto& heads = baselines::headParallelNames();
     if (std::find(known.begin(), known.end(), s) == known.end() &&
+        std::find(heads.begin(), heads.end(), s) == heads.end() &&
         std::find(kAblation.begin(), kAblation.end(), s) == kAblation.end()) {
       throwInvalidArgument("unknown --strategy '", s,
-                           "': expected fcp, ring, bytescale, wlb, magi, megatron (or fcp-base, "
-                           "fcp-pipeline, fcp-cfree, fcp-coalesce)");
+                           "': expected fcp, ring, bytescale, wlb, magi, megatron, ulysses, usp "
+                           "(or fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)");
     }
   }
   for (auto it = a.strategies.begin(); it != a.strategies.end(); ++it) {
@@ -143,6 +146,18 @@ void checkArgs(const SimulateArgs& a) {
   for (int64_t w : a.workers) {
     if (w <= 0 || w > (int64_t{1} << 20)) {
       throwInvalidArgument("invalid --workers ", w, ": expected 1 to 2^20");
+    }
+  }
+  // Ulysses gives each worker whole heads: a worker count it cannot split the heads over is
+  // refused before any cell runs.
+  if (std::find(a.strategies.begin(), a.strategies.end(), "ulysses") != a.strategies.end()) {
+    for (int64_t w : a.workers) {
+      if (a.headsQ % w != 0 || (a.headsKv % w != 0 && w % a.headsKv != 0)) {
+        throwInvalidArgument("--strategy ulysses on --workers ", w, " with --heads-q ", a.headsQ,
+                             " and --heads-kv ", a.headsKv,
+                             ": expected worker counts that divide the query heads and divide or "
+                             "are a multiple of the key/value heads (usp runs at any count)");
+      }
     }
   }
   // Every cell's batch size, before the first cell runs: a sweep must not plan for minutes and
@@ -299,11 +314,21 @@ void runSimulate(const SimulateArgs& a) {
         sim::SimOptions o = options;
         o.overlapReshuffle = strategy.rfind("fcp-", 0) != 0;  // ablation steps 0-3: no reshuffler
         const baselines::PlanOracle oracle = [&](const plan::Plan& p) { return sim::simulate(p, hw, o).timeMs; };
+        const auto& heads = baselines::headParallelNames();
+        const bool headParallel = std::find(heads.begin(), heads.end(), strategy) != heads.end();
         const auto planStart = std::chrono::steady_clock::now();
-        const plan::Plan p = baselines::makePlan(strategy, batch, config, costModel, oracle);
+        std::optional<baselines::HeadParallelPlan> hp;
+        std::optional<plan::Plan> p;
+        if (headParallel) {
+          hp = baselines::headParallelPlan(strategy, batch, config, costModel, hw.workersPerNode);
+        } else {
+          p = baselines::makePlan(strategy, batch, config, costModel, oracle);
+        }
         const double planMs = msSince(planStart);
         const auto simStart = std::chrono::steady_clock::now();
-        const sim::SimResult r = sim::simulate(p, hw, o);
+        const sim::SimResult r =
+            hp ? sim::simulateHeadParallel(hp->ring, config.attention, hp->degree, hw, o)
+               : sim::simulate(*p, hw, o);
         cells[strategy].add(r, planMs, msSince(simStart));
         ++done;
         if (progress) {
@@ -349,9 +374,10 @@ void addSimulateCommand(CLI::App& app) {
              args->strategies.push_back(text.substr(begin, comma - begin));
            args->strategies.push_back(text.substr(begin));
          },
-         "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron (ablation: fcp-base, "
-         "fcp-pipeline, fcp-cfree, fcp-coalesce)")
-      ->default_str("fcp,ring,bytescale,wlb,magi,megatron");
+         "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron, ulysses (DeepSpeed-Ulysses, "
+         "when the workers divide the heads), usp (Ulysses inside a node, a ring across nodes) "
+         "(ablation: fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)")
+      ->default_str("fcp,ring,bytescale,wlb,magi,megatron,usp");
   addIntegerList(cmd, "--workers", args->workers, 1, kMaxSimulatedWorkers,
                  "Comma-separated worker counts, e.g. 16,32,64");
   addText(cmd, "--hardware", args->hardware,

@@ -56,6 +56,11 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
   return p;
 }
 
+const std::vector<std::string>& headParallelNames() {
+  static const std::vector<std::string> kNames = {"ulysses", "usp"};
+  return kNames;
+}
+
 const std::vector<std::string>& strategyNames() {
   static const std::vector<std::string> kNames = {"fcp", "ring", "bytescale", "wlb", "magi", "megatron"};
   return kNames;
@@ -81,6 +86,44 @@ void checkBaselineSize(const std::string& name, const Batch& batch, const plan::
 }
 
 }  // namespace
+
+HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
+                                  const plan::PlanConfig& config, const CostModel& costModel,
+                                  int64_t workersPerNode) {
+  detail::checkBaselineConfig(batch, config);
+  const AttentionConfig& attention = config.attention;
+  const int64_t n = config.numWorkers;
+  int64_t degree = 0;
+  if (name == "ulysses") {
+    degree = n;
+    const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
+    if (hq % n != 0 || (hkv % n != 0 && n % hkv != 0)) {
+      throwInvalidArgument("ulysses on ", n, " workers with ", hq, " query and ", hkv,
+                           " key/value heads: expected workers that divide the query heads and "
+                           "divide or are a multiple of the key/value heads (or usp)");
+    }
+  } else if (name == "usp") {
+    if (workersPerNode < 1)
+      throwInvalidArgument("usp with ", workersPerNode, " workers per node: expected at least 1");
+    for (int64_t d = std::min(n, workersPerNode); d >= 1 && degree == 0; --d) {
+      const bool heads = attention.numHeadsQ % d == 0 &&
+                         (attention.numHeadsKv % d == 0 || d % attention.numHeadsKv == 0);
+      if (n % d == 0 && heads) degree = d;
+    }
+  } else {
+    throwInvalidArgument("unknown head-parallel strategy '", name, "': expected ulysses or usp");
+  }
+  plan::PlanConfig c = config;
+  c.numWorkers = n / degree;
+  c.tokensPerWorker = config.tokensPerWorker * degree;
+  c.attention = headShare(attention, degree);
+  checkBaselineSize("ring", batch, c);
+  CostModel share = costModel;
+  share.attention = c.attention;
+  plan::Plan ring = ringPlan(batch, c, share);
+  ring.strategy = name;
+  return {std::move(ring), degree};
+}
 
 plan::Plan makePlan(const std::string& name, const Batch& batch, const plan::PlanConfig& config,
                     const CostModel& costModel, const PlanOracle& oracle) {

@@ -1,5 +1,7 @@
 #include "fcp/core/config.h"
 
+#include <algorithm>
+
 #include "fcp/core/error.h"
 
 namespace fcp {
@@ -34,6 +36,19 @@ void checkAttentionConfig(const AttentionConfig& config) {
     throwInvalidArgument("invalid head counts: ", config.numHeadsQ, " Q heads is not a multiple of ",
                          config.numHeadsKv, " KV heads");
   }
+}
+
+AttentionConfig headShare(const AttentionConfig& attention, int64_t degree) {
+  const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
+  if (degree < 1 || hq % degree != 0 || (hkv % degree != 0 && degree % hkv != 0)) {
+    throwInvalidArgument("head-parallel degree ", degree, " with ", hq, " query and ", hkv,
+                         " key/value heads: expected a divisor of the query heads that divides "
+                         "the key/value heads or is a multiple of them");
+  }
+  AttentionConfig share = attention;
+  share.numHeadsQ = hq / degree;
+  share.numHeadsKv = std::max<int64_t>(hkv / degree, 1);
+  return share;
 }
 
 }  // namespace fcp

@@ -571,8 +571,17 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
   flows = std::move(merged);
 }
 
-PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions& options,
-                   bool backward) {
+/// What the engine runs for one pass: the flows, and each worker's stages (flow ids index
+/// `flows`), before messages are merged.
+struct PassGraph {
+  std::vector<Flow> flows;
+  std::vector<std::vector<SimStage>> stages;
+};
+
+/// The pass graph of `plan`: its stages' compute (timed on `hw` as its launch says, plus
+/// merges), KV transfers (backward also dK/dV returns) and, if asked, the reshuffle.
+PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOptions& options,
+                    bool backward) {
   const auto n = static_cast<size_t>(plan.config.numWorkers);
   const auto& passStages = backward ? plan.backward : plan.forward;
   FCP_CHECK(passStages.size() == n, "plan has stages for ", passStages.size(), " workers, not ", n);
@@ -655,56 +664,218 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
       }
     }
   }
-  mergeMessages(flows, stages);
-  Engine engine(hw, plan.config.numWorkers, flows, std::move(stages), options.timelines);
-  PassResult r = engine.run();
+  return {std::move(flows), std::move(stages)};
+}
+
+/// The useful FLOPs of one pass of `plan` with `attention`'s heads.
+double usefulFlops(const Plan& plan, const AttentionConfig& attention, bool backward) {
+  double flops = 0;
   for (const plan::BlockPair& p : plan.pairs) {
-    r.usefulFlops += backward ? backwardFlops(plan.config.attention, p.visible)
-                              : forwardFlops(plan.config.attention, p.visible);
+    flops += backward ? backwardFlops(attention, p.visible) : forwardFlops(attention, p.visible);
   }
+  return flops;
+}
+
+/// Runs a pass graph on `hw`; MFU counts `useful` FLOPs.
+PassResult runGraph(PassGraph graph, const HardwareProfile& hw, const SimOptions& options,
+                    double useful) {
+  const auto n = static_cast<int64_t>(graph.stages.size());
+  mergeMessages(graph.flows, graph.stages);
+  Engine engine(hw, n, graph.flows, std::move(graph.stages), options.timelines);
+  PassResult r = engine.run();
+  r.usefulFlops = useful;
   const double denominator = static_cast<double>(n) * hw.peakFlops * r.timeMs * 1e-3;
   r.mfu = denominator > 0 ? r.usefulFlops / denominator : 0;
   return r;
 }
 
-}  // namespace
+PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions& options,
+                   bool backward) {
+  return runGraph(buildPass(plan, hw, options, backward), hw, options,
+                  usefulFlops(plan, plan.config.attention, backward));
+}
 
-SimResult simulate(const Plan& plan, const HardwareProfile& hardware, const SimOptions& options) {
+/// The all-to-all of each head-parallel group (`degree` consecutive workers, group i holding
+/// ring worker i's tokens, each member 1/degree of them): before the attention each member
+/// sends every other its own tokens' `before` bytes per token (the receiver's heads), after it
+/// every other member's tokens' `after` bytes per token (the sender's heads).
+std::vector<Flow> groupAllToAll(const Plan& ring, int64_t degree, int64_t beforeBytes,
+                                int64_t afterBytes, bool after) {
+  std::vector<int64_t> tokens(static_cast<size_t>(ring.config.numWorkers), 0);
+  for (size_t b = 0; b < ring.blocks.size(); ++b) {
+    tokens[static_cast<size_t>(ring.owner[b])] += ring.blocks[b].numTokens();
+  }
+  std::vector<Flow> flows;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int64_t t = tokens[i];
+    const auto held = [&](int64_t m) { return t * (m + 1) / degree - t * m / degree; };
+    for (int64_t a = 0; a < degree; ++a) {
+      for (int64_t b = 0; b < degree; ++b) {
+        if (a == b) continue;
+        const double bytes = after ? static_cast<double>(held(b) * afterBytes)
+                                   : static_cast<double>(held(a) * beforeBytes);
+        if (bytes <= 0) continue;
+        const auto base = static_cast<int64_t>(i) * degree;
+        flows.push_back({static_cast<int32_t>(base + a), static_cast<int32_t>(base + b), bytes});
+      }
+    }
+  }
+  return flows;
+}
+
+/// Bytes per token each all-to-all of a head-parallel pass moves, for the heads of one member
+/// (`share`): forward Q, K and V before and O after; backward dO before and dQ, dK, dV after.
+std::pair<int64_t, int64_t> allToAllBytes(const AttentionConfig& share, bool backward) {
+  const int64_t qkv = share.qBytesPerToken() + share.kvBytesPerToken();
+  return backward ? std::make_pair(share.qBytesPerToken(), qkv)
+                  : std::make_pair(qkv, share.oBytesPerToken());
+}
+
+/// One head-parallel pass: a stage of the all-to-all in, `degree` copies of the ring's pass
+/// (copy j on workers i·degree + j), a stage of the all-to-all out.
+PassGraph headParallelPass(const Plan& ring, int64_t degree, const HardwareProfile& hw,
+                           const SimOptions& options, bool backward) {
+  const PassGraph sub = buildPass(ring, hw, options, backward);
+  const auto r = static_cast<size_t>(ring.config.numWorkers);
+  const auto u = static_cast<size_t>(degree);
+  PassGraph g;
+  g.stages.resize(r * u);
+  for (size_t j = 0; j < u; ++j) {
+    const auto offset = static_cast<int32_t>(g.flows.size());
+    for (const Flow& f : sub.flows) {
+      g.flows.push_back({static_cast<int32_t>(static_cast<size_t>(f.src) * u + j),
+                         static_cast<int32_t>(static_cast<size_t>(f.dst) * u + j), f.bytes});
+    }
+    for (size_t i = 0; i < r; ++i) {
+      auto& out = g.stages[i * u + j];
+      out.push_back(SimStage{-1, 0, {}});
+      for (SimStage st : sub.stages[i]) {
+        for (int32_t& f : st.flows) f += offset;
+        out.push_back(std::move(st));
+      }
+      out.push_back(SimStage{-2, 0, {}});
+    }
+  }
+  const auto [before, after] = allToAllBytes(ring.config.attention, backward);
+  for (const bool last : {false, true}) {
+    for (const Flow& f : groupAllToAll(ring, degree, before, after, last)) {
+      const auto id = static_cast<int32_t>(g.flows.size());
+      g.flows.push_back(f);
+      for (const int32_t w : {f.src, f.dst}) {
+        auto& s = g.stages[static_cast<size_t>(w)];
+        (last ? s.back() : s.front()).flows.push_back(id);
+      }
+    }
+  }
+  return g;
+}
+
+void checkProfile(const HardwareProfile& hardware) {
   if (!(hardware.peakFlops > 0) || !(hardware.intraNodeBytesPerSecond > 0) ||
       !(hardware.interNodeBytesPerSecond > 0) || hardware.workersPerNode <= 0) {
     throwInvalidArgument("hardware profile '", hardware.name,
                          "': expected positive peak, bandwidths and workers per node");
   }
+}
+
+/// The step's figures from its two passes: times, MFU, compute imbalance and the idle share;
+/// `bytes` holds each worker's forward bytes sent plus received.
+SimResult finish(PassResult forward, PassResult backward, const HardwareProfile& hardware,
+                 const SimOptions& options, const std::vector<double>& bytes) {
   SimResult r;
-  r.forward = runPass(plan, hardware, options, false);
-  if (options.backward) r.backward = runPass(plan, hardware, options, true);
+  r.forward = std::move(forward);
+  r.backward = std::move(backward);
   r.timeMs = r.forward.timeMs + r.backward.timeMs;
-  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  const size_t n = bytes.size();
   const double useful = r.forward.usefulFlops + r.backward.usefulFlops;
   const double denominator = static_cast<double>(n) * hardware.peakFlops * r.timeMs * 1e-3;
   r.mfu = denominator > 0 ? useful / denominator : 0;
-
-  std::vector<double> compute(n, 0), bytes(n, 0);
+  std::vector<double> compute(n, 0);
   for (size_t w = 0; w < n; ++w) {
     compute[w] = r.forward.computeMs[w] + (options.backward ? r.backward.computeMs[w] : 0);
     r.meanComputeMs += compute[w] / static_cast<double>(n);
   }
-  for (const plan::Transfer& t : plan.transfers) {
-    bytes[static_cast<size_t>(t.sender)] += static_cast<double>(t.bytes);
-    bytes[static_cast<size_t>(t.receiver)] += static_cast<double>(t.bytes);
-    r.transferBytes += t.bytes;
-  }
-  r.numTransfers = static_cast<int64_t>(plan.transfers.size());
   r.computeImbalance = imbalance(compute);
   r.commImbalance = imbalance(bytes);
   r.meanIdleMs = r.timeMs - r.meanComputeMs;
-  const auto& a = plan.config.attention;
+  return r;
+}
+
+/// Off-worker reshuffle bytes of `plan`'s pieces, each token with `attention`'s Q, K, V and O.
+int64_t reshuffleBytes(const Plan& plan, const AttentionConfig& a) {
+  int64_t bytes = 0;
   for (const plan::ReshufflePiece& p : plan.reshuffle) {
     if (p.userWorker != p.fcpWorker) {
-      r.reshuffleBytes +=
-          (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
+      bytes += (p.end - p.begin) * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken());
     }
   }
+  return bytes;
+}
+
+}  // namespace
+
+SimResult simulate(const Plan& plan, const HardwareProfile& hardware, const SimOptions& options) {
+  checkProfile(hardware);
+  PassResult forward = runPass(plan, hardware, options, false);
+  PassResult backward = options.backward ? runPass(plan, hardware, options, true) : PassResult{};
+  const auto n = static_cast<size_t>(plan.config.numWorkers);
+  std::vector<double> bytes(n, 0);
+  int64_t transferBytes = 0;
+  for (const plan::Transfer& t : plan.transfers) {
+    bytes[static_cast<size_t>(t.sender)] += static_cast<double>(t.bytes);
+    bytes[static_cast<size_t>(t.receiver)] += static_cast<double>(t.bytes);
+    transferBytes += t.bytes;
+  }
+  SimResult r = finish(std::move(forward), std::move(backward), hardware, options, bytes);
+  r.transferBytes = transferBytes;
+  r.numTransfers = static_cast<int64_t>(plan.transfers.size());
+  r.reshuffleBytes = reshuffleBytes(plan, plan.config.attention);
+  return r;
+}
+
+SimResult simulateHeadParallel(const Plan& ring, const AttentionConfig& attention, int64_t degree,
+                               const HardwareProfile& hardware, const SimOptions& options) {
+  checkProfile(hardware);
+  if (!(headShare(attention, degree) == ring.config.attention)) {
+    throwInvalidArgument("head-parallel ring plan has ", ring.config.attention.numHeadsQ,
+                         " query and ", ring.config.attention.numHeadsKv,
+                         " key/value heads: expected one worker's share of ", attention.numHeadsQ,
+                         " and ", attention.numHeadsKv, " at degree ", degree);
+  }
+  if (ring.config.numWorkers > (int64_t{1} << 24) / degree) {
+    throwInvalidArgument("head-parallel ", ring.config.numWorkers, " ring workers x degree ",
+                         degree, ": expected at most 2^24 workers");
+  }
+  const auto pass = [&](bool backward) {
+    return runGraph(headParallelPass(ring, degree, hardware, options, backward), hardware, options,
+                    usefulFlops(ring, attention, backward));
+  };
+  PassResult forward = pass(false);
+  PassResult backward = options.backward ? pass(true) : PassResult{};
+  const auto u = static_cast<size_t>(degree);
+  std::vector<double> bytes(static_cast<size_t>(ring.config.numWorkers) * u, 0);
+  int64_t transferBytes = 0, numTransfers = 0;
+  for (const plan::Transfer& t : ring.transfers) {
+    for (size_t j = 0; j < u; ++j) {
+      bytes[static_cast<size_t>(t.sender) * u + j] += static_cast<double>(t.bytes);
+      bytes[static_cast<size_t>(t.receiver) * u + j] += static_cast<double>(t.bytes);
+    }
+    transferBytes += t.bytes * degree;
+    numTransfers += degree;
+  }
+  const auto [before, after] = allToAllBytes(ring.config.attention, false);
+  for (const bool last : {false, true}) {
+    for (const Flow& f : groupAllToAll(ring, degree, before, after, last)) {
+      bytes[static_cast<size_t>(f.src)] += f.bytes;
+      bytes[static_cast<size_t>(f.dst)] += f.bytes;
+      transferBytes += static_cast<int64_t>(f.bytes);
+      ++numTransfers;
+    }
+  }
+  SimResult r = finish(std::move(forward), std::move(backward), hardware, options, bytes);
+  r.transferBytes = transferBytes;
+  r.numTransfers = numTransfers;
+  r.reshuffleBytes = reshuffleBytes(ring, attention);
   return r;
 }
 

@@ -108,6 +108,25 @@ else
   failures=$((failures + 1))
 fi
 
+# Head-parallel baselines: Ulysses needs workers that split the heads, and is refused before
+# any cell runs; USP is in the default list and, on one node of 8, is Ulysses itself.
+expect ulysses_past_heads "--strategy ulysses on --workers 128 with --heads-q 64 and --heads-kv 8: expected worker counts that divide the query heads and divide or are a multiple of the key/value heads (usp runs at any count)" \
+  --strategy ulysses --workers 16,128
+"$fcp" simulate --workers 8 --csv > "$tmp/default.csv" 2> /dev/null
+"$fcp" simulate --workers 8 --csv --strategy ulysses,usp > "$tmp/heads.csv" 2> /dev/null
+if /usr/bin/python3 - "$tmp/default.csv" "$tmp/heads.csv" <<'PY'; then
+import csv, sys
+default = [r["strategy"] for r in csv.DictReader(open(sys.argv[1]))]
+assert default == ["fcp", "ring", "bytescale", "wlb", "magi", "megatron", "usp"], default
+u, s = list(csv.DictReader(open(sys.argv[2])))
+assert float(u["time_ms"]) > 0 and u["time_ms"] == s["time_ms"] and u["mfu"] == s["mfu"], (u, s)
+PY
+  passed=$((passed + 1))
+else
+  echo "FAIL head_parallel: usp missing from the defaults, or not Ulysses on one node"
+  failures=$((failures + 1))
+fi
+
 # A refusal in a later cell (bytescale past its worker limit, after the 8-worker cells ran):
 # nonzero exit, the error as stderr's last line (after progress lines), nothing on stdout.
 "$fcp" simulate --workers 8,8192 --strategy fcp,bytescale --tokens-per-worker 1K \

@@ -62,6 +62,8 @@ echo 4096 >"$dir/trace_4k.txt"
 model=(--block-size 512 --heads-q 2 --heads-kv 1 --head-dim 16 --warmup 0 --repeats 1)
 # A trailing comma is an empty strategy name, as in fcp simulate (it used to be dropped).
 refuse "--strategy fcp," "unknown --strategy '': expected fcp" --strategy fcp,
+# Ulysses and USP move heads, not KV blocks: the simulator times them, no executor runs them.
+refuse "--strategy usp" "--strategy usp is simulated only (fcp simulate): expected fcp" --strategy fcp,usp
 # With --trace, --tokens-per-worker is parsed and used as in fcp plan --trace: the share and so
 # the memory budget (it used to be ignored, even 'garbage').
 refuse "--trace with --tokens-per-worker garbage" "invalid --tokens-per-worker 'garbage'" \

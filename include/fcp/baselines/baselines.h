@@ -66,6 +66,27 @@ plan::Plan wlbPlan(const Batch& batch, const plan::PlanConfig& config, const Cos
 plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
                            const CostModel& costModel, int step);
 
+/// Head-parallel baselines, which move heads rather than KV blocks and so are no Plan of their
+/// own: a Zig-Zag ring plan over groups of `degree` workers with one worker's head share
+/// (fcp::headShare), which sim::simulateHeadParallel times with the groups' all-to-alls.
+/// - "ulysses": DeepSpeed-Ulysses; one group of every worker (degree = the workers, a ring of
+///   one), so the workers must divide the query heads and divide or be a multiple of the
+///   key/value heads.
+/// - "usp": USP (Unified Sequence Parallelism, yunchang's long-context-attention) as its authors
+///   advise running it: Ulysses inside a node and ring attention across nodes. The degree is the
+///   largest divisor of the workers that is at most `workersPerNode` and that headShare accepts.
+/// Other baselines' rules hold: no memory cap, Zig-Zag pieces of each sequence across the ring.
+struct HeadParallelPlan {
+  plan::Plan ring;
+  int64_t degree = 1;
+};
+HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
+                                  const plan::PlanConfig& config, const CostModel& costModel,
+                                  int64_t workersPerNode);
+
+/// Names accepted by headParallelPlan: ulysses, usp.
+const std::vector<std::string>& headParallelNames();
+
 /// Names accepted by makePlan: fcp, ring, bytescale, wlb, magi, megatron.
 const std::vector<std::string>& strategyNames();
 

@@ -33,7 +33,9 @@ struct SimOptions {
 
 /// One stage of one worker on the timeline, in milliseconds from the pass's start.
 struct StageSpan {
-  int32_t stage = 0;       ///< plan stage index; -1 / -2 for a separate reshuffle in / out
+  /// plan stage index; -1 / -2 for a separate reshuffle in / out, or a head-parallel
+  /// all-to-all before / after the attention
+  int32_t stage = 0;
   double startMs = 0;
   double computeEndMs = 0; ///< when its compute finished
   double endMs = 0;        ///< when its compute and transfers were all done
@@ -75,5 +77,22 @@ struct SimResult {
 /// Error(kInvalidArgument) for a bad profile.
 SimResult simulate(const plan::Plan& plan, const HardwareProfile& hardware,
                    const SimOptions& options = {});
+
+/// Simulates head-parallel context parallelism: DeepSpeed-Ulysses and USP (its hybrid with a
+/// ring). The job's workers are ring.config.numWorkers groups of `degree` consecutive workers;
+/// group i holds the tokens ring worker i holds (each member 1/degree of them, all heads).
+/// Each pass opens with an all-to-all inside every group that gives each member its head share
+/// (fcp::headShare) of the group's tokens (forward Q, K and V; backward dO), then runs `ring` (a
+/// plan over the groups with the share's heads; one worker for pure Ulysses) on each of the
+/// degree copies, copy j on the j-th member of every group, and closes with the all-to-all
+/// back (forward O; backward dQ, dK and dV, replicated key/value heads' gradients summed where
+/// they land). The all-to-alls overlap nothing, as in both systems. Compute, transfers, the
+/// reshuffle (of `ring`, carried by the copies) and the links are timed as `simulate` times
+/// them; usefulFlops counts `attention`'s heads; transferBytes and commImbalance count the
+/// forward's ring transfers and all-to-all bytes. Throws Error(kInvalidArgument) when ring's
+/// heads are not headShare(attention, degree) or the workers pass 2^24, and as `simulate`.
+SimResult simulateHeadParallel(const plan::Plan& ring, const AttentionConfig& attention,
+                               int64_t degree, const HardwareProfile& hardware,
+                               const SimOptions& options = {});
 
 }  // namespace fcp::sim
