@@ -18,7 +18,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 OUT = "docs/figures"
-ALL = "fcp,ring,bytescale,wlb,magi,megatron"
+ALL = "fcp,ring,bytescale,wlb,magi,megatron,usp"
+# DeepSpeed-Ulysses splits the 64 query heads over the GPUs: only where the GPUs divide them.
+HEADS_Q = 64
 
 
 def simulate(fcp, **flags):
@@ -79,6 +81,9 @@ def main():
         return ",".join(str(w) for w in sizes if lo < w <= min(hi, a.max_workers))
     for wl in a.workloads.split(",") if "weak" in figures else []:
         rows = simulate(a.fcp, strategy=ALL, workers=sweep(0, a.all_up_to), workload=wl, batches=k)
+        ulysses = [w for w in sweep(0, a.all_up_to).split(",") if w and HEADS_Q % int(w) == 0]
+        if ulysses:
+            rows += simulate(a.fcp, strategy="ulysses", workers=",".join(ulysses), workload=wl, batches=k)
         # Larger: ring's and Magi's plans grow as P^2 transfers (and WLB's oracle simulates
         # ring), so the large sweep runs FCP and the group-based baselines, with one batch.
         if sweep(a.all_up_to, 4096):
