@@ -616,5 +616,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
     [tokens, 3, heads, head_dim] tensor) are read in place, not copied.
     A call that raises on this rank (a tensor of the wrong shape) may leave the other ranks inside
     it until their timeout; the batch then refuses every later call (see Batch)."""
+    if not isinstance(batch, Batch):
+        # Checked before any collective (there is no batch to fail): AttributeError before.
+        pending = isinstance(batch, PendingBatch)
+        raise _fcp.InvalidArgument(f"batch is {'a PendingBatch' if pending else _describe(batch)}: expected an "
+                                   f"fcp.torch.Batch{' (the one its batch() returns)' if pending else ''}")
     o, lse = _Attention.apply(q, k, v, batch)
     return (o, lse) if return_lse else o

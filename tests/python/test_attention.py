@@ -361,6 +361,13 @@ def test_bad_input_is_one_line_error(group):
             with pytest.raises(fcp.InvalidArgument, match=r"^this process \(global rank %d\) is not a member of the "
                                                           r"process group passed as group" % rank):
                 ft.Batch([0, 10], (0, 10), first, heads=2, kv_heads=1, head_dim=16)
+    # Something else than a Batch (AttributeError before), a pending one included.
+    pending = ft.PendingBatch(cu, (starts[rank], starts[rank + 1]), comm, heads=2, kv_heads=1, head_dim=16,
+                              block_size=64)
+    for bad, text in ((pending, "a PendingBatch"), (None, "None")):
+        with pytest.raises(fcp.InvalidArgument, match=r"^batch is %s: expected an fcp.torch.Batch" % text):
+            ft.attention(torch.zeros(n, 2, 16), torch.zeros(n, 1, 16), torch.zeros(n, 1, 16), bad)
+    assert pending.batch().num_user_tokens == batch.num_user_tokens
     with pytest.raises(fcp.InvalidArgument, match=r"cu_seqlens starts \[10\]"):  # fcp.torch's, here only
         ft.user_positions([10, 20], 0, 5)
     # Options out of range (every rank passes the same, so every rank refuses alike).
