@@ -130,8 +130,8 @@ void checkArgs(const SimulateArgs& a) {
         std::find(heads.begin(), heads.end(), s) == heads.end() &&
         std::find(kAblation.begin(), kAblation.end(), s) == kAblation.end()) {
       throwInvalidArgument("unknown --strategy '", s,
-                           "': expected fcp, ring, bytescale, wlb, magi, megatron, ulysses, usp "
-                           "(or fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)");
+                           "': expected fcp, ring, bytescale, wlb, magi, megatron, ulysses, usp, "
+                           "fcp+ulysses (or fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)");
     }
   }
   for (auto it = a.strategies.begin(); it != a.strategies.end(); ++it) {
@@ -320,7 +320,11 @@ void runSimulate(const SimulateArgs& a) {
         std::optional<baselines::HeadParallelPlan> hp;
         std::optional<plan::Plan> p;
         if (headParallel) {
-          hp = baselines::headParallelPlan(strategy, batch, config, costModel, hw.workersPerNode);
+          const baselines::HeadParallelOracle degrees = [&](const baselines::HeadParallelPlan& h) {
+            return sim::simulateHeadParallel(h.ring, config.attention, h.degree, hw, o).timeMs;
+          };
+          hp = baselines::headParallelPlan(strategy, batch, config, costModel, hw.workersPerNode,
+                                           degrees);
         } else {
           p = baselines::makePlan(strategy, batch, config, costModel, oracle);
         }
@@ -375,8 +379,10 @@ void addSimulateCommand(CLI::App& app) {
            args->strategies.push_back(text.substr(begin));
          },
          "Comma-separated: fcp, ring, bytescale, wlb, magi, megatron, ulysses (DeepSpeed-Ulysses, "
-         "when the workers divide the heads), usp (Ulysses inside a node, a ring across nodes) "
-         "(ablation: fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)")
+         "when the workers divide the heads), usp (Ulysses inside groups, a ring across them, "
+         "at the group size that simulates fastest), "
+         "fcp+ulysses (Ulysses inside a node, FCP across nodes, as the FCP paper runs it on "
+         "rail-optimised clusters) (ablation: fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce)")
       ->default_str("fcp,ring,bytescale,wlb,magi,megatron,usp");
   addIntegerList(cmd, "--workers", args->workers, 1, kMaxSimulatedWorkers,
                  "Comma-separated worker counts, e.g. 16,32,64");

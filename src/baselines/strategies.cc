@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/error.h"
@@ -57,7 +58,7 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
 }
 
 const std::vector<std::string>& headParallelNames() {
-  static const std::vector<std::string> kNames = {"ulysses", "usp"};
+  static const std::vector<std::string> kNames = {"ulysses", "usp", "fcp+ulysses"};
   return kNames;
 }
 
@@ -87,42 +88,82 @@ void checkBaselineSize(const std::string& name, const Batch& batch, const plan::
 
 }  // namespace
 
+namespace {
+
+/// Whether `degree` workers can form head-parallel groups of `attention`'s heads over `workers`
+/// workers without a group straddling a node boundary part-way (a degree that divides a node,
+/// or whole nodes).
+bool legalDegree(int64_t degree, int64_t workers, int64_t workersPerNode,
+                 const AttentionConfig& attention) {
+  const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
+  return workers % degree == 0 && hq % degree == 0 && (hkv % degree == 0 || degree % hkv == 0) &&
+         (workersPerNode % degree == 0 || degree % workersPerNode == 0);
+}
+
+/// The plan over groups of `degree` workers with one member's heads: FCP's or a Zig-Zag ring.
+HeadParallelPlan groupPlan(bool fcp, const Batch& batch, const plan::PlanConfig& config,
+                           const CostModel& costModel, int64_t degree) {
+  plan::PlanConfig c = config;
+  c.numWorkers = config.numWorkers / degree;
+  c.tokensPerWorker = config.tokensPerWorker * degree;
+  c.attention = headShare(config.attention, degree);
+  CostModel share = costModel;
+  share.attention = c.attention;
+  // FCP's planner over the groups, each a worker with the group's memory and one member's
+  // heads, under its own limits; the ring under the baselines' size limit.
+  if (fcp) return {plan::buildPlan(batch, c, share), degree};
+  checkBaselineSize("ring", batch, c);
+  return {ringPlan(batch, c, share), degree};
+}
+
+}  // namespace
+
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                                   const plan::PlanConfig& config, const CostModel& costModel,
-                                  int64_t workersPerNode) {
+                                  int64_t workersPerNode, const HeadParallelOracle& oracle) {
   detail::checkBaselineConfig(batch, config);
   const AttentionConfig& attention = config.attention;
   const int64_t n = config.numWorkers;
-  int64_t degree = 0;
   if (name == "ulysses") {
-    degree = n;
     const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
     if (hq % n != 0 || (hkv % n != 0 && n % hkv != 0)) {
       throwInvalidArgument("ulysses on ", n, " workers with ", hq, " query and ", hkv,
                            " key/value heads: expected workers that divide the query heads and "
                            "divide or are a multiple of the key/value heads (or usp)");
     }
-  } else if (name == "usp") {
-    if (workersPerNode < 1)
-      throwInvalidArgument("usp with ", workersPerNode, " workers per node: expected at least 1");
-    for (int64_t d = std::min(n, workersPerNode); d >= 1 && degree == 0; --d) {
-      const bool heads = attention.numHeadsQ % d == 0 &&
-                         (attention.numHeadsKv % d == 0 || d % attention.numHeadsKv == 0);
-      if (n % d == 0 && heads) degree = d;
-    }
-  } else {
-    throwInvalidArgument("unknown head-parallel strategy '", name, "': expected ulysses or usp");
+    return groupPlan(false, batch, config, costModel, n);
   }
-  plan::PlanConfig c = config;
-  c.numWorkers = n / degree;
-  c.tokensPerWorker = config.tokensPerWorker * degree;
-  c.attention = headShare(attention, degree);
-  checkBaselineSize("ring", batch, c);
-  CostModel share = costModel;
-  share.attention = c.attention;
-  plan::Plan ring = ringPlan(batch, c, share);
-  ring.strategy = name;
-  return {std::move(ring), degree};
+  if (name != "usp" && name != "fcp+ulysses") {
+    throwInvalidArgument("unknown head-parallel strategy '", name,
+                         "': expected ulysses, usp or fcp+ulysses");
+  }
+  if (workersPerNode < 1) {
+    throwInvalidArgument(name, " with ", workersPerNode, " workers per node: expected at least 1");
+  }
+  if (name == "usp" && oracle) {
+    // USP's Ulysses degree is the user's to tune: the best of every legal one by the oracle,
+    // the smallest degree on a tie.
+    std::optional<HeadParallelPlan> best;
+    double bestTime = 0;
+    for (int64_t d = 1; d <= n; ++d) {
+      if (!legalDegree(d, n, workersPerNode, attention)) continue;
+      HeadParallelPlan candidate = groupPlan(false, batch, config, costModel, d);
+      const double time = oracle(candidate);
+      if (!best || time < bestTime) {
+        best = std::move(candidate);
+        bestTime = time;
+      }
+    }
+    return std::move(*best);  // degree 1 is always legal
+  }
+  int64_t degree = 1;
+  for (int64_t d = std::min(n, workersPerNode); d > 1; --d) {
+    if (legalDegree(d, n, workersPerNode, attention)) {
+      degree = d;
+      break;
+    }
+  }
+  return groupPlan(name == "fcp+ulysses", batch, config, costModel, degree);
 }
 
 plan::Plan makePlan(const std::string& name, const Batch& batch, const plan::PlanConfig& config,

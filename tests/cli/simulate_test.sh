@@ -113,13 +113,14 @@ fi
 expect ulysses_past_heads "--strategy ulysses on --workers 128 with --heads-q 64 and --heads-kv 8: expected worker counts that divide the query heads and divide or are a multiple of the key/value heads (usp runs at any count)" \
   --strategy ulysses --workers 16,128
 "$fcp" simulate --workers 8 --csv > "$tmp/default.csv" 2> /dev/null
-"$fcp" simulate --workers 8 --csv --strategy ulysses,usp > "$tmp/heads.csv" 2> /dev/null
+"$fcp" simulate --workers 8 --csv --strategy ulysses,usp,fcp+ulysses > "$tmp/heads.csv" 2> /dev/null
 if /usr/bin/python3 - "$tmp/default.csv" "$tmp/heads.csv" <<'PY'; then
 import csv, sys
 default = [r["strategy"] for r in csv.DictReader(open(sys.argv[1]))]
 assert default == ["fcp", "ring", "bytescale", "wlb", "magi", "megatron", "usp"], default
-u, s = list(csv.DictReader(open(sys.argv[2])))
+u, s, f = list(csv.DictReader(open(sys.argv[2])))
 assert float(u["time_ms"]) > 0 and u["time_ms"] == s["time_ms"] and u["mfu"] == s["mfu"], (u, s)
+assert f["strategy"] == "fcp+ulysses" and 0 < float(f["mfu"]) <= 1, f
 PY
   passed=$((passed + 1))
 else

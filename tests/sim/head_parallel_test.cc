@@ -3,12 +3,15 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../common/error_of.h"
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/config.h"
 #include "fcp/core/error.h"
+#include "fcp/plan/json.h"
+#include "fcp/plan/plan.h"
 #include "fcp/sim/simulator.h"
 
 namespace fcp::sim {
@@ -91,8 +94,20 @@ TEST(HeadParallelTest, UlyssesTimesItsAllToAllsAroundEachSequencesWholeKernel) {
       backward += backwardFlops(share, len * len) / (h.backward.at(len) * 1e12);
       useful += forwardFlops(attention(), len * len);
     }
-    const SimResult r = simulateHeadParallel(hp.ring, attention(), hp.degree, h, noReshuffle());
+    SimOptions o = noReshuffle();
+    o.timelines = true;
+    const SimResult r = simulateHeadParallel(hp.ring, attention(), hp.degree, h, o);
     EXPECT_NEAR(r.forward.timeMs, forward * 1e3, 1e-9 * forward * 1e3);
+    // Each all-to-all its own stage: Q, K, V in and O out forward; dO in and dQ, dK, dV out.
+    for (const auto& [pass, in, out] :
+         {std::tuple{&r.forward, qkvBytes, qBytes}, std::tuple{&r.backward, qBytes, qkvBytes}}) {
+      const auto& spans = pass->timelines[0];
+      ASSERT_GE(spans.size(), 3u);
+      EXPECT_EQ(spans.front().stage, -1);
+      EXPECT_EQ(spans.back().stage, -2);
+      EXPECT_NEAR(spans.front().endMs - spans.front().startMs, allToAll(in) * 1e3, 1e-9);
+      EXPECT_NEAR(spans.back().endMs - spans.back().startMs, allToAll(out) * 1e3, 1e-9);
+    }
     EXPECT_NEAR(r.backward.timeMs, backward * 1e3, 1e-9 * backward * 1e3);
     EXPECT_NEAR(r.forward.usefulFlops, useful, 1e-9 * useful);
     EXPECT_NEAR(r.forward.mfu, useful / (8 * 1e12 * forward), 1e-9);
@@ -155,6 +170,17 @@ TEST(HeadParallelTest, UspRunsItsRingOnEveryMemberBetweenTheNodesAllToAlls) {
   EXPECT_NEAR(usp.backward.timeMs, (out + in) * 1e3 + ringOnly.backward.timeMs, 1e-9);
   EXPECT_EQ(usp.transferBytes,
             2 * ringOnly.transferBytes + static_cast<int64_t>(8 * (inBytes + outBytes)));
+  // Two copies of the ring's transfers, and each of the 8 workers' one message in and out.
+  EXPECT_EQ(usp.numTransfers, 2 * static_cast<int64_t>(hp.ring.transfers.size()) + 16);
+  // The reshuffle moves whole tokens (every head) wherever the ring's pieces change hands.
+  int64_t moved = 0;
+  for (const plan::ReshufflePiece& p : hp.ring.reshuffle) {
+    if (p.userWorker != p.fcpWorker) moved += p.end - p.begin;
+  }
+  const AttentionConfig a = attention();
+  ASSERT_GT(moved, 0);
+  EXPECT_EQ(simulateHeadParallel(hp.ring, a, 2, links).reshuffleBytes,
+            moved * (a.qBytesPerToken() + a.kvBytesPerToken() + a.oBytesPerToken()));
 }
 
 TEST(HeadParallelTest, UspTakesTheLargestDegreeANodeAndTheHeadsAllow) {
@@ -169,6 +195,51 @@ TEST(HeadParallelTest, UspTakesTheLargestDegreeANodeAndTheHeadsAllow) {
   EXPECT_EQ(degree(4, 8, 64, 8), 4);   // one node, not full: pure Ulysses
   EXPECT_EQ(degree(12, 8, 64, 8), 4);  // 6 does not divide the heads
   EXPECT_EQ(degree(16, 8, 6, 3), 1);   // 8, 4 and 2 cannot split 6 : 3 heads: a plain ring
+  EXPECT_EQ(degree(12, 8, 48, 48), 4);  // 6 would put workers 6-11 on two nodes
+  // Given an oracle, USP takes the legal degree it times fastest, across nodes too.
+  const auto tuned = [&](const baselines::HeadParallelOracle& oracle) {
+    return baselines::headParallelPlan("usp", batch, config(64, 1024), CostModel{attention()}, 8,
+                                       oracle)
+        .degree;
+  };
+  // 8 : 2 heads over 64 workers: degrees 1, 2, 4 and 8 (16 splits no 8 query heads).
+  EXPECT_EQ(
+      tuned([](const baselines::HeadParallelPlan& h) { return -static_cast<double>(h.degree); }),
+      8);
+  EXPECT_EQ(tuned([](const baselines::HeadParallelPlan& h) { return h.degree == 2 ? 0.0 : 1.0; }),
+            2);
+  EXPECT_EQ(tuned([](const baselines::HeadParallelPlan&) { return 1.0; }),
+            1);  // a tie: the smallest
+  plan::PlanConfig many = config(64, 1024);
+  many.attention.numHeadsQ = 64;
+  many.attention.numHeadsKv = 8;
+  const baselines::HeadParallelOracle largest = [](const baselines::HeadParallelPlan& h) {
+    return -static_cast<double>(h.degree);
+  };
+  EXPECT_EQ(
+      baselines::headParallelPlan("usp", batch, many, CostModel{many.attention}, 8, largest).degree,
+      64);  // eight nodes' Ulysses
+}
+
+TEST(HeadParallelTest, FcpWithUlyssesPlansTheGroupsWithFcpsOwnPlanner) {
+  // 8 workers, 2 per node: 4 FCP workers of 2 x 2048 tokens' memory, each with half the heads.
+  const Batch batch{{9000, 3000, 2500, 1200, 400, 284}};
+  const auto hp =
+      baselines::headParallelPlan("fcp+ulysses", batch, config(8, 2048), CostModel{attention()}, 2);
+  ASSERT_EQ(hp.degree, 2);
+  EXPECT_EQ(hp.ring.strategy, "fcp");
+  EXPECT_EQ(plan::validate(hp.ring), std::vector<std::string>{});
+  plan::PlanConfig groups = config(4, 4096);
+  groups.attention = headShare(attention(), 2);
+  const plan::Plan fcp = plan::buildPlan(batch, groups, CostModel{groups.attention});
+  EXPECT_EQ(hp.ring.config.numWorkers, 4);
+  EXPECT_EQ(hp.ring.config.tokensPerWorker, 4096);
+  EXPECT_EQ(hp.ring.config.attention, groups.attention);
+  EXPECT_EQ(plan::planDigest(hp.ring), plan::planDigest(fcp));  // the same plan, to the byte
+  // And it times like any head-parallel plan: both all-to-alls and each member's FCP share.
+  const SimResult r = simulateHeadParallel(hp.ring, attention(), 2, hardware(2), noReshuffle());
+  EXPECT_GT(r.mfu, 0);
+  EXPECT_EQ(r.transferBytes % 2, 0);
 }
 
 TEST(HeadParallelTest, UlyssesOnMoreWorkersThanHeadsIsRefused) {

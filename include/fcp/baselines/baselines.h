@@ -66,25 +66,38 @@ plan::Plan wlbPlan(const Batch& batch, const plan::PlanConfig& config, const Cos
 plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
                            const CostModel& costModel, int step);
 
-/// Head-parallel baselines, which move heads rather than KV blocks and so are no Plan of their
-/// own: a Zig-Zag ring plan over groups of `degree` workers with one worker's head share
-/// (fcp::headShare), which sim::simulateHeadParallel times with the groups' all-to-alls.
-/// - "ulysses": DeepSpeed-Ulysses; one group of every worker (degree = the workers, a ring of
-///   one), so the workers must divide the query heads and divide or be a multiple of the
-///   key/value heads.
-/// - "usp": USP (Unified Sequence Parallelism, yunchang's long-context-attention) as its authors
-///   advise running it: Ulysses inside a node and ring attention across nodes. The degree is the
-///   largest divisor of the workers that is at most `workersPerNode` and that headShare accepts.
-/// Other baselines' rules hold: no memory cap, Zig-Zag pieces of each sequence across the ring.
+/// Head-parallel strategies, which move heads rather than KV blocks and so are no Plan of their
+/// own: a plan over groups of `degree` consecutive workers with one worker's head share
+/// (fcp::headShare), which sim::simulateHeadParallel times with the groups' all-to-alls. A
+/// group never straddles a node part-way: its degree divides the workers per node or is a
+/// multiple of them.
+/// - "ulysses": DeepSpeed-Ulysses; one group of every worker (a ring of one), so the workers
+///   must divide the query heads and divide or be a multiple of the key/value heads.
+/// - "usp": USP (Unified Sequence Parallelism, yunchang's long-context-attention): Ulysses
+///   inside each group, Zig-Zag ring attention across the groups. Its degree is the user's to
+///   tune: given an `oracle`, the degree of the least oracle time among every legal one (the
+///   smallest on a tie); without, the largest legal degree within a node, as its authors
+///   advise.
+/// - "fcp+ulysses": FCP as its paper deploys it on rail-optimised clusters ("we enable Ulysses
+///   with FCP to avoid two-hop communication"): Ulysses inside a node at the largest legal
+///   degree within it, never tuned, and FCP's planner across the groups, each group one FCP
+///   worker holding its members' tokens (tokens per worker × degree: the same memory per
+///   member) with one member's heads.
+/// The ring and ulysses keep the other baselines' rules: no memory cap, Zig-Zag pieces of each
+/// sequence across the ring.
 struct HeadParallelPlan {
+  /// The plan over the groups, with one member's heads: Zig-Zag ring attention (strategy
+  /// "ring"), or FCP's ("fcp"), which plan::validate accepts as such.
   plan::Plan ring;
   int64_t degree = 1;
 };
+/// Estimates a head-parallel plan's step time (lower is better); USP's choice of degree.
+using HeadParallelOracle = std::function<double(const HeadParallelPlan&)>;
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                                   const plan::PlanConfig& config, const CostModel& costModel,
-                                  int64_t workersPerNode);
+                                  int64_t workersPerNode, const HeadParallelOracle& oracle = {});
 
-/// Names accepted by headParallelPlan: ulysses, usp.
+/// Names accepted by headParallelPlan: ulysses, usp, fcp+ulysses.
 const std::vector<std::string>& headParallelNames();
 
 /// Names accepted by makePlan: fcp, ring, bytescale, wlb, magi, megatron.
