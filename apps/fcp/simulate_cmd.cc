@@ -52,6 +52,7 @@ struct SimulateArgs {
   bool forwardOnly = false;
   bool noReshuffle = false;
   std::string kernelLaunch;  ///< empty: the profile's
+  int64_t ulyssesDegree = 0;  ///< usp and fcp+ulysses; 0: theirs (usp tuned, fcp+ulysses a node)
   bool json = false;
   bool csv = false;
 };
@@ -147,6 +148,14 @@ void checkArgs(const SimulateArgs& a) {
     if (w <= 0 || w > (int64_t{1} << 20)) {
       throwInvalidArgument("invalid --workers ", w, ": expected 1 to 2^20");
     }
+  }
+  const auto lists = [&](const char* s) {
+    return std::find(a.strategies.begin(), a.strategies.end(), s) != a.strategies.end();
+  };
+  if (a.ulyssesDegree != 0 && !lists("usp") && !lists("fcp+ulysses")) {
+    throwInvalidArgument("--ulysses-degree ", a.ulyssesDegree,
+                         " without usp or fcp+ulysses in --strategy: expected one of them, whose "
+                         "Ulysses groups it sizes");
   }
   // Ulysses gives each worker whole heads: a worker count it cannot split the heads over is
   // refused before any cell runs.
@@ -324,7 +333,7 @@ void runSimulate(const SimulateArgs& a) {
             return sim::simulateHeadParallel(h.ring, config.attention, h.degree, hw, o).timeMs;
           };
           hp = baselines::headParallelPlan(strategy, batch, config, costModel, hw.workersPerNode,
-                                           degrees);
+                                           degrees, a.ulyssesDegree);
         } else {
           p = baselines::makePlan(strategy, batch, config, costModel, oracle);
         }
@@ -444,6 +453,9 @@ void addSimulateCommand(CLI::App& app) {
           "FCP's placement, as for fcp plan: local (blocks stay where the user layout holds "
           "them unless balance needs them elsewhere) or lpt (the paper's Zig-Zag blocks and LPT "
           "greedy; with --no-reshuffle the local placement has nothing to save)");
+  addInteger(cmd, "--ulysses-degree", args->ulyssesDegree, 1, kMaxSimulatedWorkers,
+             "Workers per Ulysses group of usp and fcp+ulysses (default: usp the degree that "
+             "simulates fastest, fcp+ulysses the largest within a node)");
   cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");
   cmd->add_flag("--csv", args->csv, "CSV, one row per (strategy, workers)");
   cmd->callback([args] { runSimulate(*args); });

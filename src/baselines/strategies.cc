@@ -120,10 +120,21 @@ HeadParallelPlan groupPlan(bool fcp, const Batch& batch, const plan::PlanConfig&
 
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                                   const plan::PlanConfig& config, const CostModel& costModel,
-                                  int64_t workersPerNode, const HeadParallelOracle& oracle) {
+                                  int64_t workersPerNode, const HeadParallelOracle& oracle,
+                                  int64_t degree) {
   detail::checkBaselineConfig(batch, config);
   const AttentionConfig& attention = config.attention;
   const int64_t n = config.numWorkers;
+  if (degree != 0 && name != "ulysses") {
+    if (degree < 1 || degree > n || !legalDegree(degree, n, workersPerNode, attention)) {
+      throwInvalidArgument(
+          name, " with Ulysses degree ", degree, " on ", n, " workers (", workersPerNode,
+          " per node) and ", attention.numHeadsQ, " query and ", attention.numHeadsKv,
+          " key/value heads: expected a divisor of the workers that splits the heads and "
+          "divides a node or is whole nodes");
+    }
+    return groupPlan(name == "fcp+ulysses", batch, config, costModel, degree);
+  }
   if (name == "ulysses") {
     const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
     if (hq % n != 0 || (hkv % n != 0 && n % hkv != 0)) {
@@ -156,7 +167,7 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
     }
     return std::move(*best);  // degree 1 is always legal
   }
-  int64_t degree = 1;
+  degree = 1;
   for (int64_t d = std::min(n, workersPerNode); d > 1; --d) {
     if (legalDegree(d, n, workersPerNode, attention)) {
       degree = d;

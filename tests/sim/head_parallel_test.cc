@@ -219,6 +219,19 @@ TEST(HeadParallelTest, UspTakesTheLargestDegreeANodeAndTheHeadsAllow) {
   EXPECT_EQ(
       baselines::headParallelPlan("usp", batch, many, CostModel{many.attention}, 8, largest).degree,
       64);  // eight nodes' Ulysses
+  // A degree given is taken as it is, oracle or not, when legal; else refused.
+  EXPECT_EQ(
+      baselines::headParallelPlan("usp", batch, many, CostModel{many.attention}, 8, largest, 2)
+          .degree,
+      2);
+  EXPECT_EQ(
+      baselines::headParallelPlan("fcp+ulysses", batch, many, CostModel{many.attention}, 8, {}, 16)
+          .degree,
+      16);
+  EXPECT_NE(errorOf([&] {
+              baselines::headParallelPlan("usp", batch, many, CostModel{many.attention}, 8, {}, 12);
+            }).find("usp with Ulysses degree 12 on 64 workers"),
+            std::string::npos);
 }
 
 TEST(HeadParallelTest, FcpWithUlyssesPlansTheGroupsWithFcpsOwnPlanner) {

@@ -83,6 +83,8 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
 ///   degree within it, never tuned, and FCP's planner across the groups, each group one FCP
 ///   worker holding its members' tokens (tokens per worker × degree: the same memory per
 ///   member) with one member's heads.
+/// A `degree` other than 0 fixes usp's and fcp+ulysses's degree instead (Error
+/// kInvalidArgument unless it is a legal one); ulysses ignores it.
 /// The ring and ulysses keep the other baselines' rules: no memory cap, Zig-Zag pieces of each
 /// sequence across the ring.
 struct HeadParallelPlan {
@@ -95,7 +97,8 @@ struct HeadParallelPlan {
 using HeadParallelOracle = std::function<double(const HeadParallelPlan&)>;
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                                   const plan::PlanConfig& config, const CostModel& costModel,
-                                  int64_t workersPerNode, const HeadParallelOracle& oracle = {});
+                                  int64_t workersPerNode, const HeadParallelOracle& oracle = {},
+                                  int64_t degree = 0);
 
 /// Names accepted by headParallelPlan: ulysses, usp, fcp+ulysses.
 const std::vector<std::string>& headParallelNames();
