@@ -18,7 +18,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 OUT = "docs/figures"
-ALL = "fcp,ring,bytescale,wlb,magi,megatron,usp"
+# fcp+ulysses: FCP across nodes with Ulysses inside each, as the FCP paper deploys it on
+# rail-optimised clusters; usp tunes its Ulysses degree (every legal one simulated).
+ALL = "fcp,fcp+ulysses,ring,bytescale,wlb,magi,megatron,usp"
 # DeepSpeed-Ulysses splits the 64 query heads over the GPUs: only where the GPUs divide them.
 HEADS_Q = 64
 
@@ -84,10 +86,11 @@ def main():
         ulysses = [w for w in sweep(0, a.all_up_to).split(",") if w and HEADS_Q % int(w) == 0]
         if ulysses:
             rows += simulate(a.fcp, strategy="ulysses", workers=",".join(ulysses), workload=wl, batches=k)
-        # Larger: ring's and Magi's plans grow as P^2 transfers (and WLB's oracle simulates
-        # ring), so the large sweep runs FCP and the group-based baselines, with one batch.
+        # Larger: ring's and Magi's plans grow as P^2 transfers (WLB's oracle simulates ring,
+        # USP's every degree's ring: a minute at 512 GPUs, where it is at 0.185 and falling),
+        # so the large sweep runs FCP and the group-based baselines, with one batch.
         if sweep(a.all_up_to, 4096):
-            rows += simulate(a.fcp, strategy="fcp,bytescale,megatron", workers=sweep(a.all_up_to, 4096),
+            rows += simulate(a.fcp, strategy="fcp,fcp+ulysses,bytescale,megatron", workers=sweep(a.all_up_to, 4096),
                              workload=wl, batches=1)
         save(rows, f"weak_scaling_{wl}")
         plot_lines(rows, "workers", "mfu", "strategy", f"Weak scaling, {wl}, H100, 32K tokens/GPU",

@@ -157,7 +157,9 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
     std::optional<HeadParallelPlan> best;
     double bestTime = 0;
     for (int64_t d = 1; d <= n; ++d) {
-      if (!legalDegree(d, n, workersPerNode, attention)) continue;
+      // A ring past the baselines' size limit is no candidate.
+      const int64_t ring = n / d;
+      if (!legalDegree(d, n, workersPerNode, attention) || ring > plan::kMaxPairs / ring) continue;
       HeadParallelPlan candidate = groupPlan(false, batch, config, costModel, d);
       const double time = oracle(candidate);
       if (!best || time < bestTime) {
@@ -165,7 +167,8 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
         bestTime = time;
       }
     }
-    return std::move(*best);  // degree 1 is always legal
+    if (best) return std::move(*best);
+    // Else no legal degree's ring fits: the node's degree below names the limit.
   }
   degree = 1;
   for (int64_t d = std::min(n, workersPerNode); d > 1; --d) {
