@@ -799,3 +799,83 @@ def test_one_ranks_bad_argument_fails_every_rank(group):
         ft.Batch(cu, None if rank == last else mine, comm, **options)
     assert time.perf_counter() - start < 30
     assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
+
+
+class _HeadsOfGroup(torch.autograd.Function):
+    """Ulysses' exchange inside a group of `degree` ranks (the test's own, as a user writes it):
+    each member's rows, every head, in; the group's rows of this member's share of the heads out.
+    all_gather, which gloo has (it has no all_to_all); members hold equal rows."""
+
+    @staticmethod
+    def forward(ctx, x, pg, degree, member):
+        parts = [torch.empty_like(x) for _ in range(degree)]
+        dist.all_gather(parts, x.contiguous(), group=pg)
+        h = x.shape[1] // degree
+        ctx.pg, ctx.degree, ctx.member = pg, degree, member
+        return torch.cat(parts)[:, member * h:(member + 1) * h].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(ctx.degree)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.pg)
+        rows = g.shape[0] // ctx.degree
+        mine = slice(ctx.member * rows, (ctx.member + 1) * rows)
+        return torch.cat([p[mine] for p in parts], dim=1), None, None, None
+
+
+class _RowsOfGroup(torch.autograd.Function):
+    """The exchange back: the group's rows of this member's heads in; this member's rows, every
+    head, out."""
+
+    @staticmethod
+    def forward(ctx, x, pg, degree, member):
+        parts = [torch.empty_like(x) for _ in range(degree)]
+        dist.all_gather(parts, x.contiguous(), group=pg)
+        rows = x.shape[0] // degree
+        ctx.pg, ctx.degree, ctx.member = pg, degree, member
+        return torch.cat([p[member * rows:(member + 1) * rows] for p in parts], dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(ctx.degree)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.pg)
+        h = g.shape[1] // ctx.degree
+        return torch.cat([p[:, ctx.member * h:(ctx.member + 1) * h] for p in parts]), None, None, None
+
+
+@pytest.mark.skipif(USE_MPI, reason="the test's Ulysses exchange uses torch.distributed's all_gather")
+def test_ulysses_inside_groups_and_fcp_across_them(group):
+    """FCP as its paper deploys it on rail-optimised clusters (fcp simulate's fcp+ulysses): a
+    group of `degree` ranks exchanges rows for heads (the caller's own code), and FCP runs across
+    the groups on each member's share of the heads, its batch over the members of one index
+    (``group``) and the group's rows (``local_range``). Outputs and gradients against the float64
+    reference of the whole batch."""
+    comm, rank, ranks = group
+    degree = 2 if ranks % 2 == 0 else 1
+    groups = ranks // degree
+    node, member = rank // degree, rank % degree
+    heads, kv_heads, dim = 4, 2, 16
+    cu = [0, 70, 71, 200, 360, 240 * ranks]  # rows divide evenly over ranks and groups
+    total = cu[-1]
+    g = torch.Generator().manual_seed(7)
+    whole = {name: torch.randn(total, h, dim, generator=g, dtype=torch.float64)
+             for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("do", heads))}
+    # Every rank makes every group, in the same order, as torch.distributed asks.
+    ulysses = [dist.new_group(list(range(n * degree, (n + 1) * degree))) for n in range(groups)]
+    across = [dist.new_group(list(range(j, ranks, degree))) for j in range(degree)]
+    rows, node_rows = total // ranks, total // groups
+    begin = rank * rows
+    mine = {n: t[begin:begin + rows].float().clone().requires_grad_(n != "do") for n, t in whole.items()}
+    share = [_HeadsOfGroup.apply(mine[n], ulysses[node], degree, member) for n in ("q", "k", "v")]
+    batch = ft.Batch(cu, (node * node_rows, (node + 1) * node_rows), across[member], heads=heads // degree,
+                     kv_heads=kv_heads // degree, head_dim=dim, block_size=64)
+    o = _RowsOfGroup.apply(ft.attention(*share, batch), ulysses[node], degree, member)
+    (o * mine["do"]).sum().backward()
+
+    ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
+    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, True)
+    (ref * ref_inputs["do"]).sum().backward()
+    assert o.shape == (rows, heads, dim)
+    assert rel(o, ref[begin:begin + rows]) <= 1e-5
+    for n in ("q", "k", "v"):
+        assert rel(mine[n].grad, ref_inputs[n].grad[begin:begin + rows]) <= 1e-5, n
