@@ -801,6 +801,13 @@ def test_one_ranks_bad_argument_fails_every_rank(group):
     assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
 
 
+def _gathered(x, pg, degree):
+    """Every member's x (all_gather over the group)."""
+    parts = [torch.empty_like(x) for _ in range(degree)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    return parts
+
+
 class _HeadsOfGroup(torch.autograd.Function):
     """Ulysses' exchange inside a group of `degree` ranks (the test's own, as a user writes it):
     each member's rows, every head, in; the group's rows of this member's share of the heads out.
@@ -808,16 +815,14 @@ class _HeadsOfGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pg, degree, member):
-        parts = [torch.empty_like(x) for _ in range(degree)]
-        dist.all_gather(parts, x.contiguous(), group=pg)
+        parts = _gathered(x, pg, degree)
         h = x.shape[1] // degree
         ctx.pg, ctx.degree, ctx.member = pg, degree, member
         return torch.cat(parts)[:, member * h:(member + 1) * h].contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        parts = [torch.empty_like(g) for _ in range(ctx.degree)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.pg)
+        parts = _gathered(g, ctx.pg, ctx.degree)
         rows = g.shape[0] // ctx.degree
         mine = slice(ctx.member * rows, (ctx.member + 1) * rows)
         return torch.cat([p[mine] for p in parts], dim=1), None, None, None
@@ -829,16 +834,14 @@ class _RowsOfGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pg, degree, member):
-        parts = [torch.empty_like(x) for _ in range(degree)]
-        dist.all_gather(parts, x.contiguous(), group=pg)
+        parts = _gathered(x, pg, degree)
         rows = x.shape[0] // degree
         ctx.pg, ctx.degree, ctx.member = pg, degree, member
         return torch.cat([p[member * rows:(member + 1) * rows] for p in parts], dim=1)
 
     @staticmethod
     def backward(ctx, g):
-        parts = [torch.empty_like(g) for _ in range(ctx.degree)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.pg)
+        parts = _gathered(g, ctx.pg, ctx.degree)
         h = g.shape[1] // ctx.degree
         return torch.cat([p[:, ctx.member * h:(ctx.member + 1) * h] for p in parts]), None, None, None
 
