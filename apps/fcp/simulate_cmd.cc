@@ -63,6 +63,7 @@ struct Cell {
   double computeImbalance = 0, commImbalance = 0, computeMs = 0, idleMs = 0;
   double transferBytes = 0, reshuffleBytes = 0, planMs = 0, simMs = 0;
   int64_t batches = 0;
+  std::vector<int64_t> ulyssesDegrees;  ///< per batch, for the head-parallel strategies
 
   void add(const sim::SimResult& r, double plan, double simulate) {
     mfu += r.mfu;
@@ -213,6 +214,14 @@ nlohmann::json record(const std::string& strategy, int64_t workers, const Cell& 
           {"sim_ms", c.simMs}};
 }
 
+/// record() with each batch's Ulysses degree for the head-parallel strategies (usp's is tuned).
+nlohmann::json recordOf(const std::string& strategy, int64_t workers, const Cell& c,
+                        const plan::PlanConfig& config, const std::string& hardware) {
+  nlohmann::json r = record(strategy, workers, c, config, hardware);
+  if (!c.ulyssesDegrees.empty()) r["ulysses_degree"] = c.ulyssesDegrees;
+  return r;
+}
+
 /// What simulate prints, kept until every cell has run: an error in a later cell (a baseline
 /// past its size limit, say) then leaves stdout empty instead of half a table.
 struct Output {
@@ -284,6 +293,16 @@ void runSimulate(const SimulateArgs& a) {
     table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
                 "time_ms", "imb_comp", "imb_comm");
   }
+  if (a.ulyssesDegree != 0) {
+    // Every cell's degree, before the first cell runs (checkArgs has no profile yet).
+    for (const int64_t workers : a.workers) {
+      for (const char* s : {"usp", "fcp+ulysses"}) {
+        if (std::find(a.strategies.begin(), a.strategies.end(), s) != a.strategies.end())
+          baselines::checkUlyssesDegree(s, a.ulyssesDegree, workers, hw.workersPerNode,
+                                        base.attention);
+      }
+    }
+  }
   const int64_t givenTokens = givenTokensPerWorker(a);
   const int64_t tokensPerWorker = a.trace.empty() ? sampledTokensPerWorker(a) : givenTokens;
   const bool plansUnderTheCap =
@@ -343,6 +362,7 @@ void runSimulate(const SimulateArgs& a) {
             hp ? sim::simulateHeadParallel(hp->ring, config.attention, hp->degree, hw, o)
                : sim::simulate(*p, hw, o);
         cells[strategy].add(r, planMs, msSince(simStart));
+        if (hp) cells[strategy].ulyssesDegrees.push_back(hp->degree);
         ++done;
         if (progress) {
           std::fprintf(stderr, "%sfcp simulate: %zu/%zu  %s, %lld workers, batch %lld  (%.1f s)%s",
@@ -355,7 +375,7 @@ void runSimulate(const SimulateArgs& a) {
       Cell& c = cells[strategy];
       c.finish();
       if (a.json) {
-        table.text += record(strategy, workers, c, config, hw.name).dump() + '\n';
+        table.text += recordOf(strategy, workers, c, config, hw.name).dump() + '\n';
       } else if (a.csv) {
         table.printf("%s,%lld,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f,%.3f,%.3f\n",
                     strategy.c_str(), static_cast<long long>(workers), static_cast<long long>(c.batches), c.mfu,

@@ -90,14 +90,23 @@ void checkBaselineSize(const std::string& name, const Batch& batch, const plan::
 
 namespace {
 
+/// Whether groups of `degree` consecutive workers each sit inside one node or are whole nodes.
+bool groupsFitNodes(int64_t degree, int64_t workers, int64_t workersPerNode) {
+  if (degree % workersPerNode == 0) return true;  // whole nodes (groups start at multiples)
+  for (int64_t first = 0; first < workers; first += degree) {
+    if (first / workersPerNode != (first + degree - 1) / workersPerNode) return false;
+  }
+  return true;
+}
+
 /// Whether `degree` workers can form head-parallel groups of `attention`'s heads over `workers`
-/// workers without a group straddling a node boundary part-way (a degree that divides a node,
-/// or whole nodes).
+/// workers with no group straddling a node part-way.
 bool legalDegree(int64_t degree, int64_t workers, int64_t workersPerNode,
                  const AttentionConfig& attention) {
   const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
-  return workers % degree == 0 && hq % degree == 0 && (hkv % degree == 0 || degree % hkv == 0) &&
-         (workersPerNode % degree == 0 || degree % workersPerNode == 0);
+  return degree >= 1 && degree <= workers && workers % degree == 0 && hq % degree == 0 &&
+         (hkv % degree == 0 || degree % hkv == 0) &&
+         groupsFitNodes(degree, workers, workersPerNode);
 }
 
 /// The plan over groups of `degree` workers with one member's heads: FCP's or a Zig-Zag ring.
@@ -106,6 +115,14 @@ HeadParallelPlan groupPlan(bool fcp, const Batch& batch, const plan::PlanConfig&
   plan::PlanConfig c = config;
   c.numWorkers = config.numWorkers / degree;
   c.tokensPerWorker = config.tokensPerWorker * degree;
+  if (config.memoryLimitTokens > 0) c.memoryLimitTokens = config.memoryLimitTokens * degree;
+  if (!config.userStarts.empty()) {
+    // A group holds its members' tokens: every degree-th boundary of the user layout.
+    c.userStarts.clear();
+    for (size_t r = 0; r < config.userStarts.size(); r += static_cast<size_t>(degree)) {
+      c.userStarts.push_back(config.userStarts[r]);
+    }
+  }
   c.attention = headShare(config.attention, degree);
   CostModel share = costModel;
   share.attention = c.attention;
@@ -118,6 +135,16 @@ HeadParallelPlan groupPlan(bool fcp, const Batch& batch, const plan::PlanConfig&
 
 }  // namespace
 
+void checkUlyssesDegree(const std::string& name, int64_t degree, int64_t workers,
+                        int64_t workersPerNode, const AttentionConfig& attention) {
+  if (workersPerNode >= 1 && legalDegree(degree, workers, workersPerNode, attention)) return;
+  throwInvalidArgument(name, " with Ulysses degree ", degree, " on ", workers, " workers (",
+                       workersPerNode, " per node) and ", attention.numHeadsQ, " query and ",
+                       attention.numHeadsKv,
+                       " key/value heads: expected a divisor of the workers that splits the heads, "
+                       "its groups each inside a node or whole nodes");
+}
+
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                                   const plan::PlanConfig& config, const CostModel& costModel,
                                   int64_t workersPerNode, const HeadParallelOracle& oracle,
@@ -125,14 +152,12 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
   detail::checkBaselineConfig(batch, config);
   const AttentionConfig& attention = config.attention;
   const int64_t n = config.numWorkers;
+  if (name != "ulysses" && name != "usp" && name != "fcp+ulysses") {
+    throwInvalidArgument("unknown head-parallel strategy '", name,
+                         "': expected ulysses, usp or fcp+ulysses");
+  }
   if (degree != 0 && name != "ulysses") {
-    if (degree < 1 || degree > n || !legalDegree(degree, n, workersPerNode, attention)) {
-      throwInvalidArgument(
-          name, " with Ulysses degree ", degree, " on ", n, " workers (", workersPerNode,
-          " per node) and ", attention.numHeadsQ, " query and ", attention.numHeadsKv,
-          " key/value heads: expected a divisor of the workers that splits the heads and "
-          "divides a node or is whole nodes");
-    }
+    checkUlyssesDegree(name, degree, n, workersPerNode, attention);
     return groupPlan(name == "fcp+ulysses", batch, config, costModel, degree);
   }
   if (name == "ulysses") {
@@ -143,10 +168,6 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
                            "divide or are a multiple of the key/value heads (or usp)");
     }
     return groupPlan(false, batch, config, costModel, n);
-  }
-  if (name != "usp" && name != "fcp+ulysses") {
-    throwInvalidArgument("unknown head-parallel strategy '", name,
-                         "': expected ulysses, usp or fcp+ulysses");
   }
   if (workersPerNode < 1) {
     throwInvalidArgument(name, " with ", workersPerNode, " workers per node: expected at least 1");

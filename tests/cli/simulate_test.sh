@@ -112,8 +112,10 @@ fi
 # any cell runs; USP is in the default list and, on one node of 8, is Ulysses itself.
 expect ulysses_past_heads "--strategy ulysses on --workers 128 with --heads-q 64 and --heads-kv 8: expected worker counts that divide the query heads and divide or are a multiple of the key/value heads (usp runs at any count)" \
   --strategy ulysses --workers 16,128
-expect ulysses_degree_illegal "usp with Ulysses degree 6 on 12 workers (8 per node) and 64 query and 8 key/value heads: expected a divisor of the workers that splits the heads and divides a node or is whole nodes" \
+expect ulysses_degree_illegal "usp with Ulysses degree 6 on 12 workers (8 per node) and 64 query and 8 key/value heads: expected a divisor of the workers that splits the heads, its groups each inside a node or whole nodes" \
   --strategy usp --workers 12 --ulysses-degree 6
+# Refused before the 16-worker cell runs, as every cell's batch is.
+expect ulysses_degree_later_cell "usp with Ulysses degree 8 on 12 workers" --strategy usp --workers 16,12 --ulysses-degree 8
 expect ulysses_degree_unused "--ulysses-degree 8 without usp or fcp+ulysses in --strategy" --strategy fcp --ulysses-degree 8
 "$fcp" simulate --workers 8 --csv > "$tmp/default.csv" 2> /dev/null
 "$fcp" simulate --workers 8 --csv --strategy ulysses,usp,fcp+ulysses > "$tmp/heads.csv" 2> /dev/null

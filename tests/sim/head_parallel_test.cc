@@ -196,6 +196,7 @@ TEST(HeadParallelTest, UspTakesTheLargestDegreeANodeAndTheHeadsAllow) {
   EXPECT_EQ(degree(12, 8, 64, 8), 4);  // 6 does not divide the heads
   EXPECT_EQ(degree(16, 8, 6, 3), 1);   // 8, 4 and 2 cannot split 6 : 3 heads: a plain ring
   EXPECT_EQ(degree(12, 8, 48, 48), 4);  // 6 would put workers 6-11 on two nodes
+  EXPECT_EQ(degree(6, 8, 48, 6), 6);    // one group filling part of one node
   // Given an oracle, USP takes the legal degree it times fastest, across nodes too.
   const auto tuned = [&](const baselines::HeadParallelOracle& oracle) {
     return baselines::headParallelPlan("usp", batch, config(64, 1024), CostModel{attention()}, 8,
@@ -249,6 +250,15 @@ TEST(HeadParallelTest, FcpWithUlyssesPlansTheGroupsWithFcpsOwnPlanner) {
   EXPECT_EQ(hp.ring.config.tokensPerWorker, 4096);
   EXPECT_EQ(hp.ring.config.attention, groups.attention);
   EXPECT_EQ(plan::planDigest(hp.ring), plan::planDigest(fcp));  // the same plan, to the byte
+  // The library's own layout and memory limit, per group: every second boundary, twice the limit.
+  plan::PlanConfig laid = config(8, 2048);
+  laid.userStarts = {0, 1000, 2000, 4096, 6000, 8192, 10000, 12288, 16384};
+  laid.memoryLimitTokens = 3000;
+  const auto grouped =
+      baselines::headParallelPlan("fcp+ulysses", batch, laid, CostModel{attention()}, 2);
+  EXPECT_EQ(grouped.ring.config.userStarts, (std::vector<int64_t>{0, 2000, 6000, 10000, 16384}));
+  EXPECT_EQ(grouped.ring.config.memoryLimitTokens, 6000);
+  EXPECT_EQ(plan::validate(grouped.ring), std::vector<std::string>{});
   // And it times like any head-parallel plan: both all-to-alls and each member's FCP share.
   const SimResult r = simulateHeadParallel(hp.ring, attention(), 2, hardware(2), noReshuffle());
   EXPECT_GT(r.mfu, 0);

@@ -69,8 +69,7 @@ plan::Plan fcpAblationPlan(const Batch& batch, const plan::PlanConfig& config,
 /// Head-parallel strategies, which move heads rather than KV blocks and so are no Plan of their
 /// own: a plan over groups of `degree` consecutive workers with one worker's head share
 /// (fcp::headShare), which sim::simulateHeadParallel times with the groups' all-to-alls. A
-/// group never straddles a node part-way: its degree divides the workers per node or is a
-/// multiple of them.
+/// group never straddles a node part-way: each sits inside one node or is whole nodes.
 /// - "ulysses": DeepSpeed-Ulysses; one group of every worker (a ring of one), so the workers
 ///   must divide the query heads and divide or be a multiple of the key/value heads.
 /// - "usp": USP (Unified Sequence Parallelism, yunchang's long-context-attention): Ulysses
@@ -93,6 +92,11 @@ struct HeadParallelPlan {
   plan::Plan ring;
   int64_t degree = 1;
 };
+/// Throws Error(kInvalidArgument), naming them, unless `degree` is a legal Ulysses degree for
+/// `name` (usp or fcp+ulysses) on `workers` workers: a divisor of the workers that splits the
+/// heads (fcp::headShare), its groups of consecutive workers each inside a node or whole nodes.
+void checkUlyssesDegree(const std::string& name, int64_t degree, int64_t workers,
+                        int64_t workersPerNode, const AttentionConfig& attention);
 /// Estimates a head-parallel plan's step time (lower is better); USP's choice of degree.
 using HeadParallelOracle = std::function<double(const HeadParallelPlan&)>;
 HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
