@@ -78,8 +78,10 @@ struct SimResult {
 SimResult simulate(const plan::Plan& plan, const HardwareProfile& hardware,
                    const SimOptions& options = {});
 
-/// Simulates head-parallel context parallelism: DeepSpeed-Ulysses and USP (its hybrid with a
-/// ring). The job's workers are ring.config.numWorkers groups of `degree` consecutive workers;
+/// Simulates head-parallel context parallelism: DeepSpeed-Ulysses, USP (its hybrid with a
+/// ring), and FCP across groups with Ulysses inside each (`ring` is then an FCP plan over the
+/// groups; any valid plan is timed alike). The job's workers are ring.config.numWorkers groups
+/// of `degree` consecutive workers;
 /// group i holds the tokens ring worker i holds (each member 1/degree of them, all heads).
 /// Each pass opens with an all-to-all inside every group that gives each member its head share
 /// (fcp::headShare) of the group's tokens (forward Q, K and V; backward dO), then runs `ring` (a
