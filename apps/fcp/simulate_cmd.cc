@@ -1,4 +1,6 @@
 // `fcp simulate`: plans batches with FCP and the baselines and times them on a hardware model.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
@@ -6,13 +8,13 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <optional>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "commands.h"
 #include "common.h"
 #include "fcp/baselines/baselines.h"
+#include "fcp/core/config.h"
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
 #include "fcp/core/units.h"
@@ -119,6 +121,11 @@ sim::KernelLaunch kernelLaunch(const std::string& text, sim::KernelLaunch profil
   throwInvalidArgument("invalid --kernel-launch '", printable(text), "': expected pair or stage");
 }
 
+/// Whether --strategy lists `name`.
+bool lists(const SimulateArgs& a, const char* name) {
+  return std::find(a.strategies.begin(), a.strategies.end(), name) != a.strategies.end();
+}
+
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   (void)kernelLaunch(a.kernelLaunch, sim::KernelLaunch::kPair);
@@ -150,19 +157,16 @@ void checkArgs(const SimulateArgs& a) {
       throwInvalidArgument("invalid --workers ", w, ": expected 1 to 2^20");
     }
   }
-  const auto lists = [&](const char* s) {
-    return std::find(a.strategies.begin(), a.strategies.end(), s) != a.strategies.end();
-  };
-  if (a.ulyssesDegree != 0 && !lists("usp") && !lists("fcp+ulysses")) {
+  if (a.ulyssesDegree != 0 && !lists(a, "usp") && !lists(a, "fcp+ulysses")) {
     throwInvalidArgument("--ulysses-degree ", a.ulyssesDegree,
                          " without usp or fcp+ulysses in --strategy: expected one of them, whose "
                          "Ulysses groups it sizes");
   }
   // Ulysses gives each worker whole heads: a worker count it cannot split the heads over is
   // refused before any cell runs.
-  if (std::find(a.strategies.begin(), a.strategies.end(), "ulysses") != a.strategies.end()) {
+  if (lists(a, "ulysses")) {
     for (int64_t w : a.workers) {
-      if (a.headsQ % w != 0 || (a.headsKv % w != 0 && w % a.headsKv != 0)) {
+      if (!splitsHeads(AttentionConfig{.numHeadsQ = a.headsQ, .numHeadsKv = a.headsKv}, w)) {
         throwInvalidArgument("--strategy ulysses on --workers ", w, " with --heads-q ", a.headsQ,
                              " and --heads-kv ", a.headsKv,
                              ": expected worker counts that divide the query heads and divide or "
@@ -297,7 +301,7 @@ void runSimulate(const SimulateArgs& a) {
     // Every cell's degree, before the first cell runs (checkArgs has no profile yet).
     for (const int64_t workers : a.workers) {
       for (const char* s : {"usp", "fcp+ulysses"}) {
-        if (std::find(a.strategies.begin(), a.strategies.end(), s) != a.strategies.end())
+        if (lists(a, s))
           baselines::checkUlyssesDegree(s, a.ulyssesDegree, workers, hw.workersPerNode,
                                         base.attention);
       }

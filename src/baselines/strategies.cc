@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "fcp/baselines/baselines.h"
+#include "fcp/core/config.h"
 #include "fcp/core/error.h"
 #include "fcp/plan/communication.h"
 #include "fcp/plan/limits.h"
@@ -103,10 +104,8 @@ bool groupsFitNodes(int64_t degree, int64_t workers, int64_t workersPerNode) {
 /// workers with no group straddling a node part-way.
 bool legalDegree(int64_t degree, int64_t workers, int64_t workersPerNode,
                  const AttentionConfig& attention) {
-  const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
-  return degree >= 1 && degree <= workers && workers % degree == 0 && hq % degree == 0 &&
-         (hkv % degree == 0 || degree % hkv == 0) &&
-         groupsFitNodes(degree, workers, workersPerNode);
+  return degree >= 1 && degree <= workers && workers % degree == 0 &&
+         splitsHeads(attention, degree) && groupsFitNodes(degree, workers, workersPerNode);
 }
 
 /// The plan over groups of `degree` workers with one member's heads: FCP's or a Zig-Zag ring.
@@ -161,9 +160,9 @@ HeadParallelPlan headParallelPlan(const std::string& name, const Batch& batch,
     return groupPlan(name == "fcp+ulysses", batch, config, costModel, degree);
   }
   if (name == "ulysses") {
-    const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
-    if (hq % n != 0 || (hkv % n != 0 && n % hkv != 0)) {
-      throwInvalidArgument("ulysses on ", n, " workers with ", hq, " query and ", hkv,
+    if (!splitsHeads(attention, n)) {
+      throwInvalidArgument("ulysses on ", n, " workers with ", attention.numHeadsQ, " query and ",
+                           attention.numHeadsKv,
                            " key/value heads: expected workers that divide the query heads and "
                            "divide or are a multiple of the key/value heads (or usp)");
     }

@@ -38,9 +38,14 @@ void checkAttentionConfig(const AttentionConfig& config) {
   }
 }
 
+bool splitsHeads(const AttentionConfig& attention, int64_t degree) {
+  const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
+  return degree >= 1 && hq % degree == 0 && (hkv % degree == 0 || degree % hkv == 0);
+}
+
 AttentionConfig headShare(const AttentionConfig& attention, int64_t degree) {
   const int64_t hq = attention.numHeadsQ, hkv = attention.numHeadsKv;
-  if (degree < 1 || hq % degree != 0 || (hkv % degree != 0 && degree % hkv != 0)) {
+  if (!splitsHeads(attention, degree)) {
     throwInvalidArgument("head-parallel degree ", degree, " with ", hq, " query and ", hkv,
                          " key/value heads: expected a divisor of the query heads that divides "
                          "the key/value heads or is a multiple of them");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../common/error_of.h"
+#include "../common/unit_hardware.h"
 #include "fcp/baselines/baselines.h"
 #include "fcp/core/config.h"
 #include "fcp/core/error.h"
@@ -20,19 +21,7 @@ namespace {
 using fcp::testing::errorOf;
 
 /// 1 TFLOP/s peak on a curve rising with tokens, NVLink 4 GB/s and NICs 1 GB/s, no latency.
-HardwareProfile hardware(int64_t perNode) {
-  HardwareProfile h;
-  h.name = "unit";
-  h.peakFlops = 1e12;
-  h.forward = EfficiencyCurve({{64, 0.05}, {65536, 1.0}});
-  h.backward = EfficiencyCurve({{64, 0.04}, {65536, 0.8}});
-  h.workersPerNode = perNode;
-  h.intraNodeBytesPerSecond = 4e9;
-  h.interNodeBytesPerSecond = 1e9;
-  h.intraNodeLatencySeconds = 0;
-  h.interNodeLatencySeconds = 0;
-  return h;
-}
+HardwareProfile hardware(int64_t perNode) { return fcp::testing::risingCurveHardware(perNode); }
 
 AttentionConfig attention() {
   return {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../common/error_of.h"
+#include "../common/unit_hardware.h"
 #include "fcp/baselines/ring.h"
 #include "fcp/core/error.h"
 #include "fcp/core/workload.h"
@@ -21,21 +22,8 @@ namespace fcp::sim {
 namespace {
 
 using fcp::testing::errorOf;
-
-/// 1 TFLOP/s at every block size, 1 GB/s everywhere, no latency, every worker its own node
-/// unless told.
-HardwareProfile unitHardware(int64_t perNode = 1) {
-  HardwareProfile h;
-  h.name = "unit";
-  h.peakFlops = 1e12;
-  h.forward = h.backward = EfficiencyCurve({{1, 1.0}});
-  h.workersPerNode = perNode;
-  h.intraNodeBytesPerSecond = 4e9;
-  h.interNodeBytesPerSecond = 1e9;
-  h.intraNodeLatencySeconds = 0;
-  h.interNodeLatencySeconds = 0;
-  return h;
-}
+using fcp::testing::risingCurveHardware;
+using fcp::testing::unitHardware;
 
 /// A bare plan: `workers` workers with `stages` empty forward stages each; one head of one
 /// dimension under a full mask, so that a visible entry is 4 forward FLOPs.
@@ -293,15 +281,6 @@ std::vector<double> stageLaunchSeconds(const plan::Plan& plan, const HardwarePro
     }
   }
   return seconds;
-}
-
-/// A curve that rises over the whole range (0.05 at 64 tokens to 1 at 64K), so that which
-/// tokens a kernel loops over shows in its time.
-HardwareProfile risingCurveHardware() {
-  HardwareProfile h = unitHardware();
-  h.forward = EfficiencyCurve({{64, 0.05}, {65536, 1.0}});
-  h.backward = EfficiencyCurve({{64, 0.04}, {65536, 0.8}});
-  return h;
 }
 
 TEST(SimulatorTest, AStageLaunchRunsEachSequenceAtTheKeysOrQueriesItLoopsOver) {

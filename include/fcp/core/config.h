@@ -49,6 +49,10 @@ inline constexpr int64_t kMaxElementBytes = 8;
 /// most its limit above, and numHeadsQ is a multiple of numHeadsKv.
 void checkAttentionConfig(const AttentionConfig& config);
 
+/// Whether `degree` workers can each take whole heads of `attention`: degree (at least 1)
+/// divides the query heads and divides or is a multiple of the key/value heads.
+bool splitsHeads(const AttentionConfig& attention, int64_t degree);
+
 /// The heads one worker of a head-parallel group of `degree` workers computes: the query heads
 /// ÷ degree, and the key/value heads ÷ degree, or one when degree is a multiple of them (each
 /// key/value head then replicated on degree ÷ heads workers, as DeepSpeed-Ulysses does under
