@@ -53,7 +53,7 @@ constexpr double kMinProfileRate = 1e-6;
 
 /// The fields a profile may have; any other is refused, so a misspelt optional field (a
 /// latency, say) is named rather than silently read as absent.
-constexpr std::array<std::string_view, 13> kProfileFields = {"kind",
+constexpr std::array<std::string_view, 14> kProfileFields = {"kind",
                                                              "name",
                                                              "note",
                                                              "peak_tflops",
@@ -63,6 +63,7 @@ constexpr std::array<std::string_view, 13> kProfileFields = {"kind",
                                                              "intra_node_latency_us",
                                                              "inter_node_latency_us",
                                                              "merge_ps_per_element",
+                                                             "hbm_gbps",
                                                              "kernel_launch",
                                                              "forward",
                                                              "backward"};
@@ -84,6 +85,17 @@ double optionalNumber(const json& j, const char* field, const std::string& sourc
       !(j[field].get<double>() <= kMaxProfileNumber)) {
     throwInvalidArgument("hardware profile ", source, ": field '", field,
                          "' must be a number from 0 to ", kMaxProfileNumber);
+  }
+  return j[field].get<double>();
+}
+
+/// An optional rate (GB/s): 0 when absent or 0 (not charged), else as positiveNumber.
+double optionalRate(const json& j, const char* field, const std::string& source) {
+  if (!j.contains(field) || (j[field].is_number() && j[field].get<double>() == 0)) return 0;
+  if (!j[field].is_number() || !(j[field].get<double>() >= kMinProfileRate) ||
+      !(j[field].get<double>() <= kMaxProfileNumber)) {
+    throwInvalidArgument("hardware profile ", source, ": field '", field, "' must be 0 or from ",
+                         kMinProfileRate, " to ", kMaxProfileNumber);
   }
   return j[field].get<double>();
 }
@@ -166,6 +178,7 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
   h.intraNodeLatencySeconds = optionalNumber(j, "intra_node_latency_us", source) * 1e-6;
   h.interNodeLatencySeconds = optionalNumber(j, "inter_node_latency_us", source) * 1e-6;
   h.mergeSecondsPerElement = optionalNumber(j, "merge_ps_per_element", source) * 1e-12;
+  h.memoryBytesPerSecond = optionalRate(j, "hbm_gbps", source) * 1e9;
   const std::string launch = optionalString(j, "kernel_launch", "pair", source);
   const std::optional<KernelLaunch> named = kernelLaunchNamed(launch);
   if (!named) {

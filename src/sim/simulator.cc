@@ -731,10 +731,39 @@ std::pair<int64_t, int64_t> allToAllBytes(const AttentionConfig& share, bool bac
                   : std::make_pair(qkv, share.oBytesPerToken());
 }
 
+/// Seconds each member of a group holding `tokens` spends permuting its tensors between the
+/// token-major rows attention reads and the all-to-all's per-destination chunks (one read and
+/// one write in HBM, as DeepSpeed-Ulysses' exchange does on each side): before the all-to-all
+/// in it reads its own tokens at every head (`full` bytes per token) and writes `degree` chunks
+/// of the share's heads (`share` each: key/value heads replicated where the members outnumber
+/// them); after the all-to-all out it reads the `degree` chunks it received and writes its own
+/// tokens' rows (replicated heads' gradients summed on the way). 0 where the profile does not
+/// say its memory bandwidth, or one member holds every head.
+std::vector<double> permuteSeconds(const Plan& ring, int64_t degree, int64_t full, int64_t share,
+                                   const HardwareProfile& hw) {
+  std::vector<double> seconds(static_cast<size_t>(ring.config.numWorkers * degree), 0);
+  if (hw.memoryBytesPerSecond <= 0 || degree == 1) return seconds;
+  std::vector<int64_t> tokens(static_cast<size_t>(ring.config.numWorkers), 0);
+  for (size_t b = 0; b < ring.blocks.size(); ++b) {
+    tokens[static_cast<size_t>(ring.owner[b])] += ring.blocks[b].numTokens();
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int64_t t = tokens[i];
+    for (int64_t m = 0; m < degree; ++m) {
+      const int64_t held = t * (m + 1) / degree - t * m / degree;
+      seconds[i * static_cast<size_t>(degree) + static_cast<size_t>(m)] =
+          static_cast<double>(held) * static_cast<double>(full + degree * share) /
+          hw.memoryBytesPerSecond;
+    }
+  }
+  return seconds;
+}
+
 /// One head-parallel pass: a stage of the all-to-all in, `degree` copies of the ring's pass
-/// (copy j on workers i·degree + j), a stage of the all-to-all out.
-PassGraph headParallelPass(const Plan& ring, int64_t degree, const HardwareProfile& hw,
-                           const SimOptions& options, bool backward) {
+/// (copy j on workers i·degree + j), a stage of the all-to-all out; where the profile gives its
+/// memory bandwidth, a stage of permutes before the first and after the last.
+PassGraph headParallelPass(const Plan& ring, const AttentionConfig& attention, int64_t degree,
+                           const HardwareProfile& hw, const SimOptions& options, bool backward) {
   const PassGraph sub = buildPass(ring, hw, options, backward);
   const auto r = static_cast<size_t>(ring.config.numWorkers);
   const auto u = static_cast<size_t>(degree);
@@ -765,6 +794,16 @@ PassGraph headParallelPass(const Plan& ring, int64_t degree, const HardwareProfi
         auto& s = g.stages[static_cast<size_t>(w)];
         (last ? s.back() : s.front()).flows.push_back(id);
       }
+    }
+  }
+  if (hw.memoryBytesPerSecond > 0 && degree > 1) {
+    const auto [fullBefore, fullAfter] = allToAllBytes(attention, backward);
+    const std::vector<double> in = permuteSeconds(ring, degree, fullBefore, before, hw);
+    const std::vector<double> out = permuteSeconds(ring, degree, fullAfter, after, hw);
+    for (size_t w = 0; w < g.stages.size(); ++w) {
+      auto& s = g.stages[w];
+      s.insert(s.begin(), SimStage{-1, in[w], {}});
+      s.push_back(SimStage{-2, out[w], {}});
     }
   }
   return g;
@@ -847,8 +886,8 @@ SimResult simulateHeadParallel(const Plan& ring, const AttentionConfig& attentio
                          degree, ": expected at most 2^24 workers");
   }
   const auto pass = [&](bool backward) {
-    return runGraph(headParallelPass(ring, degree, hardware, options, backward), hardware, options,
-                    usefulFlops(ring, attention, backward));
+    return runGraph(headParallelPass(ring, attention, degree, hardware, options, backward),
+                    hardware, options, usefulFlops(ring, attention, backward));
   };
   PassResult forward = pass(false);
   PassResult backward = options.backward ? pass(true) : PassResult{};

@@ -163,6 +163,25 @@ TEST(HardwareInputTest, RatesSoSmallThatTimesOverflowAreRefused) {
             std::string::npos);
 }
 
+TEST(HardwareInputTest, MemoryBandwidthIsOptionalAndZeroOrARate) {
+  const auto with = [](const std::string& value) {
+    return R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8,)"
+           R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]])" +
+           (value.empty() ? std::string{} : ", \"hbm_gbps\": " + value) + "}";
+  };
+  EXPECT_EQ(parseHardwareProfile(with(""), "p").memoryBytesPerSecond, 0);
+  EXPECT_EQ(parseHardwareProfile(with("0"), "p").memoryBytesPerSecond, 0);
+  EXPECT_EQ(parseHardwareProfile(with("3350"), "p").memoryBytesPerSecond, 3350e9);
+  for (const std::string bad : {"1e-300", "-1", "2e9", "\"fast\""}) {
+    EXPECT_NE(errorOf([&] {
+                parseHardwareProfile(with(bad), "p");
+              }).find("hardware profile p: field 'hbm_gbps' must be 0 or from 1e-06 to 1e+09"),
+              std::string::npos)
+        << bad;
+  }
+  EXPECT_EQ(loadHardwareProfile("h100").memoryBytesPerSecond, 3350e9);  // H100 SXM's HBM3
+}
+
 TEST(HardwareInputTest, AnUnknownFieldIsNamed) {
   // A misspelt latency was read as absent (0) without a word (a review).
   const std::string text =

@@ -106,6 +106,48 @@ TEST(HeadParallelTest, UlyssesTimesItsAllToAllsAroundEachSequencesWholeKernel) {
   }
 }
 
+TEST(HeadParallelTest, EachMemberPermutesItsTensorsInMemoryBeforeAndAfterTheAllToAlls) {
+  // The case above, on a profile that says its memory bandwidth: before the all-to-all in, a
+  // member reads its 1024 tokens' rows (every head) and writes one chunk per member (the
+  // share's heads, the key/value head replicated); after the all-to-all out it reads the 8
+  // chunks it received and writes its rows. Nothing else moves.
+  const Batch batch{{4096, 2048, 1024, 1024}};
+  const auto hp =
+      baselines::headParallelPlan("ulysses", batch, config(8, 1024), CostModel{attention()}, 4);
+  const AttentionConfig full = attention(), share = headShare(full, 8);
+  const double q = static_cast<double>(share.qBytesPerToken());
+  const double qkv = static_cast<double>(share.qBytesPerToken() + share.kvBytesPerToken());
+  const double fullQ = static_cast<double>(full.qBytesPerToken());
+  const double fullQkv = static_cast<double>(full.qBytesPerToken() + full.kvBytesPerToken());
+  ASSERT_LT(fullQkv, 8 * qkv);  // replicated: the chunks hold more than the rows
+  HardwareProfile h = hardware(4);
+  h.memoryBytesPerSecond = 2e9;
+  SimOptions o = noReshuffle();
+  o.timelines = true;
+  const SimResult bare = simulateHeadParallel(hp.ring, full, 8, hardware(4), o);
+  const SimResult r = simulateHeadParallel(hp.ring, full, 8, h, o);
+  const double forwardIn = 1024 * (fullQkv + 8 * qkv) / 2e9,
+               forwardOut = 1024 * (8 * q + fullQ) / 2e9;
+  const double backwardIn = 1024 * (fullQ + 8 * q) / 2e9,
+               backwardOut = 1024 * (8 * qkv + fullQkv) / 2e9;
+  EXPECT_NEAR(r.forward.timeMs, bare.forward.timeMs + (forwardIn + forwardOut) * 1e3, 1e-9);
+  EXPECT_NEAR(r.backward.timeMs, bare.backward.timeMs + (backwardIn + backwardOut) * 1e3, 1e-9);
+  for (size_t w = 0; w < 8; ++w) {
+    const auto& spans = r.forward.timelines[w];
+    ASSERT_EQ(spans.size(), bare.forward.timelines[w].size() + 2);
+    EXPECT_EQ(spans[0].stage, -1);
+    EXPECT_NEAR(spans[0].computeEndMs - spans[0].startMs, forwardIn * 1e3, 1e-9);
+    EXPECT_EQ(spans.back().stage, -2);
+    EXPECT_NEAR(spans.back().endMs - spans.back().startMs, forwardOut * 1e3, 1e-9);
+  }
+  EXPECT_EQ(r.transferBytes, bare.transferBytes);
+  // A degree of 1 exchanges nothing, so permutes nothing.
+  const plan::PlanConfig c = config(4, 2048);
+  const plan::Plan ring =
+      baselines::ringPlan(Batch{{4096, 2048, 1536, 512}}, c, CostModel{c.attention});
+  EXPECT_DOUBLE_EQ(simulateHeadParallel(ring, c.attention, 1, h).timeMs, simulate(ring, h).timeMs);
+}
+
 TEST(HeadParallelTest, ADegreeOfOneIsTheRingItself) {
   HardwareProfile h = hardware(2);
   const plan::PlanConfig c = config(4, 2048);

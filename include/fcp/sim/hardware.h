@@ -51,6 +51,10 @@ struct HardwareProfile {
   /// per stage for every Q block that does. 0 when the curve already includes it (the CPU
   /// profile's calibration merges every pair).
   double mergeSecondsPerElement = 0;
+  /// Device memory bandwidth, bytes per second (JSON "hbm_gbps"): what the head-parallel
+  /// exchanges' permutes between token-major rows and per-destination chunks are charged at
+  /// (simulateHeadParallel). 0: not charged.
+  double memoryBytesPerSecond = 0;
   KernelLaunch launch = KernelLaunch::kPair;  ///< JSON "kernel_launch": "pair" or "stage"
   /// Kernel efficiency f(block tokens) of the forward and backward kernels.
   EfficiencyCurve forward = EfficiencyCurve::paperDefault();
@@ -72,7 +76,7 @@ struct HardwareProfile {
 ///   {"kind": "fcp-hardware", "name": ..., "note": ..., "peak_tflops": 989,
 ///    "workers_per_node": 8, "intra_node_gbps": 450, "inter_node_gbps": 50,
 ///    "intra_node_latency_us": 3, "inter_node_latency_us": 10, "merge_ps_per_element": 0,
-///    "kernel_launch": "pair" (or "stage"; KernelLaunch),
+///    "hbm_gbps": 0, "kernel_launch": "pair" (or "stage"; KernelLaunch),
 ///    "forward": [[tokens, fraction], ...], "backward": [[tokens, fraction], ...]}
 /// (GB/s = 1e9 bytes/s). Throws Error(kInvalidArgument) naming the bad or missing field.
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source);
