@@ -17,6 +17,9 @@ attention. The model is a decoder-only transformer: RoPE, GQA, pre-norm blocks w
                         the whole model runs there.
     --plan-ahead        each step's batch is planned during the step before
                         (fcp.torch.PendingBatch), as a data loader prefetches
+    --ulysses N         FCP as its paper deploys it: Ulysses inside nodes of N consecutive
+                        ranks (a head exchange), FCP across the nodes (fcp.torch.ulysses_groups;
+                        transparent layout)
 
 Context-parallel runs are launched the ecosystem's way, torch.distributed.run, through
 examples/launch.sh (which gives Debian 12's torch 1.13 the flags it needs, and runs
@@ -60,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=2048, help="FCP's block size in tokens")
     p.add_argument("--plan-ahead", action="store_true",
                    help="plan each step's batch during the step before (fcp.torch.PendingBatch)")
+    p.add_argument("--ulysses", type=int, default=1,
+                   help="Ulysses inside nodes of this many consecutive ranks, FCP across them (fcp attention, "
+                        "transparent layout)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
@@ -162,6 +168,11 @@ def main(argv=None):
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     ranks = dist.get_world_size() if distributed else 1
+    group, inside = None, None
+    if args.ulysses != 1:
+        if args.attention != "fcp" or args.layout != "transparent":
+            sys.exit(f"--ulysses {args.ulysses}: expected --attention fcp with --layout transparent")
+        group, inside = fcp_torch.ulysses_groups(args.ulysses)
     threads = args.threads or max(1, (os.cpu_count() or 1) // ranks)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
@@ -175,10 +186,10 @@ def main(argv=None):
         """This rank's even share of the batch, planned now (Batch) or on a thread (PendingBatch)."""
         begin, end = rank * len(text) // ranks, (rank + 1) * len(text) // ranks
         make = fcp_torch.PendingBatch if ahead else fcp_torch.Batch
-        return make(cu, (begin, end), None, heads=args.heads, kv_heads=args.kv_heads,
+        return make(cu, (begin, end), group, heads=args.heads, kv_heads=args.kv_heads,
                     head_dim=args.dim // args.heads, layout=args.layout,
                     strategy="ring" if args.attention == "ring" else "fcp", block_size=args.block_size,
-                    threads=threads)
+                    threads=threads, ulysses_group=inside)
 
     ahead = args.plan_ahead and args.steps > 0
     upcoming = next(data) if ahead else None
@@ -235,7 +246,8 @@ def main(argv=None):
                   f"attention {100 * entry['attention_share']:4.1f}% of {seconds:.2f} s  "
                   f"({entry['sequences']} sequences)", flush=True)
     if rank == 0:
-        run = {"attention": args.attention, "layout": args.layout, "ranks": ranks, "threads": threads,
+        run = {"attention": args.attention, "layout": args.layout, "ranks": ranks, "ulysses": args.ulysses,
+               "threads": threads,
                "args": vars(args), "log": log}
         if args.json:
             with open(args.json, "w") as f:

@@ -23,6 +23,15 @@ its bytes, the planner keeps whichever placement has the least estimated step ti
 leave short sequences where they are; 0 (the default) balances compute first. Every rank must
 pass the same value.
 
+Ulysses inside a node, FCP across nodes (the FCP paper's deployment on rail-optimised clusters;
+``fcp simulate --strategy fcp+ulysses``): ``group, inside = ulysses_groups(degree)``, then
+``Batch(..., group=group, ulysses_group=inside)`` with this rank's own ``local_range`` (the
+members' ranges, in member order, tile one run of the stream) and the model's ``heads`` and
+``kv_heads``. ``attention`` then takes this rank's rows with every head, exchanges them for the
+node's rows of one member's share of the heads (one all-to-all; key/value heads replicated
+where the members outnumber them), runs FCP across the nodes on that share, and exchanges
+back. Transparent layout only.
+
 Planning ahead. ``PendingBatch(...)`` takes Batch's arguments and plans on a thread of its own
 while the caller goes on with the current step; ``pending.batch()`` then waits for the plan and
 returns the Batch. Planning a large batch and checking its plan take long (at 4096 ranks, half
@@ -55,7 +64,7 @@ import torch.distributed as dist
 
 from . import _fcp
 
-__all__ = ["Batch", "PendingBatch", "attention", "user_positions"]
+__all__ = ["Batch", "PendingBatch", "attention", "ulysses_groups", "user_positions"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
@@ -262,6 +271,212 @@ def user_positions(cu_seqlens: Sequence[int], begin: int, end: int) -> torch.Ten
     return tokens - cu[seq]
 
 
+def _message(e: BaseException) -> str:
+    """An error's one line for the other ranks: an error the checks did not foresee (not an
+    fcp.Error) is named by its type."""
+    return str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
+
+
+def _head_lists(heads: int, degree: int):
+    """Which of `heads` heads each of `degree` members computes: a contiguous share each, or,
+    where the members outnumber the heads, head m * heads // degree (replicated on degree //
+    heads members), so that a member's key/value head is the one its query heads read (GQA)."""
+    if heads % degree == 0:
+        share = heads // degree
+        return [list(range(m * share, (m + 1) * share)) for m in range(degree)]
+    return [[m * heads // degree] for m in range(degree)]
+
+
+class _Ulysses:
+    """Ulysses inside a group of ranks (a node): the members' token ranges tile one run of the
+    stream; each member holds its own rows with every head, and attention runs on the group's
+    rows with a share of the heads (fcp simulate's fcp+ulysses, the paper's deployment)."""
+
+    def __init__(self, group, degree, member, rows, heads, kv_heads, timeout_seconds):
+        self.group, self.degree, self.member, self.rows = group, degree, member, rows
+        self.offsets = [sum(rows[:m]) for m in range(degree + 1)]
+        self.q_lists, self.kv_lists = _head_lists(heads, degree), _head_lists(kv_heads, degree)
+        self.timeout = datetime.timedelta(seconds=timeout_seconds)
+
+    @staticmethod
+    def agree(group, settings, args, timeout_seconds):
+        """(the _Ulysses, args for the plan over the groups): the node's ranges gathered and checked,
+        this rank's range widened to the node's and the heads to one member's share."""
+        if not isinstance(group, dist.ProcessGroup):
+            raise _fcp.InvalidArgument(f"ulysses_group is {_describe(group)}: expected a torch.distributed process "
+                                       f"group of the ranks that exchange heads (one node's; ulysses_groups() makes them)")
+        if dist.get_rank(group) < 0:
+            raise _not_a_member()
+        degree, member = dist.get_world_size(group), dist.get_rank(group)
+        mine = torch.tensor([1, args[1], args[2]] if args else [0, 0, 0], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(degree)]
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=timeout_seconds))
+        except RuntimeError as e:
+            raise _fcp.TransportError(f"ulysses_group's ranges did not arrive from every member (timeout_seconds = "
+                                      f"{timeout_seconds:g}): {e}") from None
+        if args is None:
+            raise _fcp.InvalidArgument("this rank's arguments were refused")  # the caller keeps its own message
+        refused = [m for m, p in enumerate(parts) if p[0] == 0]
+        if refused:
+            raise _fcp.InvalidArgument(f"member {refused[0]} of ulysses_group: its arguments were refused there (its "
+                                       f"own error says why)")
+        ranges = [(int(p[1]), int(p[2])) for p in parts]
+        if any(ranges[m][1] != ranges[m + 1][0] for m in range(degree - 1)):
+            raise _fcp.InvalidArgument(f"ulysses_group's local ranges are {ranges}: expected each member's to end where "
+                                       f"the next member's begins (the group holds one run of the stream)")
+        heads, kv_heads = args[3], args[4]
+        if heads % degree or (kv_heads % degree and degree % kv_heads):
+            raise _fcp.InvalidArgument(f"ulysses_group of {degree} ranks with {heads} query and {kv_heads} key/value "
+                                       f"heads: expected a divisor of the query heads that divides the key/value "
+                                       f"heads or is a multiple of them")
+        if settings.layout != "transparent":
+            raise _fcp.InvalidArgument(f"layout {settings.layout!r} with ulysses_group: expected 'transparent' (each "
+                                       f"member keeps its own rows; a dispatched layout is the group's)")
+        ulysses = _Ulysses(group, degree, member, [e - b for b, e in ranges], heads, kv_heads, timeout_seconds)
+        planned = list(args)
+        planned[1], planned[2] = ranges[0][0], ranges[-1][1]
+        planned[3], planned[4] = heads // degree, max(1, kv_heads // degree)
+        return ulysses, tuple(planned)
+
+    def exchange(self, batch, sends, receive_bytes):
+        """All-to-all over the node: sends[j] (tensors) to member j; returns the uint8 bytes received
+        from each member (receive_bytes[m] of them). A failure fails the batch."""
+        flat = [torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts]) if parts
+                else torch.empty(0, dtype=torch.uint8) for parts in sends]
+        send = torch.cat(flat)
+        recv = torch.empty(sum(receive_bytes), dtype=torch.uint8)
+        try:
+            work = dist.all_to_all_single(recv, send, output_split_sizes=list(receive_bytes),
+                                          input_split_sizes=[f.numel() for f in flat], group=self.group, async_op=True)
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            batch._impl.fail(f"the heads' exchange inside ulysses_group failed (timeout_seconds = "
+                             f"{self.timeout.total_seconds():g}): {e}")
+        return list(recv.split(list(receive_bytes)))
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Bytes received, viewed as `dtype` in `shape` (copied first where they do not start on the
+    element's alignment, as an fp32 lse after bf16 rows of an odd size may not)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if b.storage_offset() % size:
+        b = b.clone()
+    return b.view(dtype).view(shape)
+
+
+def _unpacked(b: torch.Tensor, dtype: torch.dtype, rows: int, heads, dim: int):
+    """Tensors [rows, h, dim] for each h of `heads`, one after another in the bytes b."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    out, at = [], 0
+    for h in heads:
+        nbytes = rows * h * dim * size
+        out.append(_from_bytes(b[at:at + nbytes], dtype, (rows, h, dim)))
+        at += nbytes
+    return out
+
+
+def ulysses_groups(degree: int):
+    """(group, ulysses_group) for this rank, for FCP across nodes with Ulysses inside each, as the
+    FCP paper deploys it on rail-optimised clusters: ``ulysses_group`` is the ``degree``
+    consecutive ranks of this rank's node (ranks n * degree to (n + 1) * degree - 1), which exchange
+    heads; ``group`` is the ranks with this rank's index in every node (ranks j, j + degree, ...),
+    over which FCP balances the nodes' tokens. Pass both to Batch. Collective over the default
+    group: every rank calls it, once, in the same order as its other dist.new_group calls."""
+    degree = _integer("degree", degree)
+    if not dist.is_initialized():
+        raise _fcp.InvalidArgument("ulysses_groups needs torch.distributed initialised: expected "
+                                   "dist.init_process_group first")
+    ranks = dist.get_world_size()
+    if degree < 1 or ranks % degree:
+        raise _fcp.InvalidArgument(f"Ulysses degree {degree} over {ranks} ranks: expected a divisor of the ranks")
+    rank = dist.get_rank()
+    inside = [dist.new_group(list(range(n * degree, (n + 1) * degree))) for n in range(ranks // degree)]
+    across = [dist.new_group(list(range(j, ranks, degree))) for j in range(degree)]
+    return across[rank % degree], inside[rank // degree]
+
+
+class _HeadsIn(torch.autograd.Function):
+    """q, k, v of this member's rows, every head, in; the group's rows of this member's share of
+    the heads out (one all-to-all). Backward: the gradients' rows go home, summed over the members
+    that shared a replicated key/value head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, batch):
+        ul, dim, dtype = batch._ulysses, batch.head_dim, batch.dtype
+        n = ul.rows[ul.member]
+        for name, t, heads in (("q", q, batch.heads), ("k", k, batch.kv_heads), ("v", v, batch.kv_heads)):
+            _dense_or_fail(batch, name, t, f"({n}, {heads}, {dim}) {dtype}")
+            if t.shape != (n, heads, dim) or t.dtype != dtype or t.device.type != "cpu":
+                batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected ({n}, {heads}, {dim}) "
+                                 f"{dtype} on the CPU (this rank's rows, every head: ulysses_group)")
+        sq, skv = len(ul.q_lists[0]), len(ul.kv_lists[0])
+        row = (sq + 2 * skv) * dim * q.element_size()
+        sends = [[q[:, ul.q_lists[j]], k[:, ul.kv_lists[j]], v[:, ul.kv_lists[j]]] for j in range(ul.degree)]
+        got = ul.exchange(batch, sends, [r * row for r in ul.rows])
+        # Each member's bytes: its rows' q share, then k's, then v's.
+        parts = [_unpacked(b, dtype, r, (sq, skv, skv), dim) for b, r in zip(got, ul.rows)]
+        ctx.batch = batch
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk, dv):
+        batch = ctx.batch
+        ul, dim, dtype = batch._ulysses, batch.head_dim, batch.dtype
+        sq, skv = len(ul.q_lists[0]), len(ul.kv_lists[0])
+        total = ul.offsets[-1]
+        grads = [torch.zeros((total, h, dim), dtype=dtype) if g is None else g.to(dtype)
+                 for g, h in ((dq, sq), (dk, skv), (dv, skv))]
+        n = ul.rows[ul.member]
+        row = (sq + 2 * skv) * dim * torch.empty(0, dtype=dtype).element_size()
+        sends = [[g[ul.offsets[m]:ul.offsets[m + 1]] for g in grads] for m in range(ul.degree)]
+        got = ul.exchange(batch, sends, [n * row] * ul.degree)
+        out = [torch.zeros((n, h, dim), dtype=torch.float32) for h in (batch.heads, batch.kv_heads, batch.kv_heads)]
+        for j, b in enumerate(got):
+            dqj, dkj, dvj = _unpacked(b, dtype, n, (sq, skv, skv), dim)
+            out[0][:, ul.q_lists[j]] += dqj.float()
+            out[1][:, ul.kv_lists[j]] += dkj.float()  # summed over the members that shared the head
+            out[2][:, ul.kv_lists[j]] += dvj.float()
+        return out[0].to(dtype), out[1].to(dtype), out[2].to(dtype), None
+
+
+class _HeadsOut(torch.autograd.Function):
+    """o (and lse) of the group's rows, this member's share of the heads, in; this member's rows,
+    every head, out (one all-to-all). Backward: dO's share of the heads for the group's rows."""
+
+    @staticmethod
+    def forward(ctx, o, lse, batch):
+        ul, dim, dtype = batch._ulysses, batch.head_dim, batch.dtype
+        sq, n = len(ul.q_lists[0]), ul.rows[ul.member]
+        sends = [[o[ul.offsets[m]:ul.offsets[m + 1]], lse[ul.offsets[m]:ul.offsets[m + 1]]] for m in range(ul.degree)]
+        o_bytes, lse_bytes = n * sq * dim * o.element_size(), n * sq * 4
+        got = ul.exchange(batch, sends, [o_bytes + lse_bytes] * ul.degree)
+        out = torch.empty((n, batch.heads, dim), dtype=dtype)
+        out_lse = torch.empty((n, batch.heads), dtype=torch.float32)
+        for j, b in enumerate(got):
+            out[:, ul.q_lists[j]] = _from_bytes(b[:o_bytes], dtype, (n, sq, dim))
+            out_lse[:, ul.q_lists[j]] = _from_bytes(b[o_bytes:], torch.float32, (n, sq))
+        ctx.batch = batch
+        ctx.set_materialize_grads(False)
+        return out, out_lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        batch = ctx.batch
+        ul, dim, dtype = batch._ulysses, batch.head_dim, batch.dtype
+        if dlse is not None:
+            batch._impl.fail("a gradient reached the lse that attention returned: FCP's backward takes gradients "
+                             "through o only: expected lse used without gradients (lse.detach())")
+        n, sq = ul.rows[ul.member], len(ul.q_lists[0])
+        do = torch.zeros((n, batch.heads, dim), dtype=dtype) if do is None else do.to(dtype)
+        row = sq * dim * do.element_size()
+        got = ul.exchange(batch, [[do[:, ul.q_lists[j]]] for j in range(ul.degree)], [r * row for r in ul.rows])
+        return torch.cat([_from_bytes(b, dtype, (r, sq, dim)) for b, r in zip(got, ul.rows)]), None, None
+
+
 class _Settings:
     """A batch's arguments, checked, and the options FCP plans it from. A check that fails here
     fails on this rank only, while the others go on into the batch's agreement: so its message
@@ -269,21 +484,32 @@ class _Settings:
     this one with its own message. Only a timeout FCP cannot make a transport with raises here."""
 
     def __init__(self, cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
-                 strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds):
+                 strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds, ulysses_group=None):
         if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
                 and 0 < timeout_seconds <= 86400):
             raise _fcp.InvalidArgument(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         self.transport, transport_error = _transport(group, timeout_seconds)
+        self.ulysses = None
+        args, message = None, ""
         try:
             if transport_error:
                 raise _fcp.InvalidArgument(transport_error)
-            self.options = _fcp.batch_options(*self._check(cu_seqlens, local_range, heads, kv_heads, head_dim,
-                                                           causal, dtype, layout, strategy, block_size, threads,
-                                                           comm_ratio, softmax_scale), local_error="")
+            args = self._check(cu_seqlens, local_range, heads, kv_heads, head_dim, causal, dtype, layout, strategy,
+                               block_size, threads, comm_ratio, softmax_scale)
         except Exception as e:  # noqa: BLE001 -- whatever it is, the other ranks must hear of it
-            # Anything valid: the agreement fails on every rank before it is read. An error the
-            # checks did not foresee (not an fcp.Error) is named by its type.
-            message = str(e) if isinstance(e, _fcp.Error) else f"{type(e).__name__}: {e}"
+            message = _message(e)
+        if ulysses_group is not None:
+            # Collective over the node's group whatever this rank's checks said, so that its
+            # members stay in step; a member's error reaches every rank through the agreement.
+            try:
+                self.ulysses, args = _Ulysses.agree(ulysses_group, self, args, timeout_seconds)
+            except Exception as e:  # noqa: BLE001
+                message = message or _message(e)
+        self.plan_heads, self.plan_kv_heads = (args[3], args[4]) if args else (0, 0)
+        if not message:
+            self.options = _fcp.batch_options(*args, local_error="")
+        else:
+            # Anything valid: the agreement fails on every rank before it is read.
             self.options = _fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 2048, 1, 0.0, 0.0,
                                               local_error=message)
 
@@ -370,9 +596,10 @@ class Batch:
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
                  layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0):
+                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0,
+                 ulysses_group=None):
         settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
-                             strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds)
+                             strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds, ulysses_group)
         self._attach(settings, _fcp.AttentionBatch(settings.transport, settings.options))
 
     def _attach(self, settings: _Settings, impl) -> None:
@@ -382,6 +609,8 @@ class Batch:
         self.dtype = settings.dtype
         self.layout = settings.layout
         self._transport = settings.transport
+        self._ulysses = settings.ulysses
+        self._plan_heads, self._plan_kv_heads = settings.plan_heads, settings.plan_kv_heads
         self._impl = impl
         self._sequence = None
         self._position = None
@@ -391,7 +620,7 @@ class Batch:
     @property
     def num_user_tokens(self) -> int:
         """Rows of this rank in the caller's layout (end - begin)."""
-        return self._impl.num_user_tokens
+        return self._ulysses.rows[self._ulysses.member] if self._ulysses else self._impl.num_user_tokens
 
     @property
     def num_local_tokens(self) -> int:
@@ -401,7 +630,7 @@ class Batch:
     @property
     def num_call_tokens(self) -> int:
         """Rows of the q, k, v that attention() takes: by layout, one of the two above."""
-        return self._impl.num_call_tokens
+        return self._ulysses.rows[self._ulysses.member] if self._ulysses else self._impl.num_call_tokens
 
     def _fcp_layout_rows(self, name: str) -> None:
         if self.layout != "dispatched":
@@ -460,10 +689,11 @@ class PendingBatch:
     def __init__(self, cu_seqlens: Sequence[int], local_range: Tuple[int, int], group=None, *, heads: int,
                  kv_heads: int, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.float32,
                  layout: str = "transparent", strategy: str = "fcp", block_size: int = 2048, threads: int = 1,
-                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0):
+                 comm_ratio: float = 0.0, softmax_scale: Optional[float] = None, timeout_seconds: float = 300.0,
+                 ulysses_group=None):
         self._settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype,
                                    layout, strategy, block_size, threads, comm_ratio, softmax_scale,
-                                   timeout_seconds)
+                                   timeout_seconds, ulysses_group)
         self._impl = _fcp.PendingBatch(self._settings.transport, self._settings.options)
 
     @property
@@ -556,8 +786,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch):
-        n = batch.num_call_tokens
-        for name, t, heads in (("q", q, batch.heads), ("k", k, batch.kv_heads), ("v", v, batch.kv_heads)):
+        n, hq, hkv = batch._impl.num_call_tokens, batch._plan_heads, batch._plan_kv_heads
+        for name, t, heads in (("q", q, hq), ("k", k, hkv), ("v", v, hkv)):
             _dense_or_fail(batch, name, t, f"({n}, {heads}, {batch.head_dim}) {batch.dtype}")
             if t.shape != (n, heads, batch.head_dim) or t.dtype != batch.dtype or t.device.type != "cpu":
                 batch._impl.fail(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
@@ -565,10 +795,10 @@ class _Attention(torch.autograd.Function):
         # q, k, v viewed out of a fused projection are read in place, their rows a stride apart.
         (q, qs), (k, ks), (v, vs), o, lse, layer = _prepared(batch, lambda: (
             _rows(q), _rows(k), _rows(v),
-            torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype),
-            torch.empty((n, batch.heads), dtype=torch.float32), _fcp.AttentionLayer()))
+            torch.empty((n, hq, batch.head_dim), dtype=batch.dtype),
+            torch.empty((n, hq), dtype=torch.float32), _fcp.AttentionLayer()))
         start = time.perf_counter()
-        layer.forward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
+        layer.forward(batch._impl, _DTYPES[batch.dtype], n, hq, hkv, batch.head_dim,
                       q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                       q_stride=qs, k_stride=ks, v_stride=vs)
         ctx.layer, ctx.batch = layer, batch
@@ -589,15 +819,15 @@ class _Attention(torch.autograd.Function):
             batch._impl.fail("a gradient reached the lse that attention returned: FCP's backward takes gradients "
                              "through o only: expected lse used without gradients (lse.detach())")
         start = time.perf_counter()
-        n = batch.num_call_tokens
+        n, hq, hkv = batch._impl.num_call_tokens, batch._plan_heads, batch._plan_kv_heads
 
         def buffers():
-            d = torch.zeros((n, batch.heads, batch.head_dim), dtype=batch.dtype) if do is None \
+            d = torch.zeros((n, hq, batch.head_dim), dtype=batch.dtype) if do is None \
                 else do.to(batch.dtype)
-            dk = torch.empty((n, batch.kv_heads, batch.head_dim), dtype=batch.dtype)
-            return _rows(d), torch.empty((n, batch.heads, batch.head_dim), dtype=batch.dtype), dk, torch.empty_like(dk)
+            dk = torch.empty((n, hkv, batch.head_dim), dtype=batch.dtype)
+            return _rows(d), torch.empty((n, hq, batch.head_dim), dtype=batch.dtype), dk, torch.empty_like(dk)
         (do, ds), dq, dk, dv = _prepared(batch, buffers)
-        ctx.layer.backward(batch._impl, _DTYPES[batch.dtype], n, batch.heads, batch.kv_heads, batch.head_dim,
+        ctx.layer.backward(batch._impl, _DTYPES[batch.dtype], n, hq, hkv, batch.head_dim,
                            do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dO_stride=ds)
         ctx.layer = None  # FCP's saved state is freed once the gradients are out
         batch.attention_seconds += time.perf_counter() - start
@@ -621,5 +851,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
         pending = isinstance(batch, PendingBatch)
         raise _fcp.InvalidArgument(f"batch is {'a PendingBatch' if pending else _describe(batch)}: expected an "
                                    f"fcp.torch.Batch{' (the one its batch() returns)' if pending else ''}")
-    o, lse = _Attention.apply(q, k, v, batch)
+    if batch._ulysses is not None:
+        q, k, v = _HeadsIn.apply(q, k, v, batch)
+        o, lse = _HeadsOut.apply(*_Attention.apply(q, k, v, batch), batch)
+    else:
+        o, lse = _Attention.apply(q, k, v, batch)
     return (o, lse) if return_lse else o

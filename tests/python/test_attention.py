@@ -801,84 +801,83 @@ def test_one_ranks_bad_argument_fails_every_rank(group):
     assert ft.Batch(cu, mine, comm, **options).num_user_tokens == mine[1] - mine[0]
 
 
-def _gathered(x, pg, degree):
-    """Every member's x (all_gather over the group)."""
-    parts = [torch.empty_like(x) for _ in range(degree)]
-    dist.all_gather(parts, x.contiguous(), group=pg)
-    return parts
+ULYSSES_CASES = [
+    # (seed, dtype, causal, heads, kv_heads, head_dim, one node of every rank): key/value heads
+    # split, and replicated
+    (0, torch.float32, True, 4, 2, 16, False),
+    (1, torch.float32, False, 4, 1, 16, False),
+    (2, torch.bfloat16, True, 8, 2, 8, False),
+    (3, torch.float32, True, 2, 2, 5, False),  # odd rows of an odd head_dim: the lse after them is unaligned
+    (5, torch.float32, True, 4, 2, 16, True),  # 4 ranks: each key/value head on 2 members
+]
 
 
-class _HeadsOfGroup(torch.autograd.Function):
-    """Ulysses' exchange inside a group of `degree` ranks (the test's own, as a user writes it):
-    each member's rows, every head, in; the group's rows of this member's share of the heads out.
-    all_gather, which gloo has (it has no all_to_all); members hold equal rows."""
-
-    @staticmethod
-    def forward(ctx, x, pg, degree, member):
-        parts = _gathered(x, pg, degree)
-        h = x.shape[1] // degree
-        ctx.pg, ctx.degree, ctx.member = pg, degree, member
-        return torch.cat(parts)[:, member * h:(member + 1) * h].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        parts = _gathered(g, ctx.pg, ctx.degree)
-        rows = g.shape[0] // ctx.degree
-        mine = slice(ctx.member * rows, (ctx.member + 1) * rows)
-        return torch.cat([p[mine] for p in parts], dim=1), None, None, None
-
-
-class _RowsOfGroup(torch.autograd.Function):
-    """The exchange back: the group's rows of this member's heads in; this member's rows, every
-    head, out."""
-
-    @staticmethod
-    def forward(ctx, x, pg, degree, member):
-        parts = _gathered(x, pg, degree)
-        rows = x.shape[0] // degree
-        ctx.pg, ctx.degree, ctx.member = pg, degree, member
-        return torch.cat([p[member * rows:(member + 1) * rows] for p in parts], dim=1)
-
-    @staticmethod
-    def backward(ctx, g):
-        parts = _gathered(g, ctx.pg, ctx.degree)
-        h = g.shape[1] // ctx.degree
-        return torch.cat([p[:, ctx.member * h:(ctx.member + 1) * h] for p in parts]), None, None, None
-
-
-@pytest.mark.skipif(USE_MPI, reason="the test's Ulysses exchange uses torch.distributed's all_gather")
-def test_ulysses_inside_groups_and_fcp_across_them(group):
-    """FCP as its paper deploys it on rail-optimised clusters (fcp simulate's fcp+ulysses): a
-    group of `degree` ranks exchanges rows for heads (the caller's own code), and FCP runs across
-    the groups on each member's share of the heads, its batch over the members of one index
-    (``group``) and the group's rows (``local_range``). Outputs and gradients against the float64
-    reference of the whole batch."""
+@pytest.mark.skipif(USE_MPI, reason="ulysses_group is a torch.distributed process group")
+@pytest.mark.parametrize("seed,dtype,causal,heads,kv_heads,dim,one_node", ULYSSES_CASES)
+def test_ulysses_inside_nodes_and_fcp_across_them(group, seed, dtype, causal, heads, kv_heads, dim, one_node):
+    """FCP as its paper deploys it on rail-optimised clusters (fcp simulate's fcp+ulysses): nodes
+    of 2 ranks (or one node of every rank) exchange rows for heads, FCP runs across the nodes on
+    each member's share. Every rank passes its own rows with every head (uneven, one of them
+    empty for even seeds); outputs, lse and q, k, v gradients against the float64 reference of
+    the whole batch."""
     comm, rank, ranks = group
-    degree = 2 if ranks % 2 == 0 else 1
-    groups = ranks // degree
-    node, member = rank // degree, rank % degree
-    heads, kv_heads, dim = 4, 2, 16
-    cu = [0, 70, 71, 200, 360, 240 * ranks]  # rows divide evenly over ranks and groups
-    total = cu[-1]
-    g = torch.Generator().manual_seed(7)
-    whole = {name: torch.randn(total, h, dim, generator=g, dtype=torch.float64)
+    if one_node and heads % ranks:
+        pytest.skip(f"{ranks} ranks do not split {heads} heads")
+    degree = ranks if one_node else 2 if ranks % 2 == 0 else 1
+    across, inside = ft.ulysses_groups(degree)
+    g = torch.Generator().manual_seed(300 + seed)
+    cu = [0]
+    for n in torch.randint(1, 200, (7,), generator=g).tolist():
+        cu.append(cu[-1] + n)
+    starts = split(cu[-1], ranks, seed)
+    whole = {name: torch.randn(cu[-1], h, dim, generator=g).to(dtype).double()
              for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("do", heads))}
-    # Every rank makes every group, in the same order, as torch.distributed asks.
-    ulysses = [dist.new_group(list(range(n * degree, (n + 1) * degree))) for n in range(groups)]
-    across = [dist.new_group(list(range(j, ranks, degree))) for j in range(degree)]
-    rows, node_rows = total // ranks, total // groups
-    begin = rank * rows
-    mine = {n: t[begin:begin + rows].float().clone().requires_grad_(n != "do") for n, t in whole.items()}
-    share = [_HeadsOfGroup.apply(mine[n], ulysses[node], degree, member) for n in ("q", "k", "v")]
-    batch = ft.Batch(cu, (node * node_rows, (node + 1) * node_rows), across[member], heads=heads // degree,
-                     kv_heads=kv_heads // degree, head_dim=dim, block_size=64)
-    o = _RowsOfGroup.apply(ft.attention(*share, batch), ulysses[node], degree, member)
-    (o * mine["do"]).sum().backward()
+    batch = ft.Batch(cu, (starts[rank], starts[rank + 1]), across, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                     causal=causal, dtype=dtype, block_size=64, ulysses_group=inside)
+    assert batch.num_call_tokens == batch.num_user_tokens == starts[rank + 1] - starts[rank]
+    expect_reference(batch, whole, cu, causal)
+    # lse: this rank's rows, every head, as the reference's log-sum-exp.
+    begin, end = starts[rank], starts[rank + 1]
+    mine = {n: whole[n][begin:end].to(dtype) for n in ("q", "k", "v")}
+    o, lse = ft.attention(mine["q"], mine["k"], mine["v"], batch, return_lse=True)
+    assert lse.shape == (end - begin, heads) and lse.dtype == torch.float32
+    if end > begin:
+        groups = heads // kv_heads
+        k = whole["k"].repeat_interleave(groups, dim=1)
+        expected = torch.empty(end - begin, heads, dtype=torch.float64)
+        for t in range(begin, end):
+            s = max(i for i in range(len(cu) - 1) if cu[i] <= t)
+            last = t + 1 if causal else cu[s + 1]
+            scores = torch.einsum("hd,thd->ht", whole["q"][t], k[cu[s]:last]) * dim ** -0.5
+            expected[t - begin] = scores.logsumexp(-1)
+        assert (lse.double() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2e-2)
 
-    ref_inputs = {n: whole[n].clone().requires_grad_(n != "do") for n in whole}
-    ref = reference(ref_inputs["q"], ref_inputs["k"], ref_inputs["v"], cu, True)
-    (ref * ref_inputs["do"]).sum().backward()
-    assert o.shape == (rows, heads, dim)
-    assert rel(o, ref[begin:begin + rows]) <= 1e-5
-    for n in ("q", "k", "v"):
-        assert rel(mine[n].grad, ref_inputs[n].grad[begin:begin + rows]) <= 1e-5, n
+
+@pytest.mark.skipif(USE_MPI, reason="ulysses_group is a torch.distributed process group")
+def test_ulysses_groups_ranges_and_heads_are_checked_on_every_rank(group):
+    """Members whose ranges do not tile one run, heads the node cannot split, or a dispatched
+    layout: every rank raises, the node's members with the reason and the others through FCP's
+    agreement."""
+    comm, rank, ranks = group
+    if ranks % 2:
+        pytest.skip("needs nodes of 2 ranks")
+    across, inside = ft.ulysses_groups(2)
+    cu = [0, 100, 300, 100 * ranks + 200]
+    starts = split(cu[-1], ranks, 1)
+    mine = (starts[rank], starts[rank + 1])
+    options = dict(heads=4, kv_heads=2, head_dim=8, block_size=64, ulysses_group=inside)
+    swapped = rank // 2 * 2 + (1 - rank % 2)  # node 0's members hold each other's ranges
+    with pytest.raises(fcp.InvalidArgument if rank < 2 else fcp.Error,
+                       match=r"local ranges are \[\(" if rank < 2 else "refused"):
+        ft.Batch(cu, (starts[swapped], starts[swapped + 1]) if rank < 2 else mine, across, **options)
+    with pytest.raises(fcp.InvalidArgument, match=r"ulysses_group of 2 ranks with 3 query and 3 key/value heads"):
+        ft.Batch(cu, mine, across, **dict(options, heads=3, kv_heads=3))
+    with pytest.raises(fcp.InvalidArgument, match="layout 'dispatched' with ulysses_group: expected 'transparent'"):
+        ft.Batch(cu, mine, across, **dict(options, layout="dispatched"))
+    batch = ft.Batch(cu, mine, across, **options)
+    n = mine[1] - mine[0]
+    with pytest.raises(fcp.InvalidArgument, match=r"q is \(%d, 2, 8\).*expected \(%d, 4, 8\)" % (n, n)):
+        ft.attention(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), batch)
+    with pytest.raises(fcp.InvalidArgument,
+                       match="Ulysses degree %d over %d ranks: expected a divisor of the ranks" % (ranks + 1, ranks)):
+        ft.ulysses_groups(ranks + 1)

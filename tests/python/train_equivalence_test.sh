@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # examples/train_gpt.py for 3 steps: FCP on 2 ranks (both layouts, torch.distributed.run over
 # gloo) and ring give the same per-step losses as one process without context parallelism
-# (--attention local), within 1e-4 relative; and FCP planning each batch a step ahead
+# (--attention local), within 1e-4 relative, and so does FCP with Ulysses inside nodes of 2 ranks
+# on 4 ranks (--ulysses 2, the paper's deployment); and FCP planning each batch a step ahead
 # (--plan-ahead) gives exactly the losses of FCP planning it in line.
 # Usage: train_equivalence_test.sh SOURCE_DIR PYTHON_PACKAGE_DIR
 set -euo pipefail
@@ -15,6 +16,7 @@ launch=(bash "$src/examples/launch.sh" 2)
 "${launch[@]}" "${train[@]}" --attention fcp --layout transparent --json "$dir/fcp_t.json" >/dev/null 2>&1
 "${launch[@]}" "${train[@]}" --attention fcp --layout dispatched --json "$dir/fcp_d.json" >/dev/null 2>&1
 "${launch[@]}" "${train[@]}" --attention ring --json "$dir/ring.json" >/dev/null 2>&1
+bash "$src/examples/launch.sh" 4 "${train[@]}" --attention fcp --ulysses 2 --json "$dir/fcp_u.json" >/dev/null 2>&1
 "${launch[@]}" "${train[@]}" --attention fcp --layout dispatched --plan-ahead \
     --json "$dir/fcp_ahead.json" >/dev/null 2>&1
 /usr/bin/python3 - "$dir" <<'PY'
@@ -22,7 +24,7 @@ import json, sys
 d = sys.argv[1]
 ref = [e["loss"] for e in json.load(open(f"{d}/local.json"))["log"]]
 bad = 0
-for name in ("fcp_t", "fcp_d", "ring"):
+for name in ("fcp_t", "fcp_d", "ring", "fcp_u"):
     run = json.load(open(f"{d}/{name}.json"))
     got = [e["loss"] for e in run["log"]]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
