@@ -1,6 +1,7 @@
 // `fcp simulate`: plans batches with FCP and the baselines and times them on a hardware model.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
 
 #include "commands.h"
 #include "common.h"
@@ -226,6 +228,17 @@ nlohmann::json recordOf(const std::string& strategy, int64_t workers, const Cell
   return r;
 }
 
+/// A head-parallel cell's Ulysses degrees for the table: the batches' distinct degrees,
+/// ascending and comma-separated ("-" for the other strategies).
+std::string degreesText(std::vector<int64_t> degrees) {
+  if (degrees.empty()) return "-";
+  std::sort(degrees.begin(), degrees.end());
+  degrees.erase(std::unique(degrees.begin(), degrees.end()), degrees.end());
+  std::string text;
+  for (const int64_t d : degrees) text += (text.empty() ? "" : ",") + std::to_string(d);
+  return text;
+}
+
 /// What simulate prints, kept until every cell has run: an error in a later cell (a baseline
 /// past its size limit, say) then leaves stdout empty instead of half a table.
 struct Output {
@@ -294,8 +307,8 @@ void runSimulate(const SimulateArgs& a) {
         a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
         a.blockSize.c_str(),
         hw.launch == sim::KernelLaunch::kStage ? ", a launch per stage" : ", a kernel per pair");
-    table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s\n", "strategy", "workers", "mfu", "fwd", "bwd",
-                "time_ms", "imb_comp", "imb_comm");
+    table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s %8s\n", "strategy", "workers", "mfu", "fwd",
+                 "bwd", "time_ms", "imb_comp", "imb_comm", "ulysses");
   }
   if (a.ulyssesDegree != 0) {
     // Every cell's degree, before the first cell runs (checkArgs has no profile yet).
@@ -386,9 +399,9 @@ void runSimulate(const SimulateArgs& a) {
                     c.mfuForward, c.mfuBackward, c.timeMs, c.forwardMs, c.backwardMs, c.computeImbalance,
                     c.commImbalance, c.computeMs, c.idleMs, c.transferBytes, c.reshuffleBytes, c.planMs, c.simMs);
       } else {
-        table.printf("%-13s %7lld %7.3f %7.3f %7.3f %11.3f %8.3f %8.3f\n", strategy.c_str(),
-                    static_cast<long long>(workers), c.mfu, c.mfuForward, c.mfuBackward, c.timeMs,
-                    c.computeImbalance, c.commImbalance);
+        table.printf("%-13s %7lld %7.3f %7.3f %7.3f %11.3f %8.3f %8.3f %8s\n", strategy.c_str(),
+                     static_cast<long long>(workers), c.mfu, c.mfuForward, c.mfuBackward, c.timeMs,
+                     c.computeImbalance, c.commImbalance, degreesText(c.ulyssesDegrees).c_str());
       }
     }
   }

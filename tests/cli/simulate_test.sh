@@ -133,6 +133,17 @@ else
   failures=$((failures + 1))
 fi
 
+# The table names each head-parallel cell's Ulysses degree: usp's tuned one (a fixed one here)
+# and fcp+ulysses' node; "-" for the rest.
+"$fcp" simulate --workers 16 --strategy fcp,usp,fcp+ulysses --ulysses-degree 4 > "$tmp/degrees" 2> /dev/null
+if awk 'NR > 2 { got[$1] = $NF } END { exit !(got["fcp"] == "-" && got["usp"] == "4" && got["fcp+ulysses"] == "4") }' \
+    "$tmp/degrees" && sed -n 2p "$tmp/degrees" | grep -q " ulysses$"; then
+  passed=$((passed + 1))
+else
+  echo "FAIL ulysses_degree_column: $(cat "$tmp/degrees")"
+  failures=$((failures + 1))
+fi
+
 # A refusal in a later cell (bytescale past its worker limit, after the 8-worker cells ran):
 # nonzero exit, the error as stderr's last line (after progress lines), nothing on stdout.
 "$fcp" simulate --workers 8,8192 --strategy fcp,bytescale --tokens-per-worker 1K \
