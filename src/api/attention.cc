@@ -463,8 +463,8 @@ void AttentionBatch::numberAsUser(const std::vector<int32_t>& ids) {
     userSequence_[i] = ids[static_cast<size_t>(planned[i])];
 }
 
-template <typename Call>
-void AttentionBatch::collective(const char* name, int64_t rowKey, Call&& call) {
+void AttentionBatch::collective(const char* name, int64_t rowKey,
+                                const std::function<void()>& call) {
   runtime::CallLedger& ledger = transport_->calls();
   const int64_t index = ledger.begin();
   if (const runtime::CallLedger::State earlier = ledger.state();

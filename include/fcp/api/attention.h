@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <span>
 #include <string>
@@ -240,12 +241,12 @@ class AttentionBatch {
 
  private:
   friend class AttentionLayer;
+  friend class UlyssesLayer;  // its calls are collectives of the batch too (api/ulysses.h)
   static plan::Plan takePlan(PendingBatch& pending);
   /// Runs `call`, a collective on this batch named `name`: refused once a call has thrown, and
   /// its own error recorded if it throws. `rowKey` (dispatch's rows; 0 otherwise) keys its tags
   /// with the call's.
-  template <typename Call>
-  void collective(const char* name, int64_t rowKey, Call&& call);
+  void collective(const char* name, int64_t rowKey, const std::function<void()>& call);
   /// Keeps `message` (or a placeholder for an empty one) as failure() unless there is one.
   void recordFailure(const std::string& message);
   /// The error a call `name` throws, refused after a failure (this batch's, or one that
@@ -285,6 +286,7 @@ class AttentionLayer {
   void release();
 
  private:
+  friend class UlyssesLayer;  // runs the checked calls on a node's head share (api/ulysses.h)
   void forwardChecked(AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k, ConstTensorRef v,
                       TensorRef o, TensorRef lse);
   void backwardChecked(AttentionBatch& batch, ConstTensorRef dO, TensorRef dq, TensorRef dk,

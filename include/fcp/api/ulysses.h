@@ -1,0 +1,84 @@
+#pragma once
+/// Ulysses inside a node, FCP across nodes: the FCP paper's deployment on rail-optimised
+/// clusters ("we enable Ulysess with FCP to avoid two-hop communication"; `fcp simulate
+/// --strategy fcp+ulysses`, fcp.torch's Batch(..., ulysses_group=)). The members of a node (a
+/// group of ranks, in member order) hold consecutive token ranges of the caller's layout; each
+/// attention call exchanges a member's rows with every head for the node's rows of one member's
+/// share of the heads (one all-to-all over the node's transport), runs FCP across the nodes on
+/// that share, and exchanges back.
+///
+///   once per batch:  UlyssesGroup node(nodeTransport, options);        // collective, the node
+///                    AttentionBatch batch(acrossTransport, node.across());  // across the nodes
+///   per layer:       layer[i].forward(node, batch, q, k, v, o, lse);    // q, k, v, o: this
+///                    layer[i].backward(node, batch, dO, dq, dk, dv);    // rank's rows, all heads
+///
+/// `options` is what an AttentionBatch over all ranks would take: this rank's own range
+/// [localBegin, localEnd) and the model's heads. `acrossTransport` joins the members of one
+/// index on every node (member j of every node, in node order). Member j computes query heads
+/// [j·h, (j+1)·h), h = numHeadsQ / degree, and the key/value heads those read (GQA), replicated
+/// on degree / numHeadsKv members where the members outnumber them (fcp::headShare); their
+/// gradients are summed. The transparent layout only. Errors: the group's checks (ranges that do
+/// not tile one run, heads the node cannot split, a dispatched layout) go into across()'s
+/// localError, so the batch's agreement fails on every rank of every node; a layer call that
+/// fails its checks on one rank leaves that node's members waiting in the exchange until the
+/// node transport's timeout, as AttentionLayer's calls leave the other ranks (attention.h).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fcp/api/attention.h"
+#include "fcp/runtime/transport.h"
+
+namespace fcp {
+
+/// One node's members and the layout they share. Keep it (and its transport) alive while its
+/// layers run.
+class UlyssesGroup {
+ public:
+  /// Gathers the members' ranges over `node` (collective over the node; one allreduce) and
+  /// checks them with `options`' heads and layout.
+  UlyssesGroup(runtime::Transport& node, const BatchOptions& options);
+
+  /// The options of the batch across nodes: the node's range, one member's share of the heads,
+  /// and the group's error, if any, as localError (the batch then fails on every rank).
+  BatchOptions across() const;
+
+  int64_t degree() const { return static_cast<int64_t>(rows_.size()); }
+  int64_t member() const { return member_; }
+  /// This rank's rows (localEnd − localBegin) and the node's.
+  int64_t numUserTokens() const { return rows_.empty() ? 0 : rows_[static_cast<size_t>(member_)]; }
+  int64_t numNodeTokens() const { return offsets_.empty() ? 0 : offsets_.back(); }
+  /// Empty unless the group's checks failed; then their one-line message.
+  const std::string& error() const { return error_; }
+
+ private:
+  friend class UlyssesLayer;
+  runtime::Transport* node_;
+  BatchOptions options_;  ///< the caller's, with the node's range and the share's heads
+  int64_t member_ = 0;
+  int64_t heads_ = 0, kvHeads_ = 0;  ///< the model's
+  std::vector<int64_t> rows_;        ///< per member
+  std::vector<int64_t> offsets_;     ///< prefix sums of rows_
+  std::string error_;
+  int64_t calls_ = 0;  ///< exchanges made: each takes its own tag (TagWindow)
+};
+
+/// One attention layer run with Ulysses inside a node and FCP across nodes.
+class UlyssesLayer {
+ public:
+  /// o (and lse, unless its data is null) = attention(q, k, v) of this rank's rows, every head.
+  /// Collective over the node and across the nodes.
+  void forward(UlyssesGroup& node, AttentionBatch& batch, ConstTensorRef q, ConstTensorRef k,
+               ConstTensorRef v, TensorRef o, TensorRef lse = {});
+  /// dq, dk, dv of this layer's last forward, which ran with `node` and `batch`. Collective.
+  void backward(UlyssesGroup& node, AttentionBatch& batch, ConstTensorRef dO, TensorRef dq,
+                TensorRef dk, TensorRef dv);
+  /// Frees what backward reads (AttentionLayer::release). Local.
+  void release() { layer_.release(); }
+
+ private:
+  AttentionLayer layer_;
+};
+
+}  // namespace fcp

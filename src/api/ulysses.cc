@@ -1,0 +1,349 @@
+// Ulysses inside a node around FCP across nodes (include/fcp/api/ulysses.h).
+#include "fcp/api/ulysses.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "fcp/core/config.h"
+#include "fcp/core/error.h"
+#include "fcp/kernels/attention.h"
+
+namespace fcp {
+namespace {
+
+/// A run of heads of a row.
+struct Heads {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+/// Member j's query heads: a contiguous share.
+Heads queryHeads(int64_t heads, int64_t degree, int64_t j) {
+  const int64_t h = heads / degree;
+  return {j * h, h};
+}
+
+/// Member j's key/value heads: a contiguous share, or where the members outnumber them the one
+/// its query heads read (GQA), replicated on degree / kvHeads members.
+Heads kvHeadsOf(int64_t kvHeads, int64_t degree, int64_t j) {
+  if (kvHeads % degree == 0) return {j * (kvHeads / degree), kvHeads / degree};
+  return {j * kvHeads / degree, 1};
+}
+
+/// A caller's tensor as rows of bytes.
+struct Rows {
+  std::byte* data = nullptr;
+  int64_t stride = 0;  ///< bytes from one row to the next
+  int64_t headBytes = 0;
+  std::byte* row(int64_t t) const { return data + t * stride; }
+};
+
+Rows rowsOf(ConstTensorRef t) {
+  const int64_t e = kernels::dtypeBytes(t.dtype);
+  return {const_cast<std::byte*>(static_cast<const std::byte*>(t.data)),
+          (t.rowStride != 0 ? t.rowStride : t.numHeads * t.headDim) * e, t.headDim * e};
+}
+
+/// Appends heads `h` of rows [0, n) of `in` to `out`, row after row.
+void appendHeads(const Rows& in, int64_t n, Heads h, std::vector<std::byte>& out) {
+  const auto bytes = static_cast<size_t>(h.count * in.headBytes);
+  const size_t at = out.size();
+  out.resize(at + static_cast<size_t>(n) * bytes);
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(out.data() + at + static_cast<size_t>(t) * bytes,
+                in.row(t) + h.first * in.headBytes, bytes);
+  }
+}
+
+/// Writes `n` rows of heads `h` (back to back at `in`) into heads `h` of `out`'s rows.
+void writeHeads(const std::byte* in, int64_t n, Heads h, const Rows& out) {
+  const auto bytes = static_cast<size_t>(h.count * out.headBytes);
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(out.row(t) + h.first * out.headBytes, in + static_cast<size_t>(t) * bytes, bytes);
+  }
+}
+
+/// Adds `n` rows of heads `h` of `dtype` (back to back at `in`) into heads `h` of `sum`, fp32
+/// rows of `heads` heads of `dim`.
+void addHeads(const std::byte* in, DType dtype, int64_t n, Heads h, int64_t heads, int64_t dim,
+              std::vector<float>& sum) {
+  const int64_t width = h.count * dim;
+  for (int64_t t = 0; t < n; ++t) {
+    float* to = sum.data() + (t * heads + h.first) * dim;
+    if (dtype == DType::kFp32) {
+      const auto* from = reinterpret_cast<const float*>(in) + t * width;
+      for (int64_t i = 0; i < width; ++i) to[i] += from[i];
+    } else {
+      const auto* from = reinterpret_cast<const uint16_t*>(in) + t * width;
+      for (int64_t i = 0; i < width; ++i) to[i] += kernels::fromBf16(from[i]);
+    }
+  }
+}
+
+/// Writes fp32 rows (n × heads × dim, back to back) into `out`'s rows in its dtype.
+void writeRows(const std::vector<float>& in, int64_t n, int64_t heads, int64_t dim, DType dtype,
+               const Rows& out) {
+  const int64_t width = heads * dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* from = in.data() + t * width;
+    if (dtype == DType::kFp32) {
+      std::memcpy(out.row(t), from, static_cast<size_t>(width) * sizeof(float));
+    } else {
+      auto* to = reinterpret_cast<uint16_t*>(out.row(t));
+      for (int64_t i = 0; i < width; ++i) to[i] = kernels::toBf16(from[i]);
+    }
+  }
+}
+
+std::string rangesText(const std::vector<int64_t>& ends) {
+  std::ostringstream text;
+  text << '[';
+  for (size_t m = 0; m + 1 < ends.size(); m += 2) {
+    text << (m ? ", " : "") << '[' << ends[m] << ", " << ends[m + 1] << ')';
+  }
+  text << ']';
+  return text.str();
+}
+
+void checkShape(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads, int64_t dim,
+                DType dtype) {
+  if (t.numTokens != tokens || t.numHeads != heads || t.headDim != dim || t.dtype != dtype ||
+      (t.data == nullptr && tokens * heads * dim > 0)) {
+    throwInvalidArgument(name, " is [", t.numTokens, ", ", t.numHeads, ", ", t.headDim, "] ",
+                         kernels::dtypeName(t.dtype), t.data == nullptr ? " without data" : "",
+                         ", expected [", tokens, ", ", heads, ", ", dim, "] ",
+                         kernels::dtypeName(dtype),
+                         " (this rank's tokens in the caller's layout, every head)");
+  }
+  if (t.rowStride != 0 && t.rowStride < heads * dim) {
+    throwInvalidArgument(name, " has a row stride of ", t.rowStride,
+                         " elements: expected 0 (rows back to back) or at least ", heads * dim,
+                         " (heads × head_dim)");
+  }
+}
+
+}  // namespace
+
+UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options)
+    : node_(&node),
+      options_(options),
+      member_(node.rank()),
+      heads_(options.numHeadsQ),
+      kvHeads_(options.numHeadsKv) {
+  const auto degree = static_cast<size_t>(node.size());
+  std::vector<int64_t> ends(2 * degree, 0);
+  ends[2 * static_cast<size_t>(member_)] = options.localBegin;
+  ends[2 * static_cast<size_t>(member_) + 1] = options.localEnd;
+  node.allreduce(ends, runtime::ReduceOp::kSum);
+  rows_.resize(degree);
+  offsets_.assign(degree + 1, 0);
+  for (size_t m = 0; m < degree; ++m) {
+    rows_[m] = std::max<int64_t>(ends[2 * m + 1] - ends[2 * m], 0);
+    offsets_[m + 1] = offsets_[m] + rows_[m];
+  }
+  const auto d = static_cast<int64_t>(degree);
+  for (size_t m = 0; m < degree && error_.empty(); ++m) {
+    if (ends[2 * m] > ends[2 * m + 1] || (m + 1 < degree && ends[2 * m + 1] != ends[2 * m + 2])) {
+      error_ = "the node's ranges are " + rangesText(ends) +
+               ": expected each member's range to end where the next member's begins (the node "
+               "holds one run of the stream)";
+    }
+  }
+  const AttentionConfig model{.numHeadsQ = heads_, .numHeadsKv = kvHeads_};
+  if (error_.empty() && (heads_ <= 0 || kvHeads_ <= 0 || !splitsHeads(model, d))) {
+    error_ = "a node of " + std::to_string(d) + " ranks with " + std::to_string(heads_) +
+             " query and " + std::to_string(kvHeads_) +
+             " key/value heads: expected a divisor of the query heads that divides the "
+             "key/value heads or is a multiple of them";
+  }
+  if (error_.empty() && options.layout != Layout::kTransparent) {
+    error_ =
+        "a dispatched layout with Ulysses inside a node: expected the transparent layout "
+        "(each member keeps its own rows; a dispatched layout would be the node's)";
+  }
+  options_.localBegin = ends[0];
+  options_.localEnd = ends[2 * degree - 1];
+  if (error_.empty()) {
+    options_.numHeadsQ = heads_ / d;
+    options_.numHeadsKv = std::max<int64_t>(1, kvHeads_ / d);
+  } else {
+    options_.localBegin = options_.localEnd = 0;
+  }
+}
+
+BatchOptions UlyssesGroup::across() const {
+  BatchOptions o = options_;
+  if (!error_.empty() && o.localError.empty()) o.localError = error_;
+  return o;
+}
+
+namespace {
+
+/// Sends send[j] to member j and receives recv[m] (sized by the caller) from member m over the
+/// node; a member's own part is copied. `tag` the same on every member for this exchange.
+void exchange(runtime::Transport& node, int tag, std::vector<std::vector<std::byte>>& send,
+              std::vector<std::vector<std::byte>>& recv) {
+  const int me = node.rank();
+  if (recv[static_cast<size_t>(me)].size() != send[static_cast<size_t>(me)].size()) {
+    throw Error(ErrorCode::kInternal, "Ulysses exchange: a member's own part changed size");
+  }
+  std::vector<runtime::RequestId> requests;
+  const runtime::PendingGuard guard(node, [&] {
+    runtime::keepForever(send);
+    runtime::keepForever(recv);
+  });
+  for (int m = 0; m < node.size(); ++m) {
+    if (m != me) requests.push_back(node.irecv(m, tag, recv[static_cast<size_t>(m)]));
+  }
+  for (int j = 0; j < node.size(); ++j) {
+    if (j != me) requests.push_back(node.isend(j, tag, send[static_cast<size_t>(j)]));
+  }
+  recv[static_cast<size_t>(me)] = send[static_cast<size_t>(me)];
+  runtime::waitAll(node, requests);
+}
+
+/// The tag of a group's next exchange: FCP's range, one per exchange in a window of 2^16.
+int nextTag(runtime::Transport& node, int64_t& calls) {
+  const int64_t window = 1 << 16;
+  if (node.maxTag() < runtime::kFirstFcpTag + window) {
+    throwInvalidArgument("the node transport's largest tag is ", node.maxTag(),
+                         ": expected at least ", runtime::kFirstFcpTag + window);
+  }
+  return runtime::kFirstFcpTag + static_cast<int>(calls++ % window);
+}
+
+}  // namespace
+
+void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRef q,
+                           ConstTensorRef k, ConstTensorRef v, TensorRef o, TensorRef lse) {
+  batch.collective("forward", 0, [&] {
+    const auto& share = batch.plan().config.attention;
+    const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
+    if (!g.error_.empty() || share.numHeadsQ * d != g.heads_ || total != batch.numCallTokens() ||
+        batch.layout() != Layout::kTransparent) {
+      throwInvalidArgument("the batch has ", batch.numCallTokens(), " rows of ", share.numHeadsQ,
+                           " query heads: expected the ", total, " rows of ", g.heads_ / d,
+                           " of this node's UlyssesGroup (a batch made from its across())");
+    }
+    const int64_t dim = share.headDim, sq = share.numHeadsQ, skv = share.numHeadsKv;
+    const DType dt = batch.dtype();
+    checkShape("q", q, n, g.heads_, dim, dt);
+    checkShape("k", k, n, g.kvHeads_, dim, dt);
+    checkShape("v", v, n, g.kvHeads_, dim, dt);
+    checkShape("o", o, n, g.heads_, dim, dt);
+    if (lse.data != nullptr) checkShape("lse", lse, n, g.heads_, 1, DType::kFp32);
+    const int64_t e = kernels::dtypeBytes(dt), qRow = sq * dim * e, kvRow = skv * dim * e;
+    const auto u = static_cast<size_t>(d);
+    std::vector<std::vector<std::byte>> send(u), recv(u);
+    for (int64_t j = 0; j < d; ++j) {
+      auto& s = send[static_cast<size_t>(j)];
+      s.reserve(static_cast<size_t>(n * (qRow + 2 * kvRow)));
+      appendHeads(rowsOf(q), n, queryHeads(g.heads_, d, j), s);
+      appendHeads(rowsOf(k), n, kvHeadsOf(g.kvHeads_, d, j), s);
+      appendHeads(rowsOf(v), n, kvHeadsOf(g.kvHeads_, d, j), s);
+      recv[static_cast<size_t>(j)].resize(
+          static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * (qRow + 2 * kvRow)));
+    }
+    batch.reached_ = true;  // messages may be out from here
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    // The node's rows of this member's heads, member after member.
+    std::vector<std::byte> qs(static_cast<size_t>(total * qRow)),
+        ks(static_cast<size_t>(total * kvRow)), vs(static_cast<size_t>(total * kvRow)),
+        os(static_cast<size_t>(total * qRow));
+    std::vector<float> lses(static_cast<size_t>(total * sq));
+    for (size_t m = 0; m < u; ++m) {
+      const int64_t r = g.rows_[m], at = g.offsets_[m];
+      const std::byte* b = recv[m].data();
+      std::memcpy(qs.data() + at * qRow, b, static_cast<size_t>(r * qRow));
+      std::memcpy(ks.data() + at * kvRow, b + r * qRow, static_cast<size_t>(r * kvRow));
+      std::memcpy(vs.data() + at * kvRow, b + r * (qRow + kvRow), static_cast<size_t>(r * kvRow));
+    }
+    layer_.forwardChecked(batch, {qs.data(), dt, total, sq, dim}, {ks.data(), dt, total, skv, dim},
+                          {vs.data(), dt, total, skv, dim}, {os.data(), dt, total, sq, dim},
+                          {lses.data(), DType::kFp32, total, sq, 1});
+    // Back: member m gets its rows' o and lse of this member's heads (lse always, so that the
+    // messages' sizes never depend on what a member asked for).
+    const int64_t lseRow = sq * static_cast<int64_t>(sizeof(float));
+    for (size_t m = 0; m < u; ++m) {
+      const int64_t r = g.rows_[m], at = g.offsets_[m];
+      auto& s = send[m];
+      s.resize(static_cast<size_t>(r * (qRow + lseRow)));
+      std::memcpy(s.data(), os.data() + at * qRow, static_cast<size_t>(r * qRow));
+      std::memcpy(s.data() + r * qRow, lses.data() + at * sq, static_cast<size_t>(r * lseRow));
+      recv[m].assign(static_cast<size_t>(n * (qRow + lseRow)), std::byte{0});
+    }
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    const Rows oRows = rowsOf(o), lseRows = rowsOf(lse);
+    for (int64_t j = 0; j < d; ++j) {
+      const Heads h = queryHeads(g.heads_, d, j);
+      const std::byte* b = recv[static_cast<size_t>(j)].data();
+      writeHeads(b, n, h, oRows);
+      if (lse.data != nullptr) writeHeads(b + n * qRow, n, h, lseRows);
+    }
+  });
+}
+
+void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRef dO, TensorRef dq,
+                            TensorRef dk, TensorRef dv) {
+  batch.collective("backward", 0, [&] {
+    const auto& share = batch.plan().config.attention;
+    const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
+    if (!g.error_.empty() || share.numHeadsQ * d != g.heads_ || total != batch.numCallTokens() ||
+        batch.layout() != Layout::kTransparent) {
+      throwInvalidArgument("the batch has ", batch.numCallTokens(), " rows of ", share.numHeadsQ,
+                           " query heads: expected the ", total, " rows of ", g.heads_ / d,
+                           " of this node's UlyssesGroup (a batch made from its across())");
+    }
+    const int64_t dim = share.headDim, sq = share.numHeadsQ, skv = share.numHeadsKv;
+    const DType dt = batch.dtype();
+    checkShape("dO", dO, n, g.heads_, dim, dt);
+    checkShape("dq", dq, n, g.heads_, dim, dt);
+    checkShape("dk", dk, n, g.kvHeads_, dim, dt);
+    checkShape("dv", dv, n, g.kvHeads_, dim, dt);
+    batch.executor().checkBackward(layer_.state_);
+    const int64_t e = kernels::dtypeBytes(dt), qRow = sq * dim * e, kvRow = skv * dim * e;
+    const auto u = static_cast<size_t>(d);
+    std::vector<std::vector<std::byte>> send(u), recv(u);
+    for (int64_t j = 0; j < d; ++j) {
+      appendHeads(rowsOf(dO), n, queryHeads(g.heads_, d, j), send[static_cast<size_t>(j)]);
+      recv[static_cast<size_t>(j)].resize(
+          static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * qRow));
+    }
+    batch.reached_ = true;
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    std::vector<std::byte> dOs(static_cast<size_t>(total * qRow)), dqs(dOs.size()),
+        dks(static_cast<size_t>(total * kvRow)), dvs(dks.size());
+    for (size_t m = 0; m < u; ++m) {
+      std::memcpy(dOs.data() + g.offsets_[m] * qRow, recv[m].data(), recv[m].size());
+    }
+    layer_.backwardChecked(batch, {dOs.data(), dt, total, sq, dim},
+                           {dqs.data(), dt, total, sq, dim}, {dks.data(), dt, total, skv, dim},
+                           {dvs.data(), dt, total, skv, dim});
+    for (size_t m = 0; m < u; ++m) {
+      const int64_t r = g.rows_[m], at = g.offsets_[m];
+      auto& s = send[m];
+      s.resize(static_cast<size_t>(r * (qRow + 2 * kvRow)));
+      std::memcpy(s.data(), dqs.data() + at * qRow, static_cast<size_t>(r * qRow));
+      std::memcpy(s.data() + r * qRow, dks.data() + at * kvRow, static_cast<size_t>(r * kvRow));
+      std::memcpy(s.data() + r * (qRow + kvRow), dvs.data() + at * kvRow,
+                  static_cast<size_t>(r * kvRow));
+      recv[m].assign(static_cast<size_t>(n * (qRow + 2 * kvRow)), std::byte{0});
+    }
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    // dq: each member's heads; dk, dv: summed in fp32 over the members that shared a head.
+    std::vector<float> dkSum(static_cast<size_t>(n * g.kvHeads_ * dim), 0.0f),
+        dvSum(dkSum.size(), 0.0f);
+    for (int64_t j = 0; j < d; ++j) {
+      const std::byte* b = recv[static_cast<size_t>(j)].data();
+      writeHeads(b, n, queryHeads(g.heads_, d, j), rowsOf(dq));
+      const Heads h = kvHeadsOf(g.kvHeads_, d, j);
+      addHeads(b + n * qRow, dt, n, h, g.kvHeads_, dim, dkSum);
+      addHeads(b + n * (qRow + kvRow), dt, n, h, g.kvHeads_, dim, dvSum);
+    }
+    writeRows(dkSum, n, g.kvHeads_, dim, dt, rowsOf(dk));
+    writeRows(dvSum, n, g.kvHeads_, dim, dt, rowsOf(dv));
+  });
+}
+
+}  // namespace fcp

@@ -1,0 +1,269 @@
+// fcp::UlyssesGroup and UlyssesLayer on thread ranks: nodes of `degree` ranks exchange rows for
+// heads, FCP runs across the nodes on each member's share; outputs, LSE and gradients against
+// the float64 reference of the whole batch, and the group's errors on every rank.
+#include "fcp/api/ulysses.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../runtime/thread_transport.h"
+#include "fcp/core/random.h"
+#include "fcp/kernels/attention.h"
+#include "fcp/runtime/reference.h"
+
+namespace fcp {
+namespace {
+
+using runtime::testing::ThreadTransport;
+using runtime::testing::ThreadWorld;
+
+/// Runs body(node, across, rank) on nodes × degree thread ranks (rank r: node r / degree, member
+/// r % degree); `node` joins a node's members, `across` the members of one index on every node.
+/// Rethrows the first rank's exception.
+template <typename Body>
+void runNodes(int nodes, int degree, Body body) {
+  std::vector<std::unique_ptr<ThreadWorld>> inside, across;
+  for (int n = 0; n < nodes; ++n) inside.push_back(std::make_unique<ThreadWorld>(degree));
+  for (int j = 0; j < degree; ++j) across.push_back(std::make_unique<ThreadWorld>(nodes));
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(nodes * degree));
+  for (int r = 0; r < nodes * degree; ++r) {
+    threads.emplace_back([&, r] {
+      ThreadTransport node(*inside[static_cast<size_t>(r / degree)], r % degree);
+      ThreadTransport cross(*across[static_cast<size_t>(r % degree)], r / degree);
+      try {
+        body(node, cross, r);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+struct Case {
+  int nodes = 2, degree = 2;
+  int64_t hq = 4, hkv = 2, dim = 16;
+  DType dtype = DType::kFp32;
+  MaskKind mask = MaskKind::kCausal;
+  uint64_t seed = 1;
+  bool emptyRank = false;
+};
+
+std::vector<float> randomRows(Rng& rng, int64_t n, DType dtype) {
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) {
+    v = static_cast<float>(rng.normal());
+    if (dtype == DType::kBf16) v = kernels::fromBf16(kernels::toBf16(v));
+  }
+  return x;
+}
+
+std::vector<std::byte> stored(const float* x, int64_t n, DType dtype) {
+  std::vector<std::byte> out(static_cast<size_t>(n * kernels::dtypeBytes(dtype)));
+  if (n == 0) return out;
+  if (dtype == DType::kFp32) {
+    std::memcpy(out.data(), x, out.size());
+  } else {
+    kernels::toBf16({x, static_cast<size_t>(n)},
+                    {reinterpret_cast<uint16_t*>(out.data()), static_cast<size_t>(n)});
+  }
+  return out;
+}
+
+void unstored(const std::vector<std::byte>& in, float* x, DType dtype) {
+  const size_t n = in.size() / static_cast<size_t>(kernels::dtypeBytes(dtype));
+  if (n == 0) return;
+  if (dtype == DType::kFp32) {
+    std::memcpy(x, in.data(), in.size());
+  } else {
+    kernels::fromBf16({reinterpret_cast<const uint16_t*>(in.data()), n}, {x, n});
+  }
+}
+
+/// The float64 log-sum-exp of every token's scaled scores, [T, hq].
+std::vector<double> referenceLse(const Case& c, const std::vector<int64_t>& cu,
+                                 const std::vector<float>& q, const std::vector<float>& k) {
+  const int64_t total = cu.back(), group = c.hq / c.hkv;
+  std::vector<double> lse(static_cast<size_t>(total * c.hq));
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
+      const int64_t last = c.mask == MaskKind::kCausal ? t + 1 : cu[s + 1];
+      for (int64_t h = 0; h < c.hq; ++h) {
+        std::vector<double> scores;
+        for (int64_t u = cu[s]; u < last; ++u) {
+          double dot = 0;
+          for (int64_t i = 0; i < c.dim; ++i) {
+            dot += static_cast<double>(q[static_cast<size_t>((t * c.hq + h) * c.dim + i)]) *
+                   k[static_cast<size_t>((u * c.hkv + h / group) * c.dim + i)];
+          }
+          scores.push_back(dot / std::sqrt(static_cast<double>(c.dim)));
+        }
+        const double top = *std::max_element(scores.begin(), scores.end());
+        double sum = 0;
+        for (const double x : scores) sum += std::exp(x - top);
+        lse[static_cast<size_t>(t * c.hq + h)] = top + std::log(sum);
+      }
+    }
+  }
+  return lse;
+}
+
+void expectMatchesReference(const Case& c) {
+  Rng rng(c.seed);
+  const std::vector<int64_t> lengths = {300, 17, 1, 250, 90, 211};
+  std::vector<int64_t> cu{0};
+  for (const int64_t l : lengths) cu.push_back(cu.back() + l);
+  const int64_t total = cu.back();
+  const int ranks = c.nodes * c.degree;
+  std::vector<int64_t> starts{0};
+  for (int r = 1; r < ranks; ++r) {
+    starts.push_back(static_cast<int64_t>(rng.uniform() * static_cast<double>(total)));
+  }
+  std::sort(starts.begin(), starts.end());
+  if (c.emptyRank) starts[2] = starts[1];  // rank 1 holds nothing
+  starts.push_back(total);
+  const std::vector<float> q = randomRows(rng, total * c.hq * c.dim, c.dtype),
+                           k = randomRows(rng, total * c.hkv * c.dim, c.dtype),
+                           v = randomRows(rng, total * c.hkv * c.dim, c.dtype),
+                           dO = randomRows(rng, total * c.hq * c.dim, c.dtype);
+  std::vector<float> o(q.size()), dq(q.size()), dk(k.size()), dv(k.size());
+  std::vector<float> lse(static_cast<size_t>(total * c.hq));
+  runNodes(c.nodes, c.degree, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+    BatchOptions options;
+    options.cuSeqlens = cu;
+    options.localBegin = starts[static_cast<size_t>(r)];
+    options.localEnd = starts[static_cast<size_t>(r) + 1];
+    options.numHeadsQ = c.hq;
+    options.numHeadsKv = c.hkv;
+    options.headDim = c.dim;
+    options.mask = c.mask;
+    options.dtype = c.dtype;
+    options.planConfig.blockSize = 64;
+    UlyssesGroup group(node, options);
+    AttentionBatch batch(across, group.across());
+    const int64_t b = options.localBegin, n = options.localEnd - b;
+    ASSERT_EQ(group.numUserTokens(), n);
+    const int64_t qw = c.hq * c.dim, kw = c.hkv * c.dim;
+    auto qs = stored(q.data() + b * qw, n * qw, c.dtype),
+         ks = stored(k.data() + b * kw, n * kw, c.dtype),
+         vs = stored(v.data() + b * kw, n * kw, c.dtype),
+         dOs = stored(dO.data() + b * qw, n * qw, c.dtype);
+    std::vector<std::byte> os(qs.size()), dqs(qs.size()), dks(ks.size()), dvs(ks.size());
+    UlyssesLayer layer;
+    layer.forward(group, batch, {qs.data(), c.dtype, n, c.hq, c.dim},
+                  {ks.data(), c.dtype, n, c.hkv, c.dim}, {vs.data(), c.dtype, n, c.hkv, c.dim},
+                  {os.data(), c.dtype, n, c.hq, c.dim},
+                  {lse.data() + b * c.hq, DType::kFp32, n, c.hq, 1});
+    layer.backward(group, batch, {dOs.data(), c.dtype, n, c.hq, c.dim},
+                   {dqs.data(), c.dtype, n, c.hq, c.dim}, {dks.data(), c.dtype, n, c.hkv, c.dim},
+                   {dvs.data(), c.dtype, n, c.hkv, c.dim});
+    unstored(os, o.data() + b * qw, c.dtype);
+    unstored(dqs, dq.data() + b * qw, c.dtype);
+    unstored(dks, dk.data() + b * kw, c.dtype);
+    unstored(dvs, dv.data() + b * kw, c.dtype);
+  });
+  const AttentionConfig a{c.hq, c.hkv, c.dim, kernels::dtypeBytes(c.dtype), c.mask};
+  const runtime::ReferenceResult ref = runtime::referenceAttention(Batch{lengths}, a, q, k, v, dO);
+  const double tolerance = c.dtype == DType::kFp32 ? 1e-5 : 2e-2;
+  EXPECT_LE(runtime::relativeL2(o, ref.o), tolerance) << "o";
+  EXPECT_LE(runtime::relativeL2(dq, ref.dq), tolerance) << "dq";
+  EXPECT_LE(runtime::relativeL2(dk, ref.dk), tolerance) << "dk";
+  EXPECT_LE(runtime::relativeL2(dv, ref.dv), tolerance) << "dv";
+  EXPECT_LE(runtime::relativeL2(lse, referenceLse(c, cu, q, k)),
+            c.dtype == DType::kFp32 ? 1e-6 : 1e-3)
+      << "lse";
+}
+
+TEST(UlyssesTest, TwoNodesOfTwoMatchTheReference) { expectMatchesReference({.emptyRank = true}); }
+
+TEST(UlyssesTest, OneNodeOfFourReplicatesEachKeyValueHeadOnTwoMembers) {
+  expectMatchesReference({.nodes = 1, .degree = 4, .mask = MaskKind::kFull, .seed = 2});
+}
+
+TEST(UlyssesTest, OneKeyValueHeadOnEveryMemberInBf16) {
+  expectMatchesReference({.hkv = 1, .dtype = DType::kBf16, .seed = 3});
+}
+
+TEST(UlyssesTest, ADegreeOfOneIsFcpAlone) {
+  expectMatchesReference({.nodes = 3, .degree = 1, .hkv = 4, .seed = 4});
+}
+
+TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
+  const auto failures = [](int64_t hq, Layout layout, bool swapped) {
+    std::vector<std::string> messages(4);
+    runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+      BatchOptions o;
+      o.cuSeqlens = {0, 100, 400};
+      const int64_t at = swapped && r < 2 ? 1 - r : r;  // node 0's members swap their ranges
+      o.localBegin = at * 100;
+      o.localEnd = at * 100 + 100;
+      o.numHeadsQ = hq;
+      o.numHeadsKv = 1;
+      o.headDim = 8;
+      o.layout = layout;
+      try {
+        UlyssesGroup group(node, o);
+        AttentionBatch batch(across, group.across());
+      } catch (const Error& e) {
+        messages[static_cast<size_t>(r)] = e.what();
+      }
+    });
+    return messages;
+  };
+  const auto swapped = failures(4, Layout::kTransparent, true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(swapped[static_cast<size_t>(r)].find(
+                  "the node's ranges are [[100, 200), [0, 100)]: expected each member's range to "
+                  "end where the next member's begins"),
+              std::string::npos)
+        << swapped[static_cast<size_t>(r)];
+  }
+  for (int r = 2; r < 4; ++r) EXPECT_NE(swapped[static_cast<size_t>(r)], "") << r;  // the agreement
+  for (const std::string& m : failures(3, Layout::kTransparent, false)) {
+    EXPECT_NE(m.find("a node of 2 ranks with 3 query and 1 key/value heads: expected a divisor"),
+              std::string::npos)
+        << m;
+  }
+  for (const std::string& m : failures(4, Layout::kDispatched, false)) {
+    EXPECT_NE(m.find("expected the transparent layout"), std::string::npos) << m;
+  }
+  // A call with a tensor of the wrong shape on every rank fails there, before any message.
+  std::vector<std::string> shapes(4);
+  runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+    BatchOptions o;
+    o.cuSeqlens = {0, 400};
+    o.localBegin = r * 100;
+    o.localEnd = r * 100 + 100;
+    o.numHeadsQ = 4;
+    o.numHeadsKv = 2;
+    o.headDim = 8;
+    UlyssesGroup group(node, o);
+    AttentionBatch batch(across, group.across());
+    std::vector<float> x(100 * 4 * 8);
+    UlyssesLayer layer;
+    try {
+      layer.forward(group, batch, {x.data(), DType::kFp32, 100, 2, 8},
+                    {x.data(), DType::kFp32, 100, 2, 8}, {x.data(), DType::kFp32, 100, 2, 8},
+                    {x.data(), DType::kFp32, 100, 4, 8});
+    } catch (const Error& e) {
+      shapes[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& m : shapes) {
+    EXPECT_NE(m.find("q is [100, 2, 8] fp32, expected [100, 4, 8] fp32"), std::string::npos) << m;
+  }
+}
+
+}  // namespace
+}  // namespace fcp
