@@ -2,6 +2,7 @@
 #include "fcp/api/ulysses.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 
@@ -181,10 +182,16 @@ BatchOptions UlyssesGroup::across() const {
 namespace {
 
 /// Sends send[j] to member j and receives recv[m] (sized by the caller) from member m over the
-/// node; a member's own part is copied. `tag` the same on every member for this exchange.
+/// node; a member's own part is copied. `tag` the same on every member for this exchange. Adds
+/// the bytes that left and reached this rank to `stats`.
 void exchange(runtime::Transport& node, int tag, std::vector<std::vector<std::byte>>& send,
-              std::vector<std::vector<std::byte>>& recv) {
+              std::vector<std::vector<std::byte>>& recv, PassStats& stats) {
   const int me = node.rank();
+  for (int m = 0; m < node.size(); ++m) {
+    if (m == me) continue;
+    stats.sentBytes += static_cast<int64_t>(send[static_cast<size_t>(m)].size());
+    stats.recvBytes += static_cast<int64_t>(recv[static_cast<size_t>(m)].size());
+  }
   if (recv[static_cast<size_t>(me)].size() != send[static_cast<size_t>(me)].size()) {
     throw Error(ErrorCode::kInternal, "Ulysses exchange: a member's own part changed size");
   }
@@ -203,6 +210,17 @@ void exchange(runtime::Transport& node, int tag, std::vector<std::vector<std::by
   runtime::waitAll(node, requests);
 }
 
+/// A pass's stats: the batch's (kernels, FLOPs, bytes across nodes) with the node's exchanges'
+/// bytes added and the wall time of the whole call since `start`.
+PassStats withExchanges(PassStats s, const PassStats& exchanged,
+                        std::chrono::steady_clock::time_point start) {
+  s.wallMs =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  s.sentBytes += exchanged.sentBytes;
+  s.recvBytes += exchanged.recvBytes;
+  return s;
+}
+
 /// The tag of a group's next exchange: FCP's range, one per exchange in a window of 2^16.
 int nextTag(runtime::Transport& node, int64_t& calls) {
   const int64_t window = 1 << 16;
@@ -217,6 +235,8 @@ int nextTag(runtime::Transport& node, int64_t& calls) {
 
 void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRef q,
                            ConstTensorRef k, ConstTensorRef v, TensorRef o, TensorRef lse) {
+  const auto start = std::chrono::steady_clock::now();
+  PassStats exchanged;
   batch.collective("forward", 0, [&] {
     const auto& share = batch.plan().config.attention;
     const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
@@ -246,7 +266,7 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
           static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * (qRow + 2 * kvRow)));
     }
     batch.reached_ = true;  // messages may be out from here
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
     // The node's rows of this member's heads, member after member.
     std::vector<std::byte> qs(static_cast<size_t>(total * qRow)),
         ks(static_cast<size_t>(total * kvRow)), vs(static_cast<size_t>(total * kvRow)),
@@ -273,7 +293,7 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
       std::memcpy(s.data() + r * qRow, lses.data() + at * sq, static_cast<size_t>(r * lseRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + lseRow)), std::byte{0});
     }
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
     const Rows oRows = rowsOf(o), lseRows = rowsOf(lse);
     for (int64_t j = 0; j < d; ++j) {
       const Heads h = queryHeads(g.heads_, d, j);
@@ -282,10 +302,13 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
       if (lse.data != nullptr) writeHeads(b + n * qRow, n, h, lseRows);
     }
   });
+  stats_[0] = withExchanges(batch.forwardStats(), exchanged, start);
 }
 
 void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRef dO, TensorRef dq,
                             TensorRef dk, TensorRef dv) {
+  const auto start = std::chrono::steady_clock::now();
+  PassStats exchanged;
   batch.collective("backward", 0, [&] {
     const auto& share = batch.plan().config.attention;
     const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
@@ -311,7 +334,7 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
           static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * qRow));
     }
     batch.reached_ = true;
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
     std::vector<std::byte> dOs(static_cast<size_t>(total * qRow)), dqs(dOs.size()),
         dks(static_cast<size_t>(total * kvRow)), dvs(dks.size());
     for (size_t m = 0; m < u; ++m) {
@@ -330,7 +353,7 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
                   static_cast<size_t>(r * kvRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + 2 * kvRow)), std::byte{0});
     }
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv);
+    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
     // dq: each member's heads; dk, dv: summed in fp32 over the members that shared a head.
     std::vector<float> dkSum(static_cast<size_t>(n * g.kvHeads_ * dim), 0.0f),
         dvSum(dkSum.size(), 0.0f);
@@ -344,6 +367,7 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
     writeRows(dkSum, n, g.kvHeads_, dim, dt, rowsOf(dk));
     writeRows(dvSum, n, g.kvHeads_, dim, dt, rowsOf(dv));
   });
+  stats_[1] = withExchanges(batch.backwardStats(), exchanged, start);
 }
 
 }  // namespace fcp

@@ -165,6 +165,19 @@ void expectMatchesReference(const Case& c) {
                   {ks.data(), c.dtype, n, c.hkv, c.dim}, {vs.data(), c.dtype, n, c.hkv, c.dim},
                   {os.data(), c.dtype, n, c.hq, c.dim},
                   {lse.data() + b * c.hq, DType::kFp32, n, c.hq, 1});
+    // The layer's bytes are the batch's and the node's exchanges': this rank's rows of q, k, v
+    // for every other member, and o and lse of every other member's rows back.
+    const int64_t d = c.degree, me = r % d, e = kernels::dtypeBytes(c.dtype);
+    const int64_t sq = c.hq / d, skv = std::max<int64_t>(1, c.hkv / d);
+    int64_t others = 0;
+    for (int64_t m = 0; m < d; ++m) {
+      const auto at = static_cast<size_t>(r - me + m);
+      if (m != me) others += starts[at + 1] - starts[at];
+    }
+    EXPECT_EQ(layer.forwardStats().sentBytes - batch.forwardStats().sentBytes,
+              n * (sq + 2 * skv) * c.dim * e * (d - 1) + others * sq * (c.dim * e + 4));
+    EXPECT_GE(layer.forwardStats().wallMs, batch.forwardStats().wallMs);
+    EXPECT_EQ(layer.forwardStats().flops, batch.forwardStats().flops);
     layer.backward(group, batch, {dOs.data(), c.dtype, n, c.hq, c.dim},
                    {dqs.data(), c.dtype, n, c.hq, c.dim}, {dks.data(), c.dtype, n, c.hkv, c.dim},
                    {dvs.data(), c.dtype, n, c.hkv, c.dim});

@@ -76,9 +76,14 @@ class UlyssesLayer {
                 TensorRef dk, TensorRef dv);
   /// Frees what backward reads (AttentionLayer::release). Local.
   void release() { layer_.release(); }
+  /// The last forward's and backward's costs on this rank: the whole call's wall time, the
+  /// batch's kernels and FLOPs, and its bytes with the node's exchanges added.
+  const PassStats& forwardStats() const { return stats_[0]; }
+  const PassStats& backwardStats() const { return stats_[1]; }
 
  private:
   AttentionLayer layer_;
+  PassStats stats_[2];
 };
 
 }  // namespace fcp
