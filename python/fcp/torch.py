@@ -299,7 +299,21 @@ class _Ulysses:
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
 
     @staticmethod
-    def agree(group, settings, args, timeout_seconds):
+    def gathered(group, values, what, timeout_seconds):
+        """Every member's `values` (int64), all_gather over `group`, bounded by the timeout."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        try:
+            work.wait(timeout)
+        except RuntimeError as e:
+            raise _fcp.TransportError(f"{what} did not arrive from every rank of the group (timeout_seconds = "
+                                      f"{timeout.total_seconds():g}): {e}") from None
+        return [p.tolist() for p in parts]
+
+    @staticmethod
+    def agree(group, settings, args, timeout_seconds, across):
         """(the _Ulysses, args for the plan over the groups): the node's ranges gathered and checked,
         this rank's range widened to the node's and the heads to one member's share."""
         if not isinstance(group, dist.ProcessGroup):
@@ -308,20 +322,26 @@ class _Ulysses:
         if dist.get_rank(group) < 0:
             raise _not_a_member()
         degree, member = dist.get_world_size(group), dist.get_rank(group)
-        mine = torch.tensor([1, args[1], args[2]] if args else [0, 0, 0], dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(degree)]
-        work = dist.all_gather(parts, mine, group=group, async_op=True)
-        try:
-            work.wait(datetime.timedelta(seconds=timeout_seconds))
-        except RuntimeError as e:
-            raise _fcp.TransportError(f"ulysses_group's ranges did not arrive from every member (timeout_seconds = "
-                                      f"{timeout_seconds:g}): {e}") from None
+        parts = _Ulysses.gathered(group, [1, args[1], args[2]] if args else [0, 0, 0], "ulysses_group's ranges",
+                                  timeout_seconds)
+        # The ranks of `group` must be one member index of every node, each of the same degree:
+        # else every member of a node would read another node's heads (wrong results, no error).
+        if across is not None and not hasattr(across, "py2f") and isinstance(across, dist.ProcessGroup):
+            seen = _Ulysses.gathered(across, [member, degree], "the member indices across the nodes",
+                                     timeout_seconds)
+        else:
+            seen = None
         if args is None:
             raise _fcp.InvalidArgument("this rank's arguments were refused")  # the caller keeps its own message
         refused = [m for m, p in enumerate(parts) if p[0] == 0]
         if refused:
             raise _fcp.InvalidArgument(f"member {refused[0]} of ulysses_group: its arguments were refused there (its "
                                        f"own error says why)")
+        if seen is None or any(x != [member, degree] for x in seen):
+            raise _fcp.InvalidArgument(f"group holds members {sorted({x[0] for x in seen}) if seen else '?'} of "
+                                       f"nodes of {sorted({x[1] for x in seen}) if seen else '?'} ranks: expected a "
+                                       f"torch.distributed group of the ranks with this rank's index ({member}) in "
+                                       f"every node of {degree} (ulysses_groups() makes it)")
         ranges = [(int(p[1]), int(p[2])) for p in parts]
         if any(ranges[m][1] != ranges[m + 1][0] for m in range(degree - 1)):
             raise _fcp.InvalidArgument(f"ulysses_group's local ranges are {ranges}: expected each member's to end where "
@@ -342,18 +362,30 @@ class _Ulysses:
 
     def exchange(self, batch, sends, receive_bytes):
         """All-to-all over the node: sends[j] (tensors) to member j; returns the uint8 bytes received
-        from each member (receive_bytes[m] of them). A failure fails the batch."""
-        flat = [torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts]) if parts
-                else torch.empty(0, dtype=torch.uint8) for parts in sends]
-        send = torch.cat(flat)
-        recv = torch.empty(sum(receive_bytes), dtype=torch.uint8)
+        from each member (receive_bytes[m] of them). Refused once the batch failed on this rank; a
+        failure fails the batch (fcp.TransportError: gloo then needs a new process group)."""
+        if batch.failure is not None:
+            batch._impl.fail(f"this batch refuses attention: a call on it raised on this rank before (expected a new "
+                             f"batch, and a new process group after a timeout): {batch.failure}")
+        start = time.perf_counter()
+
+        def buffers():
+            flat = [torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts]) if parts
+                    else torch.empty(0, dtype=torch.uint8) for parts in sends]
+            return flat, torch.cat(flat), torch.empty(sum(receive_bytes), dtype=torch.uint8)
+        flat, send, recv = _prepared(batch, buffers)
         try:
             work = dist.all_to_all_single(recv, send, output_split_sizes=list(receive_bytes),
                                           input_split_sizes=[f.numel() for f in flat], group=self.group, async_op=True)
             work.wait(self.timeout)
         except RuntimeError as e:
-            batch._impl.fail(f"the heads' exchange inside ulysses_group failed (timeout_seconds = "
-                             f"{self.timeout.total_seconds():g}): {e}")
+            message = (f"the heads' exchange inside ulysses_group failed (timeout_seconds = "
+                       f"{self.timeout.total_seconds():g}): {e}")
+            try:
+                batch._impl.fail(message)
+            except _fcp.InvalidArgument:
+                raise _fcp.TransportError(message) from None
+        batch.attention_seconds += time.perf_counter() - start
         return list(recv.split(list(receive_bytes)))
 
 
@@ -390,7 +422,8 @@ def ulysses_groups(degree: int):
                                    "dist.init_process_group first")
     ranks = dist.get_world_size()
     if degree < 1 or ranks % degree:
-        raise _fcp.InvalidArgument(f"Ulysses degree {degree} over {ranks} ranks: expected a divisor of the ranks")
+        raise _fcp.InvalidArgument(f"Ulysses degree {degree} over {ranks} ranks: expected a positive divisor of the "
+                                   f"ranks")
     rank = dist.get_rank()
     inside = [dist.new_group(list(range(n * degree, (n + 1) * degree))) for n in range(ranks // degree)]
     across = [dist.new_group(list(range(j, ranks, degree))) for j in range(degree)]
@@ -477,6 +510,28 @@ class _HeadsOut(torch.autograd.Function):
         return torch.cat([_from_bytes(b, dtype, (r, sq, dim)) for b, r in zip(got, ul.rows)]), None, None
 
 
+def _confirmed(settings, make):
+    """make() (a collective across the nodes), then, with ulysses_group, whether every member of
+    the node succeeded: FCP's agreement runs over each index's ranks only, so a batch one index
+    refuses (a setting that differs there) must fail its node's other members too, not leave
+    them to time out in the first exchange."""
+    try:
+        made, error = make(), None
+    except _fcp.Error as e:
+        made, error = None, e
+    if settings.ulysses is not None:
+        failed = settings.ulysses.gathered(settings.ulysses.group, [0 if error is None else 1],
+                                           "whether every member made the batch",
+                                           settings.ulysses.timeout.total_seconds())
+        others = [m for m, f in enumerate(failed) if f[0] and m != settings.ulysses.member]
+        if error is None and others:
+            raise _fcp.InvalidArgument(f"member {others[0]} of ulysses_group could not make the batch (its own error "
+                                       f"says why): expected every member's batch")
+    if error is not None:
+        raise error
+    return made
+
+
 class _Settings:
     """A batch's arguments, checked, and the options FCP plans it from. A check that fails here
     fails on this rank only, while the others go on into the batch's agreement: so its message
@@ -502,7 +557,7 @@ class _Settings:
             # Collective over the node's group whatever this rank's checks said, so that its
             # members stay in step; a member's error reaches every rank through the agreement.
             try:
-                self.ulysses, args = _Ulysses.agree(ulysses_group, self, args, timeout_seconds)
+                self.ulysses, args = _Ulysses.agree(ulysses_group, self, args, timeout_seconds, group)
             except Exception as e:  # noqa: BLE001
                 message = message or _message(e)
         self.plan_heads, self.plan_kv_heads = (args[3], args[4]) if args else (0, 0)
@@ -600,7 +655,7 @@ class Batch:
                  ulysses_group=None):
         settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype, layout,
                              strategy, block_size, threads, comm_ratio, softmax_scale, timeout_seconds, ulysses_group)
-        self._attach(settings, _fcp.AttentionBatch(settings.transport, settings.options))
+        self._attach(settings, _confirmed(settings, lambda: _fcp.AttentionBatch(settings.transport, settings.options)))
 
     def _attach(self, settings: _Settings, impl) -> None:
         self.cu_seqlens = settings.cu_seqlens
@@ -625,7 +680,13 @@ class Batch:
     @property
     def num_local_tokens(self) -> int:
         """Rows of this rank in FCP's layout."""
+        self._no_ulysses("num_local_tokens")
         return self._impl.num_local_tokens
+
+    def _no_ulysses(self, name: str) -> None:
+        if self._ulysses is not None:
+            raise _fcp.InvalidArgument(f"batch.{name} with ulysses_group: expected attention() on this rank's own rows "
+                                       f"(FCP's layout there is the node's, which no member holds)")
 
     @property
     def num_call_tokens(self) -> int:
@@ -658,10 +719,12 @@ class Batch:
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of the caller's layout (num_user_tokens x ...) moved into FCP's layout."""
+        self._no_ulysses("dispatch")
         return _Dispatch.apply(x, self, True)
 
     def undispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of FCP's layout (num_local_tokens x ...) moved back to the caller's layout."""
+        self._no_ulysses("undispatch")
         return _Dispatch.apply(x, self, False)
 
     def stats(self) -> dict:
@@ -694,7 +757,8 @@ class PendingBatch:
         self._settings = _Settings(cu_seqlens, local_range, group, heads, kv_heads, head_dim, causal, dtype,
                                    layout, strategy, block_size, threads, comm_ratio, softmax_scale,
                                    timeout_seconds, ulysses_group)
-        self._impl = _fcp.PendingBatch(self._settings.transport, self._settings.options)
+        self._impl = _confirmed(self._settings,
+                                lambda: _fcp.PendingBatch(self._settings.transport, self._settings.options))
 
     @property
     def ready(self) -> bool:
@@ -704,7 +768,7 @@ class PendingBatch:
     def batch(self) -> Batch:
         """The planned Batch (collective): waits for the plan and checks every rank has the same."""
         batch = Batch.__new__(Batch)
-        batch._attach(self._settings, _fcp.AttentionBatch(self._impl))
+        batch._attach(self._settings, _confirmed(self._settings, lambda: _fcp.AttentionBatch(self._impl)))
         return batch
 
 

@@ -807,7 +807,7 @@ ULYSSES_CASES = [
     (0, torch.float32, True, 4, 2, 16, False),
     (1, torch.float32, False, 4, 1, 16, False),
     (2, torch.bfloat16, True, 8, 2, 8, False),
-    (3, torch.float32, True, 2, 2, 5, False),  # odd rows of an odd head_dim: the lse after them is unaligned
+    (3, torch.bfloat16, True, 2, 2, 5, False),  # bf16 o of odd rows x head_dim 5: the lse after it is unaligned
     (5, torch.float32, True, 4, 2, 16, True),  # 4 ranks: each key/value head on 2 members
 ]
 
@@ -874,10 +874,34 @@ def test_ulysses_groups_ranges_and_heads_are_checked_on_every_rank(group):
         ft.Batch(cu, mine, across, **dict(options, heads=3, kv_heads=3))
     with pytest.raises(fcp.InvalidArgument, match="layout 'dispatched' with ulysses_group: expected 'transparent'"):
         ft.Batch(cu, mine, across, **dict(options, layout="dispatched"))
+    # A setting one index differs in (rank 2's block size) fails its index's agreement, and the
+    # node's confirmation then fails the other index too, instead of its first exchange.
+    for make in (ft.Batch, lambda *a, **k: ft.PendingBatch(*a, **k).batch()):
+        start = time.perf_counter()
+        with pytest.raises(fcp.Error, match="block" if rank % 2 == 0 else
+                           r"member 0 of ulysses_group could not make the batch"):
+            make(cu, mine, across, **dict(options, block_size=128 if rank == 2 else 64))
+        assert time.perf_counter() - start < 30
+    # Index groups that do not pair with the nodes (rank 0 with rank 3's index) would read
+    # another node's heads: refused on every rank.
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])] + [dist.new_group([r]) for r in range(4, ranks)]
+    wrong = crossed[0] if rank in (0, 3) else crossed[1] if rank in (1, 2) else crossed[rank - 2]
+    with pytest.raises(fcp.InvalidArgument, match=r"expected a torch.distributed group of the ranks with this "
+                                                  r"rank's index \(%d\) in every node of 2" % (rank % 2)):
+        ft.Batch(cu, mine, wrong, **options)
     batch = ft.Batch(cu, mine, across, **options)
     n = mine[1] - mine[0]
+    with pytest.raises(fcp.InvalidArgument, match="batch.dispatch with ulysses_group"):
+        batch.dispatch(torch.zeros(n, 4, 8))
+    with pytest.raises(fcp.InvalidArgument, match="batch.num_local_tokens with ulysses_group"):
+        batch.num_local_tokens
     with pytest.raises(fcp.InvalidArgument, match=r"q is \(%d, 2, 8\).*expected \(%d, 4, 8\)" % (n, n)):
         ft.attention(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), batch)
+    # Every rank raised in its checks: the next call refuses at once, before any exchange.
+    start = time.perf_counter()
+    with pytest.raises(fcp.InvalidArgument, match="this batch refuses attention: a call on it raised on this rank"):
+        ft.attention(torch.zeros(n, 4, 8), torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), batch)
+    assert time.perf_counter() - start < 5
     with pytest.raises(fcp.InvalidArgument,
-                       match="Ulysses degree %d over %d ranks: expected a divisor of the ranks" % (ranks + 1, ranks)):
+                       match="Ulysses degree %d over %d ranks: expected a positive divisor of the ranks" % (ranks + 1, ranks)):
         ft.ulysses_groups(ranks + 1)
