@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "fcp/core/config.h"
@@ -171,6 +172,38 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
   } else {
     options_.localBegin = options_.localEnd = 0;
   }
+}
+
+AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
+  BatchOptions o = this->across();
+  std::vector<int64_t> seen = {member_, -member_, degree(), -degree()};
+  across.allreduce(seen, runtime::ReduceOp::kMax);
+  if (o.localError.empty() &&
+      (seen[0] != member_ || -seen[1] != member_ || seen[2] != degree() || -seen[3] != degree())) {
+    o.localError = "the across transport joins members " + std::to_string(-seen[1]) + " to " +
+                   std::to_string(seen[0]) + " of nodes of " + std::to_string(-seen[3]) + " to " +
+                   std::to_string(seen[2]) + " ranks: expected the ranks with this rank's index (" +
+                   std::to_string(member_) + ") in every node of " + std::to_string(degree());
+  }
+  std::optional<AttentionBatch> made;
+  std::optional<Error> error;
+  try {
+    made.emplace(across, o);
+  } catch (const Error& e) {
+    error = e;
+  }
+  std::vector<int64_t> failed(rows_.size(), 0);
+  failed[static_cast<size_t>(member_)] = error ? 1 : 0;
+  node_->allreduce(failed, runtime::ReduceOp::kSum);
+  if (error) throw *error;
+  for (size_t m = 0; m < failed.size(); ++m) {
+    if (failed[m] != 0) {
+      throwInvalidArgument("member ", m,
+                           " of the node could not make the batch (its own error says ",
+                           "why): expected every member's batch");
+    }
+  }
+  return std::move(*made);
 }
 
 BatchOptions UlyssesGroup::across() const {

@@ -151,7 +151,7 @@ void expectMatchesReference(const Case& c) {
     options.dtype = c.dtype;
     options.planConfig.blockSize = 64;
     UlyssesGroup group(node, options);
-    AttentionBatch batch(across, group.across());
+    AttentionBatch batch = group.batch(across);
     const int64_t b = options.localBegin, n = options.localEnd - b;
     ASSERT_EQ(group.numUserTokens(), n);
     const int64_t qw = c.hq * c.dim, kw = c.hkv * c.dim;
@@ -227,7 +227,7 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
       o.layout = layout;
       try {
         UlyssesGroup group(node, o);
-        AttentionBatch batch(across, group.across());
+        AttentionBatch batch = group.batch(across);
       } catch (const Error& e) {
         messages[static_cast<size_t>(r)] = e.what();
       }
@@ -251,6 +251,60 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   for (const std::string& m : failures(4, Layout::kDispatched, false)) {
     EXPECT_NE(m.find("expected the transparent layout"), std::string::npos) << m;
   }
+  // A setting one index differs in (rank 2's block size) fails its index's agreement; the node
+  // then fails the other index too, rather than leave it to time out in the first exchange.
+  std::vector<std::string> blocks(4);
+  runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+    BatchOptions o;
+    o.cuSeqlens = {0, 400};
+    o.localBegin = r * 100;
+    o.localEnd = r * 100 + 100;
+    o.numHeadsQ = 4;
+    o.numHeadsKv = 2;
+    o.headDim = 8;
+    o.planConfig.blockSize = r == 2 ? 128 : 64;
+    try {
+      UlyssesGroup(node, o).batch(across);
+    } catch (const Error& e) {
+      blocks[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const int r : {0, 2}) EXPECT_NE(blocks[static_cast<size_t>(r)], "") << r;
+  for (const int r : {1, 3}) {
+    EXPECT_NE(blocks[static_cast<size_t>(r)].find("member 0 of the node could not make the batch"),
+              std::string::npos)
+        << blocks[static_cast<size_t>(r)];
+  }
+  // An across transport that does not pair with the nodes: node 0's members swap indices, so
+  // rank 0 (member 1 now) meets rank 2 (member 0). Refused on every rank.
+  std::vector<std::string> crossed(4);
+  {
+    ThreadWorld node0(2), node1(2), index0(2), index1(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 4; ++r) {
+      threads.emplace_back([&, r] {
+        const int member = r < 2 ? 1 - r : r - 2;  // node 0's ranks 0, 1 are members 1, 0
+        ThreadTransport node(r < 2 ? node0 : node1, member);
+        ThreadTransport across(r % 2 == 0 ? index0 : index1, r / 2);
+        BatchOptions o;
+        o.cuSeqlens = {0, 400};
+        o.localBegin = (r < 2 ? member : r) * 100;
+        o.localEnd = o.localBegin + 100;
+        o.numHeadsQ = 4;
+        o.numHeadsKv = 2;
+        o.headDim = 8;
+        try {
+          UlyssesGroup(node, o).batch(across);
+        } catch (const Error& e) {
+          crossed[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const std::string& m : crossed) {
+    EXPECT_NE(m.find("expected the ranks with this rank's index"), std::string::npos) << m;
+  }
   // A call with a tensor of the wrong shape on every rank fails there, before any message.
   std::vector<std::string> shapes(4);
   runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
@@ -262,7 +316,7 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
     o.numHeadsKv = 2;
     o.headDim = 8;
     UlyssesGroup group(node, o);
-    AttentionBatch batch(across, group.across());
+    AttentionBatch batch = group.batch(across);
     std::vector<float> x(100 * 4 * 8);
     UlyssesLayer layer;
     try {

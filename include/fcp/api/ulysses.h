@@ -8,7 +8,7 @@
 /// that share, and exchanges back.
 ///
 ///   once per batch:  UlyssesGroup node(nodeTransport, options);        // collective, the node
-///                    AttentionBatch batch(acrossTransport, node.across());  // across the nodes
+///                    AttentionBatch batch = node.batch(acrossTransport);  // across the nodes
 ///   per layer:       layer[i].forward(node, batch, q, k, v, o, lse);    // q, k, v, o: this
 ///                    layer[i].backward(node, batch, dO, dq, dk, dv);    // rank's rows, all heads
 ///
@@ -19,8 +19,8 @@
 /// on degree / numHeadsKv members where the members outnumber them (fcp::headShare); their
 /// gradients are summed. The transparent layout only. Errors: the group's checks (ranges that do
 /// not tile one run, heads the node cannot split, a dispatched layout) go into across()'s
-/// localError, so the batch's agreement fails on every rank of every node; a layer call that
-/// fails its checks on one rank leaves that node's members waiting in the exchange until the
+/// localError, so the batch's agreement fails on every rank of every node (batch()); a layer call
+/// that fails its checks on one rank leaves that node's members waiting in the exchange until the
 /// node transport's timeout, as AttentionLayer's calls leave the other ranks (attention.h).
 
 #include <cstdint>
@@ -40,8 +40,16 @@ class UlyssesGroup {
   /// checks them with `options`' heads and layout.
   UlyssesGroup(runtime::Transport& node, const BatchOptions& options);
 
+  /// The batch across nodes over `across` (the ranks with this member's index on every node),
+  /// planned from across(): collective over `across`, then over the node. It checks that
+  /// `across` pairs with the nodes (every rank of it the same member index of a node of this
+  /// degree; else each node would read another's heads), and a batch that any member of the
+  /// node could not make (its index's agreement refused it) fails on every member, naming it,
+  /// rather than leave the others to time out in the first exchange.
+  AttentionBatch batch(runtime::Transport& across) const;
   /// The options of the batch across nodes: the node's range, one member's share of the heads,
-  /// and the group's error, if any, as localError (the batch then fails on every rank).
+  /// and the group's error, if any, as localError (the batch then fails on every rank of its
+  /// index). batch() plans with them and confirms over the node; a PendingBatch may take them.
   BatchOptions across() const;
 
   int64_t degree() const { return static_cast<int64_t>(rows_.size()); }
