@@ -27,7 +27,9 @@
 #include "commands.h"
 #include "common.h"
 #include "fcp/api/attention.h"
+#include "fcp/api/ulysses.h"
 #include "fcp/baselines/baselines.h"
+#include "fcp/core/config.h"
 #include "fcp/core/cost_model.h"
 #include "fcp/core/error.h"
 #include "fcp/core/input.h"
@@ -88,6 +90,7 @@ struct RunArgs {
   int64_t coalesce = 16;
   int64_t buffers = 3;
   std::string strategies = "fcp,ring";
+  int64_t ulyssesDegree = 0;  // ranks per node of fcp+ulysses; 0: not given (2)
   int64_t warmup = 1;
   int64_t repeats = 3;
   int64_t threads = 1;
@@ -111,16 +114,19 @@ std::vector<std::string> splitStrategies(const std::string& text) {
     const bool ablation = item == "fcp-base" || item == "fcp-pipeline" || item == "fcp-cfree" ||
                           item == "fcp-coalesce";
     const auto& heads = baselines::headParallelNames();
-    if (std::find(heads.begin(), heads.end(), item) != heads.end()) {
+    if (item != "fcp+ulysses" && std::find(heads.begin(), heads.end(), item) != heads.end()) {
       // They move heads, not KV blocks: no plan of theirs exists for the executor to run.
       throwInvalidArgument("--strategy ", item,
                            " is simulated only (fcp simulate): expected fcp, ring, bytescale, wlb, "
-                           "magi, megatron, fcp-base, fcp-pipeline, fcp-cfree or fcp-coalesce");
+                           "magi, megatron, fcp+ulysses, fcp-base, fcp-pipeline, fcp-cfree or "
+                           "fcp-coalesce");
     }
-    if (!ablation && std::find(names.begin(), names.end(), item) == names.end()) {
-      throwInvalidArgument("unknown --strategy '", item,
-                           "': expected fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "
-                           "fcp-pipeline, fcp-cfree, fcp-coalesce or a list like fcp,ring");
+    if (!ablation && item != "fcp+ulysses" &&
+        std::find(names.begin(), names.end(), item) == names.end()) {
+      throwInvalidArgument(
+          "unknown --strategy '", item,
+          "': expected fcp, ring, bytescale, wlb, magi, megatron, fcp+ulysses, "
+          "fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce or a list like fcp,ring");
     }
     out.push_back(item);
     if (comma == std::string::npos) break;
@@ -143,6 +149,7 @@ struct Setup {
   double tolerance = kFp32Tolerance;  ///< --check's: --tolerance, or by dtype
   /// --tokens-per-worker, or kDefaultTokensPerWorker for a workload; 0: a trace's share.
   int64_t tokensPerWorker = 0;
+  bool ulysses = false;  ///< fcp+ulysses is among the strategies
 };
 
 Setup validate(const RunArgs& a) {
@@ -157,6 +164,17 @@ Setup validate(const RunArgs& a) {
     throwInvalidArgument("unknown --layout '", a.layout, "': expected transparent or dispatched");
   }
   s.layout = a.layout == "dispatched" ? Layout::kDispatched : Layout::kTransparent;
+  s.ulysses =
+      std::find(s.strategies.begin(), s.strategies.end(), "fcp+ulysses") != s.strategies.end();
+  if (a.ulyssesDegree != 0 && !s.ulysses) {
+    throwInvalidArgument("--ulysses-degree ", a.ulyssesDegree,
+                         " without fcp+ulysses in --strategy: expected it with fcp+ulysses");
+  }
+  if (s.ulysses && s.layout == Layout::kDispatched) {
+    throwInvalidArgument(
+        "--strategy fcp+ulysses with --layout dispatched: expected the transparent "
+        "layout (each rank keeps its own rows; a dispatched layout is the node's)");
+  }
   for (auto [value, flag] : {std::pair{a.headsQ, "--heads-q"},
                              {a.headsKv, "--heads-kv"},
                              {a.headDim, "--head-dim"},
@@ -361,6 +379,10 @@ struct StrategyRun {
   std::string strategy;
   std::unique_ptr<AttentionBatch> batch, traced;
   AttentionLayer layer;
+  /// fcp+ulysses: the node's members and the layer that exchanges heads inside it (batch is
+  /// then the batch across the nodes; no traced one).
+  std::unique_ptr<UlyssesGroup> group;
+  UlyssesLayer ulysses;
   /// The tensors the attention calls take, in the run's dtype and the batch's call layout
   /// (dispatched: moved into FCP's layout once, as a training step would).
   std::vector<std::byte> q, k, v, dO, o, dq, dk, dv;
@@ -521,18 +543,32 @@ BatchOptions batchOptions(const Setup& s, const RunArgs& a, const std::string& s
   return o;
 }
 
+/// The transports fcp+ulysses runs over: a node's members and the members of one index across
+/// the nodes (capped like `data` when --comm-ratio caps it: the link between nodes).
+struct UlyssesTransports {
+  std::unique_ptr<runtime::Transport> node, across, throttled;
+  runtime::Transport& data() { return throttled ? *throttled : *across; }
+};
+
 std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::Transport& data,
                                              const Setup& s, const RunArgs& a,
                                              const std::string& strategy, const Tensors& in,
                                              const std::vector<int64_t>& starts,
-                                             runtime::Timeline* timeline) {
+                                             runtime::Timeline* timeline,
+                                             UlyssesTransports* nodes) {
   auto run = std::make_unique<StrategyRun>();
   run->strategy = strategy;
   const int rank = net.rank();
-  run->batch =
-      std::make_unique<AttentionBatch>(data, batchOptions(s, a, strategy, rank, starts, nullptr));
+  if (strategy == "fcp+ulysses") {
+    run->group = std::make_unique<UlyssesGroup>(*nodes->node,
+                                                batchOptions(s, a, "fcp", rank, starts, nullptr));
+    run->batch = std::make_unique<AttentionBatch>(run->group->batch(nodes->data()));
+  } else {
+    run->batch =
+        std::make_unique<AttentionBatch>(data, batchOptions(s, a, strategy, rank, starts, nullptr));
+  }
   // The last repeat runs on a second batch that records the timeline.
-  if (timeline) {
+  if (timeline && !run->group) {
     run->traced = std::make_unique<AttentionBatch>(
         data, batchOptions(s, a, strategy, rank, starts, timeline));
   }
@@ -554,7 +590,7 @@ std::unique_ptr<StrategyRun> prepareStrategy(runtime::Transport& net, runtime::T
   place(run->k, in.k, kRow);
   place(run->v, in.v, kRow);
   place(run->dO, in.dO, qRow);
-  const auto n = static_cast<size_t>(b.numCallTokens());
+  const auto n = static_cast<size_t>(run->group ? run->group->numUserTokens() : b.numCallTokens());
   run->o.resize(n * static_cast<size_t>(qRow));
   run->dq.resize(n * static_cast<size_t>(qRow));
   run->dk.resize(n * static_cast<size_t>(kRow));
@@ -583,32 +619,47 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Setup& s, b
                     bool last, runtime::Timeline* timeline) {
   AttentionBatch& b = last && run.traced ? *run.traced : *run.batch;
   const auto& att = s.config.attention;
-  const int64_t n = b.numCallTokens(), hq = att.numHeadsQ, hk = att.numHeadsKv, d = att.headDim;
+  const int64_t n = run.group ? run.group->numUserTokens() : b.numCallTokens(), hq = att.numHeadsQ,
+                hk = att.numHeadsKv, d = att.headDim;
   const DType dt = s.dtype;
   // Each pass starts together on every rank: in a model, other layers run between attention's
   // forward and backward, so one pass's imbalance does not carry into the other's time (the
   // simulator times each pass from a common start, too). The traced span includes the wait.
   barrier(net);
   const double start = runtime::Timeline::nowUs();
-  run.layer.forward(b, {run.q.data(), dt, n, hq, d}, {run.k.data(), dt, n, hk, d},
-                    {run.v.data(), dt, n, hk, d}, {run.o.data(), dt, n, hq, d});
+  if (run.group) {
+    run.ulysses.forward(*run.group, b, {run.q.data(), dt, n, hq, d}, {run.k.data(), dt, n, hk, d},
+                        {run.v.data(), dt, n, hk, d}, {run.o.data(), dt, n, hq, d});
+  } else {
+    run.layer.forward(b, {run.q.data(), dt, n, hq, d}, {run.k.data(), dt, n, hk, d},
+                      {run.v.data(), dt, n, hk, d}, {run.o.data(), dt, n, hq, d});
+  }
   barrier(net);
-  run.layer.backward(b, {run.dO.data(), dt, n, hq, d}, {run.dq.data(), dt, n, hq, d},
-                     {run.dk.data(), dt, n, hk, d}, {run.dv.data(), dt, n, hk, d});
+  if (run.group) {
+    run.ulysses.backward(*run.group, b, {run.dO.data(), dt, n, hq, d},
+                         {run.dq.data(), dt, n, hq, d}, {run.dk.data(), dt, n, hk, d},
+                         {run.dv.data(), dt, n, hk, d});
+  } else {
+    run.layer.backward(b, {run.dO.data(), dt, n, hq, d}, {run.dq.data(), dt, n, hq, d},
+                       {run.dk.data(), dt, n, hk, d}, {run.dv.data(), dt, n, hk, d});
+  }
   if (timeline && last) timeline->add(run.strategy, 2, start, runtime::Timeline::nowUs());
-  const double f = maxOverRanks(net, b.forwardStats().wallMs, 1e-6);
-  const double bw = maxOverRanks(net, b.backwardStats().wallMs, 1e-6);
+  // fcp+ulysses: the whole call, the node's exchanges included.
+  const PassStats& fs = run.group ? run.ulysses.forwardStats() : b.forwardStats();
+  const PassStats& bs = run.group ? run.ulysses.backwardStats() : b.backwardStats();
+  const double f = maxOverRanks(net, fs.wallMs, 1e-6);
+  const double bw = maxOverRanks(net, bs.wallMs, 1e-6);
   if (!measured) return;
   run.fwd.push_back(f);
   run.bwd.push_back(bw);
   for (int pass = 0; pass < 2; ++pass) {
-    const PassStats& st = pass == 0 ? b.forwardStats() : b.backwardStats();
+    const PassStats& st = pass == 0 ? fs : bs;
     run.passKernelMs[pass].push_back(st.kernelMs);
     run.passBytes[pass] += static_cast<double>(std::max(st.sentBytes, st.recvBytes));
   }
-  run.flops = b.forwardStats().flops + b.backwardStats().flops;
-  run.sent = b.forwardStats().sentBytes + b.backwardStats().sentBytes;
-  run.kv = b.forwardStats().kvBytes + b.backwardStats().kvBytes;
+  run.flops = fs.flops + bs.flops;
+  run.sent = fs.sentBytes + bs.sentBytes;
+  run.kv = fs.kvBytes + bs.kvBytes;
 }
 
 StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun& run,
@@ -795,6 +846,25 @@ void runRun(const RunArgs& a) {
     runtime::Transport& data = throttled ? *throttled : *net;
     const auto starts = plan::userLayoutStarts(s.batch.numTokens(), ranks);
     const int rank = net->rank();
+    UlyssesTransports nodes;
+    if (s.ulysses) {
+      // Every rank refuses alike, before any split.
+      const int64_t degree = a.ulyssesDegree != 0 ? a.ulyssesDegree : 2;
+      if (ranks % degree != 0 || !splitsHeads(c.attention, degree)) {
+        throwInvalidArgument("--strategy fcp+ulysses with --ulysses-degree ", degree, " on ", ranks,
+                             ranks == 1 ? " rank" : " ranks", " and ", c.attention.numHeadsQ,
+                             " query and ", c.attention.numHeadsKv,
+                             " key/value heads: expected a divisor of the ranks that divides the "
+                             "query heads and divides or is a multiple of the key/value heads");
+      }
+      const runtime::MpiOptions mpi{.timeoutSeconds = a.timeoutSeconds};
+      const auto d = static_cast<int>(degree);
+      nodes.node = runtime::makeMpiSplitTransport(*net, rank / d, rank % d, mpi);
+      nodes.across = runtime::makeMpiSplitTransport(*net, rank % d, rank / d, mpi);
+      // The link between nodes is the capped one, as NVLink is to a NIC.
+      if (cap > 0)
+        nodes.throttled = runtime::makeThrottledTransport(*nodes.across, cap, a.timeoutSeconds);
+    }
     const Tensors in = makeInputs(
         a.seed, rank, starts[static_cast<size_t>(rank) + 1] - starts[static_cast<size_t>(rank)],
         c.attention);
@@ -802,7 +872,7 @@ void runRun(const RunArgs& a) {
     runtime::Timeline* recorder = a.timeline.empty() ? nullptr : &timeline;
     std::vector<std::unique_ptr<StrategyRun>> runs;
     for (const std::string& strategy : s.strategies) {
-      runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, starts, recorder));
+      runs.push_back(prepareStrategy(*net, data, s, a, strategy, in, starts, recorder, &nodes));
     }
     for (int64_t i = 0; i < a.warmup + a.repeats; ++i) {
       for (auto& run : runs)
@@ -944,10 +1014,13 @@ void addRunCommand(CLI::App& app) {
              "Rounds merged into one stage (FCP)");
   addInteger(cmd, "--buffers", args->buffers, 2, plan::kMaxBufferDepth,
              "Stages of remote KV a rank may hold (FCP, >= 2)");
-  addText(
-         cmd, "--strategy", args->strategies,
-         "Strategies to run, comma-separated: fcp, ring, bytescale, wlb, magi, megatron, fcp-base, "
-         "fcp-pipeline, fcp-cfree, fcp-coalesce");
+  addText(cmd, "--strategy", args->strategies,
+          "Strategies to run, comma-separated: fcp, ring, bytescale, wlb, magi, megatron, "
+          "fcp+ulysses (Ulysses inside nodes of --ulysses-degree ranks, FCP across them; "
+          "transparent layout), fcp-base, fcp-pipeline, fcp-cfree, fcp-coalesce");
+  addInteger(cmd, "--ulysses-degree", args->ulyssesDegree, 1, kMaxHeads,
+             "Ranks per node of fcp+ulysses (default 2): consecutive ranks exchange heads, and "
+             "--comm-ratio caps the link between nodes only");
   addInteger(cmd, "--warmup", args->warmup, 0, kMaxRepeats, "Untimed repeats first");
   addInteger(cmd, "--repeats", args->repeats, 1, kMaxRepeats, "Timed forward+backward repeats");
   addInteger(cmd, "--threads", args->threads, 1, kMaxThreads, "Kernel threads per rank");

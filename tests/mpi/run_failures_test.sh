@@ -64,6 +64,11 @@ model=(--block-size 512 --heads-q 2 --heads-kv 1 --head-dim 16 --warmup 0 --repe
 refuse "--strategy fcp," "unknown --strategy '': expected fcp" --strategy fcp,
 # Ulysses and USP move heads, not KV blocks: the simulator times them, no executor runs them.
 refuse "--strategy usp" "--strategy usp is simulated only (fcp simulate): expected fcp" --strategy fcp,usp
+# FCP with Ulysses inside nodes runs (below); its degree needs it, and the transparent layout.
+refuse "--ulysses-degree without fcp+ulysses" \
+  "--ulysses-degree 2 without fcp+ulysses in --strategy: expected it with fcp+ulysses" --ulysses-degree 2
+refuse "fcp+ulysses dispatched" "--strategy fcp+ulysses with --layout dispatched: expected the transparent" \
+  --strategy fcp+ulysses --layout dispatched
 # With --trace, --tokens-per-worker is parsed and used as in fcp plan --trace: the share and so
 # the memory budget (it used to be ignored, even 'garbage').
 refuse "--trace with --tokens-per-worker garbage" "invalid --tokens-per-worker 'garbage'" \
@@ -137,6 +142,27 @@ elif [ "$(grep -c '"rel_error"' "$dir/out")" -ne 2 ]; then
   fail "--json: expected one object per strategy with rel_error"; cat "$dir/out"
 else
   echo "ok: 2-rank --check --json"
+fi
+
+# FCP with Ulysses inside nodes of 2 ranks on 4 ranks (2 nodes; 2 query heads and 1 key/value
+# head, replicated on both members) agrees with the reference too, with its node's exchanges
+# counted in its bytes; a degree that does not divide the ranks is refused on every rank.
+if ! "$mpirun" -n 4 "$fcp" "${tiny[@]}" --strategy fcp,fcp+ulysses --check --json >"$dir/out" 2>"$dir/err"; then
+  fail "4-rank fcp+ulysses --check run"; cat "$dir/err"
+elif ! /usr/bin/python3 -c '
+import json, sys
+fcp, uly = [json.loads(line) for line in open(sys.argv[1])]
+assert uly["strategy"] == "fcp+ulysses" and max(uly["rel_error"].values()) <= 1e-5, uly
+assert uly["comm_bytes"] > 0 and uly["fwd_ms"] > 0, uly' "$dir/out"; then
+  fail "fcp+ulysses --check --json"; cat "$dir/out"
+else
+  echo "ok: 4-rank fcp+ulysses --check"
+fi
+expect_error "--ulysses-degree 3 on 4 ranks" \
+  "fcp\+ulysses with --ulysses-degree 3 on 4 ranks and 2 query and 1 key/value heads: expected a divisor" \
+  30 "$mpirun" -n 4 "$fcp" "${tiny[@]}" --strategy fcp+ulysses --ulysses-degree 3
+if [ "$(grep -c 'expected a divisor of the ranks' "$dir/err")" -ne 4 ]; then
+  fail "--ulysses-degree 3: expected the error on all 4 ranks"; cat "$dir/err"
 fi
 
 # A reference slower than --timeout: one causal sequence of 4096 tokens with 128-wide heads is

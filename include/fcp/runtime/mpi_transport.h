@@ -46,4 +46,11 @@ std::unique_ptr<Transport> makeMpiTransport(const MpiOptions& options = {});
 /// MPI_THREAD_SERIALIZED, and for MPI_THREAD_FUNNELED when that is the main thread).
 std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions& options = {});
 
+/// A transport over the ranks of `parent` (an MPI transport) that pass the same `color`,
+/// ordered by `key` (MPI_Comm_split; collective over parent's ranks): a node's members, say, or
+/// the members of one index across nodes (fcp::UlyssesGroup). Throws Error(kInvalidArgument)
+/// when `parent` is not an MPI transport or `color` is negative.
+std::unique_ptr<Transport> makeMpiSplitTransport(Transport& parent, int color, int key,
+                                                 const MpiOptions& options = {});
+
 }  // namespace fcp::runtime

@@ -100,6 +100,9 @@ class MpiTransport final : public Transport {
     if (options_.progressThread) progress_ = std::thread([this] { progressLoop(); });
   }
 
+  /// FCP's duplicate of the caller's communicator (makeMpiSplitTransport splits it).
+  MPI_Comm communicator() const { return comm_; }
+
   ~MpiTransport() override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -430,6 +433,32 @@ std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions
   if (c == MPI_COMM_NULL)
     throwInvalidArgument("MPI communicator handle ", comm.fortran, " is MPI_COMM_NULL");
   return std::make_unique<MpiTransport>(c, options);
+}
+
+std::unique_ptr<Transport> makeMpiSplitTransport(Transport& parent, int color, int key,
+                                                 const MpiOptions& options) {
+  auto* mpi = dynamic_cast<MpiTransport*>(&parent);
+  if (mpi == nullptr) {
+    throwInvalidArgument(
+        "a split of a transport that is not an MPI transport: expected one "
+        "makeMpiTransport made");
+  }
+  if (color < 0) throwInvalidArgument("split colour ", color, ": expected 0 or more");
+  MPI_Comm split = MPI_COMM_NULL;
+  if (MPI_Comm_split(mpi->communicator(), color, key, &split) != MPI_SUCCESS ||
+      split == MPI_COMM_NULL) {
+    throw Error(ErrorCode::kTransport,
+                "rank " + std::to_string(parent.rank()) + ": MPI_Comm_split failed");
+  }
+  std::unique_ptr<Transport> t;
+  try {
+    t = std::make_unique<MpiTransport>(split, options);  // over a duplicate of the split
+  } catch (...) {
+    MPI_Comm_free(&split);
+    throw;
+  }
+  MPI_Comm_free(&split);
+  return t;
 }
 
 }  // namespace fcp::runtime
