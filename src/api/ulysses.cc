@@ -14,6 +14,12 @@
 namespace fcp {
 namespace {
 
+/// memcpy, for any count: an empty member's buffers may have no data, and memcpy's pointers
+/// must not be null even for 0 bytes.
+void copyBytes(void* to, const void* from, size_t bytes) {
+  if (bytes > 0) std::memcpy(to, from, bytes);
+}
+
 /// A run of heads of a row.
 struct Heads {
   int64_t first = 0;
@@ -53,7 +59,7 @@ void appendHeads(const Rows& in, int64_t n, Heads h, std::vector<std::byte>& out
   const size_t at = out.size();
   out.resize(at + static_cast<size_t>(n) * bytes);
   for (int64_t t = 0; t < n; ++t) {
-    std::memcpy(out.data() + at + static_cast<size_t>(t) * bytes,
+    copyBytes(out.data() + at + static_cast<size_t>(t) * bytes,
                 in.row(t) + h.first * in.headBytes, bytes);
   }
 }
@@ -62,7 +68,7 @@ void appendHeads(const Rows& in, int64_t n, Heads h, std::vector<std::byte>& out
 void writeHeads(const std::byte* in, int64_t n, Heads h, const Rows& out) {
   const auto bytes = static_cast<size_t>(h.count * out.headBytes);
   for (int64_t t = 0; t < n; ++t) {
-    std::memcpy(out.row(t) + h.first * out.headBytes, in + static_cast<size_t>(t) * bytes, bytes);
+    copyBytes(out.row(t) + h.first * out.headBytes, in + static_cast<size_t>(t) * bytes, bytes);
   }
 }
 
@@ -90,7 +96,7 @@ void writeRows(const std::vector<float>& in, int64_t n, int64_t heads, int64_t d
   for (int64_t t = 0; t < n; ++t) {
     const float* from = in.data() + t * width;
     if (dtype == DType::kFp32) {
-      std::memcpy(out.row(t), from, static_cast<size_t>(width) * sizeof(float));
+      copyBytes(out.row(t), from, static_cast<size_t>(width) * sizeof(float));
     } else {
       auto* to = reinterpret_cast<uint16_t*>(out.row(t));
       for (int64_t i = 0; i < width; ++i) to[i] = kernels::toBf16(from[i]);
@@ -308,9 +314,9 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
     for (size_t m = 0; m < u; ++m) {
       const int64_t r = g.rows_[m], at = g.offsets_[m];
       const std::byte* b = recv[m].data();
-      std::memcpy(qs.data() + at * qRow, b, static_cast<size_t>(r * qRow));
-      std::memcpy(ks.data() + at * kvRow, b + r * qRow, static_cast<size_t>(r * kvRow));
-      std::memcpy(vs.data() + at * kvRow, b + r * (qRow + kvRow), static_cast<size_t>(r * kvRow));
+      copyBytes(qs.data() + at * qRow, b, static_cast<size_t>(r * qRow));
+      copyBytes(ks.data() + at * kvRow, b + r * qRow, static_cast<size_t>(r * kvRow));
+      copyBytes(vs.data() + at * kvRow, b + r * (qRow + kvRow), static_cast<size_t>(r * kvRow));
     }
     layer_.forwardChecked(batch, {qs.data(), dt, total, sq, dim}, {ks.data(), dt, total, skv, dim},
                           {vs.data(), dt, total, skv, dim}, {os.data(), dt, total, sq, dim},
@@ -322,8 +328,8 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
       const int64_t r = g.rows_[m], at = g.offsets_[m];
       auto& s = send[m];
       s.resize(static_cast<size_t>(r * (qRow + lseRow)));
-      std::memcpy(s.data(), os.data() + at * qRow, static_cast<size_t>(r * qRow));
-      std::memcpy(s.data() + r * qRow, lses.data() + at * sq, static_cast<size_t>(r * lseRow));
+      copyBytes(s.data(), os.data() + at * qRow, static_cast<size_t>(r * qRow));
+      copyBytes(s.data() + r * qRow, lses.data() + at * sq, static_cast<size_t>(r * lseRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + lseRow)), std::byte{0});
     }
     exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
@@ -371,7 +377,7 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
     std::vector<std::byte> dOs(static_cast<size_t>(total * qRow)), dqs(dOs.size()),
         dks(static_cast<size_t>(total * kvRow)), dvs(dks.size());
     for (size_t m = 0; m < u; ++m) {
-      std::memcpy(dOs.data() + g.offsets_[m] * qRow, recv[m].data(), recv[m].size());
+      copyBytes(dOs.data() + g.offsets_[m] * qRow, recv[m].data(), recv[m].size());
     }
     layer_.backwardChecked(batch, {dOs.data(), dt, total, sq, dim},
                            {dqs.data(), dt, total, sq, dim}, {dks.data(), dt, total, skv, dim},
@@ -380,9 +386,9 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
       const int64_t r = g.rows_[m], at = g.offsets_[m];
       auto& s = send[m];
       s.resize(static_cast<size_t>(r * (qRow + 2 * kvRow)));
-      std::memcpy(s.data(), dqs.data() + at * qRow, static_cast<size_t>(r * qRow));
-      std::memcpy(s.data() + r * qRow, dks.data() + at * kvRow, static_cast<size_t>(r * kvRow));
-      std::memcpy(s.data() + r * (qRow + kvRow), dvs.data() + at * kvRow,
+      copyBytes(s.data(), dqs.data() + at * qRow, static_cast<size_t>(r * qRow));
+      copyBytes(s.data() + r * qRow, dks.data() + at * kvRow, static_cast<size_t>(r * kvRow));
+      copyBytes(s.data() + r * (qRow + kvRow), dvs.data() + at * kvRow,
                   static_cast<size_t>(r * kvRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + 2 * kvRow)), std::byte{0});
     }
