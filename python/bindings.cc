@@ -333,6 +333,11 @@ PYBIND11_MODULE(_fcp, m) {
       py::arg("dispatched"), py::arg("strategy"), py::arg("block_size"), py::arg("threads"),
       py::arg("comm_ratio"), py::arg("softmax_scale"), py::arg("local_error") = "");
 
+  // What a batch's agreement compares, one hash per setting, and each setting's name: a Ulysses
+  // node's members compare them among themselves (fcp.torch._Ulysses).
+  m.def("setting_hashes", [](const BatchOptions& o) { return fcp::detail::settingHashes(o); });
+  m.def("setting_name", [](size_t i) { return std::string(fcp::detail::settingName(i)); });
+
   // Planned on a thread of its own (collective checks first); AttentionBatch(pending) waits.
   // Dropped unused, it waits for its planning to end, with the GIL released (WithoutGil).
   py::class_<PendingBatch, std::unique_ptr<PendingBatch, WithoutGil>>(m, "PendingBatch")

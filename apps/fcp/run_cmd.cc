@@ -395,6 +395,9 @@ struct StrategyRun {
   // bytes summed over them.
   std::vector<double> passKernelMs[2];
   double passBytes[2] = {0, 0};  // max(sent, received)
+  /// fcp+ulysses: the same over the link between nodes only (the batch's own bytes), which is
+  /// what --comm-ratio caps; the node's exchanges run uncapped.
+  double passAcrossBytes[2] = {0, 0};
 };
 
 /// The FLOPs of the float64 reference (forward and backward) of `batch`: how long rank 0 may
@@ -656,6 +659,8 @@ void repeatStrategy(runtime::Transport& net, StrategyRun& run, const Setup& s, b
     const PassStats& st = pass == 0 ? fs : bs;
     run.passKernelMs[pass].push_back(st.kernelMs);
     run.passBytes[pass] += static_cast<double>(std::max(st.sentBytes, st.recvBytes));
+    const PassStats& own = pass == 0 ? b.forwardStats() : b.backwardStats();
+    run.passAcrossBytes[pass] += static_cast<double>(std::max(own.sentBytes, own.recvBytes));
   }
   run.flops = fs.flops + bs.flops;
   run.sent = fs.sentBytes + bs.sentBytes;
@@ -687,7 +692,13 @@ StrategyResult summarize(runtime::Transport& net, const RunArgs& a, StrategyRun&
   for (int pass = 0; pass < 2; ++pass) {
     const double kernel = maxOverRanks(net, passKernelMs[pass], 1e-6);
     const double bytes = maxOverRanks(net, run.passBytes[pass] / repeats, 1.0);
-    r.boundMs += std::max(kernel, linkBytesPerSecond > 0 ? bytes / linkBytesPerSecond * 1e3 : 0.0);
+    // Under a cap, fcp+ulysses's node exchanges are not on the capped link: only its bytes
+    // between nodes bound it there.
+    const double linkBytes = run.group && a.commRatio > 0
+                                 ? maxOverRanks(net, run.passAcrossBytes[pass] / repeats, 1.0)
+                                 : bytes;
+    r.boundMs +=
+        std::max(kernel, linkBytesPerSecond > 0 ? linkBytes / linkBytesPerSecond * 1e3 : 0.0);
     r.maxRankBytes += static_cast<int64_t>(bytes);
   }
   return r;

@@ -322,8 +322,14 @@ class _Ulysses:
         if dist.get_rank(group) < 0:
             raise _not_a_member()
         degree, member = dist.get_world_size(group), dist.get_rank(group)
-        parts = _Ulysses.gathered(group, [1, args[1], args[2]] if args else [0, 0, 0], "ulysses_group's ranges",
-                                  timeout_seconds)
+        # Every setting FCP's agreement compares, hashed: that agreement runs over each index's
+        # ranks only (over this rank alone when the node is the whole job), so the node's members
+        # compare them among themselves.
+        hashes = _fcp.setting_hashes(_fcp.batch_options(*args, local_error="")) if args else []
+        count = len(_fcp.setting_hashes(_fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 2048,
+                                                           1, 0.0, 0.0)))
+        parts = _Ulysses.gathered(group, [1, args[1], args[2]] + hashes if args else [0, 0, 0] + [0] * count,
+                                  "ulysses_group's ranges", timeout_seconds)
         # The ranks of `group` must be one member index of every node, each of the same degree:
         # else every member of a node would read another node's heads (wrong results, no error).
         if across is not None and not hasattr(across, "py2f") and isinstance(across, dist.ProcessGroup):
@@ -342,11 +348,18 @@ class _Ulysses:
                                        f"nodes of {sorted({x[1] for x in seen}) if seen else '?'} ranks: expected a "
                                        f"torch.distributed group of the ranks with this rank's index ({member}) in "
                                        f"every node of {degree} (ulysses_groups() makes it)")
+        for i in range(count):
+            if any(p[3 + i] != hashes[i] for p in parts):
+                raise _fcp.InvalidArgument(f"ulysses_group's members passed different settings "
+                                           f"({_fcp.setting_name(i)}): expected the same on every member")
         ranges = [(int(p[1]), int(p[2])) for p in parts]
         if any(ranges[m][1] != ranges[m + 1][0] for m in range(degree - 1)):
             raise _fcp.InvalidArgument(f"ulysses_group's local ranges are {ranges}: expected each member's to end where "
                                        f"the next member's begins (the group holds one run of the stream)")
         heads, kv_heads = args[3], args[4]
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise _fcp.InvalidArgument(f"heads {heads} and kv_heads {kv_heads}: expected positive counts, the "
+                                       f"key/value heads dividing the query heads")
         if heads % degree or (kv_heads % degree and degree % kv_heads):
             raise _fcp.InvalidArgument(f"ulysses_group of {degree} ranks with {heads} query and {kv_heads} key/value "
                                        f"heads: expected a divisor of the query heads that divides the key/value "
@@ -517,7 +530,7 @@ def _confirmed(settings, make):
     them to time out in the first exchange."""
     try:
         made, error = make(), None
-    except _fcp.Error as e:
+    except BaseException as e:  # noqa: BLE001 -- whatever it is, the node must hear of it first
         made, error = None, e
     if settings.ulysses is not None:
         failed = settings.ulysses.gathered(settings.ulysses.group, [0 if error is None else 1],

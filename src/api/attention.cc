@@ -162,7 +162,7 @@ constexpr std::array<const char*, 11> kSettingNames = {
     "cost model", "first tag", "softmax scale"};
 constexpr size_t kSettings = kSettingNames.size();
 
-std::array<int64_t, kSettings> settingHashes(const BatchOptions& o) {
+std::array<int64_t, kSettings> hashSettings(const BatchOptions& o) {
   std::array<OptionsHash, kSettings> h;
   h[0].add(static_cast<int64_t>(o.cuSeqlens.size()));
   for (const int64_t x : o.cuSeqlens) h[0].add(x);
@@ -227,7 +227,7 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   const int ranks = transport.size(), rank = transport.rank();
   // Two collectives before any check, so that every rank learns the same facts and a bad
   // input fails on every rank alike (a rank that threw alone would leave the others waiting).
-  const std::array<int64_t, kSettings> hashes = settingHashes(o);
+  const std::array<int64_t, kSettings> hashes = hashSettings(o);
   // Each hash and its negation (max and -min at once), then the lowest rank whose binding
   // refused its arguments and the lowest whose thread count is out of range (each as ranks -
   // rank; 0 for none). The thread count may differ between ranks, but one rank refusing its
@@ -410,6 +410,15 @@ runtime::ExecutorOptions executorOptions(const BatchOptions& o) {
 }
 
 }  // namespace
+
+std::vector<int64_t> detail::settingHashes(const BatchOptions& options) {
+  const std::array<int64_t, kSettings> h = hashSettings(options);
+  return {h.begin(), h.end()};
+}
+
+const char* detail::settingName(size_t index) {
+  return index < kSettings ? kSettingNames[index] : "(no such setting)";
+}
 
 PendingBatch::PendingBatch(runtime::Transport& transport, const BatchOptions& options)
     : transport_(&transport), executorOptions_(executorOptions(options)) {

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -104,6 +106,12 @@ void writeRows(const std::vector<float>& in, int64_t n, int64_t heads, int64_t d
   }
 }
 
+/// How long a group's collectives wait: as long as a batch's agreement after a failed call (twice
+/// the transport's timeout and 5 s), since a member may still be inside that call's exchange.
+double afterFailureSeconds(const runtime::Transport& t) {
+  return t.timeoutSeconds() > 0 ? 2 * t.timeoutSeconds() + 5 : 0;
+}
+
 std::string rangesText(const std::vector<int64_t>& ends) {
   std::ostringstream text;
   text << '[';
@@ -140,10 +148,24 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
       heads_(options.numHeadsQ),
       kvHeads_(options.numHeadsKv) {
   const auto degree = static_cast<size_t>(node.size());
-  std::vector<int64_t> ends(2 * degree, 0);
-  ends[2 * static_cast<size_t>(member_)] = options.localBegin;
-  ends[2 * static_cast<size_t>(member_) + 1] = options.localEnd;
-  node.allreduce(ends, runtime::ReduceOp::kSum);
+  // One allreduce (max) over the node: every member's range in its slot (the others' slots at
+  // the least int64), and every setting's hash and its negation, so that members that differ
+  // in anything the batch's agreement compares are refused here: that agreement runs over each
+  // index's ranks only (over none but this rank when the node is the whole job).
+  const std::vector<int64_t> hashes = detail::settingHashes(options);
+  const size_t settings = hashes.size();
+  std::vector<int64_t> values(2 * degree + 2 * settings, std::numeric_limits<int64_t>::min());
+  values[2 * static_cast<size_t>(member_)] = options.localBegin;
+  values[2 * static_cast<size_t>(member_) + 1] = options.localEnd;
+  for (size_t i = 0; i < settings; ++i) {
+    values[2 * degree + 2 * i] = hashes[i];
+    values[2 * degree + 2 * i + 1] = -hashes[i];  // hashes are not negative
+  }
+  // As long as the batch's agreement after a failed call waits: a member may still be inside
+  // the failed call's exchange.
+  node.allreduce(values, runtime::ReduceOp::kMax, afterFailureSeconds(node));
+  const std::vector<int64_t> ends(values.begin(),
+                                  values.begin() + static_cast<int64_t>(2 * degree));
   rows_.resize(degree);
   offsets_.assign(degree + 1, 0);
   for (size_t m = 0; m < degree; ++m) {
@@ -151,6 +173,12 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
     offsets_[m + 1] = offsets_[m] + rows_[m];
   }
   const auto d = static_cast<int64_t>(degree);
+  for (size_t i = 0; i < settings && error_.empty(); ++i) {
+    if (values[2 * degree + 2 * i] != hashes[i] || -values[2 * degree + 2 * i + 1] != hashes[i]) {
+      error_ = std::string("the node's members passed different settings (") +
+               detail::settingName(i) + "): expected the same on every member";
+    }
+  }
   for (size_t m = 0; m < degree && error_.empty(); ++m) {
     if (ends[2 * m] > ends[2 * m + 1] || (m + 1 < degree && ends[2 * m + 1] != ends[2 * m + 2])) {
       error_ = "the node's ranges are " + rangesText(ends) +
@@ -159,7 +187,11 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
     }
   }
   const AttentionConfig model{.numHeadsQ = heads_, .numHeadsKv = kvHeads_};
-  if (error_.empty() && (heads_ <= 0 || kvHeads_ <= 0 || !splitsHeads(model, d))) {
+  if (error_.empty() && (heads_ <= 0 || kvHeads_ <= 0 || heads_ % kvHeads_ != 0)) {
+    error_ = "numHeadsQ " + std::to_string(heads_) + " and numHeadsKv " + std::to_string(kvHeads_) +
+             ": expected positive counts, the key/value heads dividing the query heads";
+  }
+  if (error_.empty() && !splitsHeads(model, d)) {
     error_ = "a node of " + std::to_string(d) + " ranks with " + std::to_string(heads_) +
              " query and " + std::to_string(kvHeads_) +
              " key/value heads: expected a divisor of the query heads that divides the "
@@ -175,6 +207,11 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
   if (error_.empty()) {
     options_.numHeadsQ = heads_ / d;
     options_.numHeadsKv = std::max<int64_t>(1, kvHeads_ / d);
+    // A node is one worker of the batch across nodes: its budget is its members'.
+    if (options_.planConfig.memoryLimitTokens > 0 &&
+        options_.planConfig.memoryLimitTokens <= std::numeric_limits<int64_t>::max() / d) {
+      options_.planConfig.memoryLimitTokens *= d;
+    }
   } else {
     options_.localBegin = options_.localEnd = 0;
   }
@@ -183,7 +220,7 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
 AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
   BatchOptions o = this->across();
   std::vector<int64_t> seen = {member_, -member_, degree(), -degree()};
-  across.allreduce(seen, runtime::ReduceOp::kMax);
+  across.allreduce(seen, runtime::ReduceOp::kMax, afterFailureSeconds(across));
   if (o.localError.empty() &&
       (seen[0] != member_ || -seen[1] != member_ || seen[2] != degree() || -seen[3] != degree())) {
     o.localError = "the across transport joins members " + std::to_string(-seen[1]) + " to " +
@@ -192,16 +229,16 @@ AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
                    std::to_string(member_) + ") in every node of " + std::to_string(degree());
   }
   std::optional<AttentionBatch> made;
-  std::optional<Error> error;
+  std::exception_ptr error;  // any exception: the node must hear of it before it is rethrown
   try {
     made.emplace(across, o);
-  } catch (const Error& e) {
-    error = e;
+  } catch (...) {
+    error = std::current_exception();
   }
   std::vector<int64_t> failed(rows_.size(), 0);
   failed[static_cast<size_t>(member_)] = error ? 1 : 0;
-  node_->allreduce(failed, runtime::ReduceOp::kSum);
-  if (error) throw *error;
+  node_->allreduce(failed, runtime::ReduceOp::kSum, afterFailureSeconds(*node_));
+  if (error) std::rethrow_exception(error);
   for (size_t m = 0; m < failed.size(); ++m) {
     if (failed[m] != 0) {
       throwInvalidArgument("member ", m,
@@ -210,6 +247,18 @@ AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
     }
   }
   return std::move(*made);
+}
+
+void UlyssesGroup::checkBatch(const AttentionBatch& batch) const {
+  const auto& share = batch.plan().config.attention;
+  const int64_t d = degree();
+  if (!error_.empty() || share.numHeadsQ * d != heads_ ||
+      share.numHeadsKv != std::max<int64_t>(1, kvHeads_ / d) ||
+      numNodeTokens() != batch.numCallTokens() || batch.layout() != Layout::kTransparent) {
+    throwInvalidArgument("the batch has ", batch.numCallTokens(), " rows of ", share.numHeadsQ,
+                         " query heads: expected the ", numNodeTokens(), " rows of ", heads_ / d,
+                         " of this node's UlyssesGroup (a batch made from its across())");
+  }
 }
 
 BatchOptions UlyssesGroup::across() const {
@@ -260,14 +309,16 @@ PassStats withExchanges(PassStats s, const PassStats& exchanged,
   return s;
 }
 
-/// The tag of a group's next exchange: FCP's range, one per exchange in a window of 2^16.
-int nextTag(runtime::Transport& node, int64_t& calls) {
+/// The tag of a group's next exchange: from the batch's first tag, one per exchange in a window
+/// of 2^16.
+int nextTag(runtime::Transport& node, int firstTag, int64_t& calls) {
   const int64_t window = 1 << 16;
-  if (node.maxTag() < runtime::kFirstFcpTag + window) {
+  if (firstTag < 0 || static_cast<int64_t>(node.maxTag()) < int64_t{firstTag} + window - 1) {
     throwInvalidArgument("the node transport's largest tag is ", node.maxTag(),
-                         ": expected at least ", runtime::kFirstFcpTag + window);
+                         ": expected at least ", int64_t{firstTag} + window - 1,
+                         " (the batch's first tag + 2^16 - 1)");
   }
-  return runtime::kFirstFcpTag + static_cast<int>(calls++ % window);
+  return firstTag + static_cast<int>(calls++ % window);
 }
 
 }  // namespace
@@ -277,14 +328,9 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
   const auto start = std::chrono::steady_clock::now();
   PassStats exchanged;
   batch.collective("forward", 0, [&] {
+    g.checkBatch(batch);
     const auto& share = batch.plan().config.attention;
     const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
-    if (!g.error_.empty() || share.numHeadsQ * d != g.heads_ || total != batch.numCallTokens() ||
-        batch.layout() != Layout::kTransparent) {
-      throwInvalidArgument("the batch has ", batch.numCallTokens(), " rows of ", share.numHeadsQ,
-                           " query heads: expected the ", total, " rows of ", g.heads_ / d,
-                           " of this node's UlyssesGroup (a batch made from its across())");
-    }
     const int64_t dim = share.headDim, sq = share.numHeadsQ, skv = share.numHeadsKv;
     const DType dt = batch.dtype();
     checkShape("q", q, n, g.heads_, dim, dt);
@@ -304,8 +350,10 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
       recv[static_cast<size_t>(j)].resize(
           static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * (qRow + 2 * kvRow)));
     }
+    const int tagIn = nextTag(*g.node_, g.options_.firstTag, g.calls_);
+    const int tagOut = nextTag(*g.node_, g.options_.firstTag, g.calls_);
     batch.reached_ = true;  // messages may be out from here
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
+    exchange(*g.node_, tagIn, send, recv, exchanged);
     // The node's rows of this member's heads, member after member.
     std::vector<std::byte> qs(static_cast<size_t>(total * qRow)),
         ks(static_cast<size_t>(total * kvRow)), vs(static_cast<size_t>(total * kvRow)),
@@ -332,7 +380,7 @@ void UlyssesLayer::forward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorRe
       copyBytes(s.data() + r * qRow, lses.data() + at * sq, static_cast<size_t>(r * lseRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + lseRow)), std::byte{0});
     }
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
+    exchange(*g.node_, tagOut, send, recv, exchanged);
     const Rows oRows = rowsOf(o), lseRows = rowsOf(lse);
     for (int64_t j = 0; j < d; ++j) {
       const Heads h = queryHeads(g.heads_, d, j);
@@ -349,14 +397,9 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
   const auto start = std::chrono::steady_clock::now();
   PassStats exchanged;
   batch.collective("backward", 0, [&] {
+    g.checkBatch(batch);
     const auto& share = batch.plan().config.attention;
     const int64_t d = g.degree(), n = g.numUserTokens(), total = g.numNodeTokens();
-    if (!g.error_.empty() || share.numHeadsQ * d != g.heads_ || total != batch.numCallTokens() ||
-        batch.layout() != Layout::kTransparent) {
-      throwInvalidArgument("the batch has ", batch.numCallTokens(), " rows of ", share.numHeadsQ,
-                           " query heads: expected the ", total, " rows of ", g.heads_ / d,
-                           " of this node's UlyssesGroup (a batch made from its across())");
-    }
     const int64_t dim = share.headDim, sq = share.numHeadsQ, skv = share.numHeadsKv;
     const DType dt = batch.dtype();
     checkShape("dO", dO, n, g.heads_, dim, dt);
@@ -372,8 +415,10 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
       recv[static_cast<size_t>(j)].resize(
           static_cast<size_t>(g.rows_[static_cast<size_t>(j)] * qRow));
     }
+    const int tagIn = nextTag(*g.node_, g.options_.firstTag, g.calls_);
+    const int tagOut = nextTag(*g.node_, g.options_.firstTag, g.calls_);
     batch.reached_ = true;
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
+    exchange(*g.node_, tagIn, send, recv, exchanged);
     std::vector<std::byte> dOs(static_cast<size_t>(total * qRow)), dqs(dOs.size()),
         dks(static_cast<size_t>(total * kvRow)), dvs(dks.size());
     for (size_t m = 0; m < u; ++m) {
@@ -392,7 +437,7 @@ void UlyssesLayer::backward(UlyssesGroup& g, AttentionBatch& batch, ConstTensorR
                   static_cast<size_t>(r * kvRow));
       recv[m].assign(static_cast<size_t>(n * (qRow + 2 * kvRow)), std::byte{0});
     }
-    exchange(*g.node_, nextTag(*g.node_, g.calls_), send, recv, exchanged);
+    exchange(*g.node_, tagOut, send, recv, exchanged);
     // dq: each member's heads; dk, dv: summed in fp32 over the members that shared a head.
     std::vector<float> dkSum(static_cast<size_t>(n * g.kvHeads_ * dim), 0.0f),
         dvSum(dkSum.size(), 0.0f);

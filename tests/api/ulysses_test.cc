@@ -212,6 +212,19 @@ TEST(UlyssesTest, ADegreeOfOneIsFcpAlone) {
   expectMatchesReference({.nodes = 3, .degree = 1, .hkv = 4, .seed = 4});
 }
 
+/// 400 tokens of one sequence, 100 a rank from `at` (a rank's place in the stream), 4 : 2 heads
+/// of 8.
+BatchOptions tinyOptions(int64_t at) {
+  BatchOptions o;
+  o.cuSeqlens = {0, 400};
+  o.localBegin = at * 100;
+  o.localEnd = at * 100 + 100;
+  o.numHeadsQ = 4;
+  o.numHeadsKv = 2;
+  o.headDim = 8;
+  return o;
+}
+
 TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   const auto failures = [](int64_t hq, Layout layout, bool swapped) {
     std::vector<std::string> messages(4);
@@ -251,29 +264,61 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   for (const std::string& m : failures(4, Layout::kDispatched, false)) {
     EXPECT_NE(m.find("expected the transparent layout"), std::string::npos) << m;
   }
-  // A setting one index differs in (rank 2's block size) fails its index's agreement; the node
-  // then fails the other index too, rather than leave it to time out in the first exchange.
+  // A setting that differs inside a node (rank 3's block size) is refused there, and the other
+  // node hears of it through the agreement across the nodes.
   std::vector<std::string> blocks(4);
   runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
-    BatchOptions o;
-    o.cuSeqlens = {0, 400};
-    o.localBegin = r * 100;
-    o.localEnd = r * 100 + 100;
-    o.numHeadsQ = 4;
-    o.numHeadsKv = 2;
-    o.headDim = 8;
-    o.planConfig.blockSize = r == 2 ? 128 : 64;
+    BatchOptions o = tinyOptions(r);
+    o.planConfig.blockSize = r == 3 ? 128 : 64;
     try {
       UlyssesGroup(node, o).batch(across);
     } catch (const Error& e) {
       blocks[static_cast<size_t>(r)] = e.what();
     }
   });
-  for (const int r : {0, 2}) EXPECT_NE(blocks[static_cast<size_t>(r)], "") << r;
-  for (const int r : {1, 3}) {
-    EXPECT_NE(blocks[static_cast<size_t>(r)].find("member 0 of the node could not make the batch"),
+  for (const int r : {2, 3}) {
+    EXPECT_NE(blocks[static_cast<size_t>(r)].find(
+                  "the node's members passed different settings (block size or other planner "
+                  "settings): expected the same on every member"),
               std::string::npos)
         << blocks[static_cast<size_t>(r)];
+  }
+  for (const int r : {0, 1}) EXPECT_NE(blocks[static_cast<size_t>(r)], "") << r;
+  // Inside one node, the only one: no agreement across nodes compares anything, so the group
+  // does (rank 1's mask gave its heads another attention before).
+  std::vector<std::string> masks(2);
+  runNodes(1, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+    BatchOptions o = tinyOptions(r);
+    if (r == 1) o.mask = MaskKind::kFull;
+    try {
+      UlyssesGroup(node, o).batch(across);
+    } catch (const Error& e) {
+      masks[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& m : masks) {
+    EXPECT_NE(m.find("the node's members passed different settings (mask)"), std::string::npos)
+        << m;
+  }
+  // What only one index's agreement refuses (rank 2's thread count, a rank's own setting) fails
+  // that index; the node's confirmation fails the other index too, rather than leave it to time
+  // out in the first exchange.
+  std::vector<std::string> threadCounts(4);
+  runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+    BatchOptions o = tinyOptions(r);
+    o.numThreads = r == 2 ? 0 : 1;
+    try {
+      UlyssesGroup(node, o).batch(across);
+    } catch (const Error& e) {
+      threadCounts[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const int r : {0, 2}) EXPECT_NE(threadCounts[static_cast<size_t>(r)], "") << r;
+  for (const int r : {1, 3}) {
+    EXPECT_NE(
+        threadCounts[static_cast<size_t>(r)].find("member 0 of the node could not make the batch"),
+        std::string::npos)
+        << threadCounts[static_cast<size_t>(r)];
   }
   // An across transport that does not pair with the nodes: node 0's members swap indices, so
   // rank 0 (member 1 now) meets rank 2 (member 0). Refused on every rank.
@@ -286,13 +331,7 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
         const int member = r < 2 ? 1 - r : r - 2;  // node 0's ranks 0, 1 are members 1, 0
         ThreadTransport node(r < 2 ? node0 : node1, member);
         ThreadTransport across(r % 2 == 0 ? index0 : index1, r / 2);
-        BatchOptions o;
-        o.cuSeqlens = {0, 400};
-        o.localBegin = (r < 2 ? member : r) * 100;
-        o.localEnd = o.localBegin + 100;
-        o.numHeadsQ = 4;
-        o.numHeadsKv = 2;
-        o.headDim = 8;
+        const BatchOptions o = tinyOptions(r < 2 ? member : r);
         try {
           UlyssesGroup(node, o).batch(across);
         } catch (const Error& e) {
@@ -308,14 +347,7 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   // A call with a tensor of the wrong shape on every rank fails there, before any message.
   std::vector<std::string> shapes(4);
   runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
-    BatchOptions o;
-    o.cuSeqlens = {0, 400};
-    o.localBegin = r * 100;
-    o.localEnd = r * 100 + 100;
-    o.numHeadsQ = 4;
-    o.numHeadsKv = 2;
-    o.headDim = 8;
-    UlyssesGroup group(node, o);
+    UlyssesGroup group(node, tinyOptions(r));
     AttentionBatch batch = group.batch(across);
     std::vector<float> x(100 * 4 * 8);
     UlyssesLayer layer;
@@ -330,6 +362,20 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   for (const std::string& m : shapes) {
     EXPECT_NE(m.find("q is [100, 2, 8] fp32, expected [100, 4, 8] fp32"), std::string::npos) << m;
   }
+}
+
+TEST(UlyssesTest, ANodesBudgetIsItsMembersAndItsShareOfTheHeads) {
+  runNodes(1, 2, [&](runtime::Transport& node, runtime::Transport&, int r) {
+    BatchOptions o = tinyOptions(r);
+    o.planConfig.memoryLimitTokens = 300;
+    const BatchOptions across = UlyssesGroup(node, o).across();
+    EXPECT_EQ(across.planConfig.memoryLimitTokens, 600);  // the worker across nodes is the node
+    EXPECT_EQ(across.localBegin, 0);
+    EXPECT_EQ(across.localEnd, 200);
+    EXPECT_EQ(across.numHeadsQ, 2);
+    EXPECT_EQ(across.numHeadsKv, 1);
+    EXPECT_EQ(across.localError, "");
+  });
 }
 
 }  // namespace

@@ -874,14 +874,24 @@ def test_ulysses_groups_ranges_and_heads_are_checked_on_every_rank(group):
         ft.Batch(cu, mine, across, **dict(options, heads=3, kv_heads=3))
     with pytest.raises(fcp.InvalidArgument, match="layout 'dispatched' with ulysses_group: expected 'transparent'"):
         ft.Batch(cu, mine, across, **dict(options, layout="dispatched"))
+    # Members that differ in what FCP's agreement compares (there, only ranks of one index meet)
+    # are refused inside the node: silently wrong heads before.
+    with pytest.raises(fcp.InvalidArgument, match=r"ulysses_group's members passed different settings \(mask\)"):
+        ft.Batch(cu, mine, across, **dict(options, causal=rank % 2 == 0))
     if ranks == 4:  # two nodes
-        # A setting one index differs in (rank 2's block size) fails its index's agreement, and
-        # the node's confirmation then fails the other index too, instead of its first exchange.
+        # A setting that differs inside a node (rank 3's block size) is refused there, and the
+        # other node hears of it through FCP's agreement.
+        with pytest.raises(fcp.Error, match=r"members passed different settings \(block size" if rank >= 2 else
+                           "refused"):
+            ft.Batch(cu, mine, across, **dict(options, block_size=128 if rank == 3 else 64))
+        # What only one index's agreement refuses (rank 2's thread count, a rank's own setting)
+        # fails that index; the node's confirmation fails the other index too, instead of its
+        # first exchange.
         for make in (ft.Batch, lambda *a, **k: ft.PendingBatch(*a, **k).batch()):
             start = time.perf_counter()
-            with pytest.raises(fcp.Error, match="block" if rank % 2 == 0 else
+            with pytest.raises(fcp.Error, match="thread count" if rank % 2 == 0 else
                                r"member 0 of ulysses_group could not make the batch"):
-                make(cu, mine, across, **dict(options, block_size=128 if rank == 2 else 64))
+                make(cu, mine, across, **dict(options, threads=0 if rank == 2 else 1))
             assert time.perf_counter() - start < 30
         # Index groups that do not pair with the nodes (rank 0 with rank 3's index) would read
         # another node's heads: refused on every rank.

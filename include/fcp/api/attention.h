@@ -117,6 +117,12 @@ struct BatchOptions {
 };
 
 namespace detail {
+/// One hash per setting every rank of a batch must pass alike (everything in BatchOptions but
+/// the rank's own range, threads, timeline and localError), and each setting's name: what the
+/// batch's agreement compares, for groups that must agree beyond it (api/ulysses.h).
+std::vector<int64_t> settingHashes(const BatchOptions& options);
+const char* settingName(size_t index);
+
 /// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
 /// planning thread hands over, so that the thread taking the plan only compares digests.
 struct CheckedPlan {

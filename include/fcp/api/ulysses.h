@@ -36,8 +36,10 @@ namespace fcp {
 /// layers run.
 class UlyssesGroup {
  public:
-  /// Gathers the members' ranges over `node` (collective over the node; one allreduce) and
-  /// checks them with `options`' heads and layout.
+  /// Gathers the members' ranges and settings over `node` (collective over the node; one
+  /// allreduce) and checks them: ranges that tile one run, the same settings on every member
+  /// (what a batch's agreement compares: it runs over each index's ranks only), heads the node
+  /// can split, the transparent layout.
   UlyssesGroup(runtime::Transport& node, const BatchOptions& options);
 
   /// The batch across nodes over `across` (the ranks with this member's index on every node),
@@ -48,8 +50,10 @@ class UlyssesGroup {
   /// rather than leave the others to time out in the first exchange.
   AttentionBatch batch(runtime::Transport& across) const;
   /// The options of the batch across nodes: the node's range, one member's share of the heads,
-  /// and the group's error, if any, as localError (the batch then fails on every rank of its
-  /// index). batch() plans with them and confirms over the node; a PendingBatch may take them.
+  /// the node's budget (memoryLimitTokens × degree), and the group's error, if any, as
+  /// localError (the batch then fails on every rank of its index). batch() plans with them and
+  /// confirms over the node; a PendingBatch made from them skips batch()'s pairing check and
+  /// confirmation (planning ahead is not offered with Ulysses in C++ yet).
   BatchOptions across() const;
 
   int64_t degree() const { return static_cast<int64_t>(rows_.size()); }
@@ -62,6 +66,9 @@ class UlyssesGroup {
 
  private:
   friend class UlyssesLayer;
+  /// Throws unless `batch` is this group's batch across the nodes (its rows and head share).
+  void checkBatch(const AttentionBatch& batch) const;
+
   runtime::Transport* node_;
   BatchOptions options_;  ///< the caller's, with the node's range and the share's heads
   int64_t member_ = 0;
