@@ -132,7 +132,7 @@ class ThreadTransport final : public Transport {
       FCP_CHECK(box.front().size() == head.data.size(), "rank ", rank_, " receives ",
                 head.data.size(), " bytes from rank ", head.peer, " with tag ", head.tag, " but ",
                 box.front().size(), " were sent");
-      std::memcpy(head.data.data(), box.front().data(), head.data.size());
+      if (!head.data.empty()) std::memcpy(head.data.data(), box.front().data(), head.data.size());
       box.pop_front();
       pending_.erase(queue.front());
       queue.pop_front();
