@@ -287,6 +287,11 @@ def _head_lists(heads: int, degree: int):
     return [[m * heads // degree] for m in range(degree)]
 
 
+# How many settings a batch's agreement hashes (what a Ulysses node's members compare).
+_SETTINGS = len(_fcp.setting_hashes(_fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 2048, 1,
+                                                       0.0, 0.0)))
+
+
 class _Ulysses:
     """Ulysses inside a group of ranks (a node): the members' token ranges tile one run of the
     stream; each member holds its own rows with every head, and attention runs on the group's
@@ -326,8 +331,7 @@ class _Ulysses:
         # ranks only (over this rank alone when the node is the whole job), so the node's members
         # compare them among themselves.
         hashes = _fcp.setting_hashes(_fcp.batch_options(*args, local_error="")) if args else []
-        count = len(_fcp.setting_hashes(_fcp.batch_options([0, 1], 0, 0, 1, 1, 1, True, "fp32", False, "fcp", 2048,
-                                                           1, 0.0, 0.0)))
+        count = _SETTINGS
         parts = _Ulysses.gathered(group, [1, args[1], args[2]] + hashes if args else [0, 0, 0] + [0] * count,
                                   "ulysses_group's ranges", timeout_seconds)
         # The ranks of `group` must be one member index of every node, each of the same degree:

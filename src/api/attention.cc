@@ -416,6 +416,11 @@ std::vector<int64_t> detail::settingHashes(const BatchOptions& options) {
   return {h.begin(), h.end()};
 }
 
+void detail::checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads,
+                         int64_t dim, DType dtype, const char* rows) {
+  fcp::checkTensor(name, t, tokens, heads, dim, dtype, rows);
+}
+
 const char* detail::settingName(size_t index) {
   return index < kSettings ? kSettingNames[index] : "(no such setting)";
 }

@@ -122,21 +122,11 @@ std::string rangesText(const std::vector<int64_t>& ends) {
   return text.str();
 }
 
+/// The layers' tensor check (AttentionLayer's), for this rank's rows with every head.
 void checkShape(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads, int64_t dim,
                 DType dtype) {
-  if (t.numTokens != tokens || t.numHeads != heads || t.headDim != dim || t.dtype != dtype ||
-      (t.data == nullptr && tokens * heads * dim > 0)) {
-    throwInvalidArgument(name, " is [", t.numTokens, ", ", t.numHeads, ", ", t.headDim, "] ",
-                         kernels::dtypeName(t.dtype), t.data == nullptr ? " without data" : "",
-                         ", expected [", tokens, ", ", heads, ", ", dim, "] ",
-                         kernels::dtypeName(dtype),
-                         " (this rank's tokens in the caller's layout, every head)");
-  }
-  if (t.rowStride != 0 && t.rowStride < heads * dim) {
-    throwInvalidArgument(name, " has a row stride of ", t.rowStride,
-                         " elements: expected 0 (rows back to back) or at least ", heads * dim,
-                         " (heads × head_dim)");
-  }
+  detail::checkTensor(name, t, tokens, heads, dim, dtype,
+                      "this rank's tokens in the caller's layout, every head");
 }
 
 }  // namespace

@@ -695,27 +695,40 @@ PassResult runPass(const Plan& plan, const HardwareProfile& hw, const SimOptions
                   usefulFlops(plan, plan.config.attention, backward));
 }
 
-/// The all-to-all of each head-parallel group (`degree` consecutive workers, group i holding
-/// ring worker i's tokens, each member 1/degree of them): before the attention each member
-/// sends every other its own tokens' `before` bytes per token (the receiver's heads), after it
-/// every other member's tokens' `after` bytes per token (the sender's heads).
+/// Tokens each member of each head-parallel group holds (job worker i·degree + m): group i holds
+/// ring worker i's tokens, split as evenly as whole tokens go.
+std::vector<int64_t> memberTokens(const Plan& ring, int64_t degree) {
+  std::vector<int64_t> group(static_cast<size_t>(ring.config.numWorkers), 0);
+  for (size_t b = 0; b < ring.blocks.size(); ++b) {
+    group[static_cast<size_t>(ring.owner[b])] += ring.blocks[b].numTokens();
+  }
+  std::vector<int64_t> held(group.size() * static_cast<size_t>(degree));
+  for (size_t i = 0; i < group.size(); ++i) {
+    const int64_t t = group[i];
+    for (int64_t m = 0; m < degree; ++m) {
+      held[i * static_cast<size_t>(degree) + static_cast<size_t>(m)] =
+          t * (m + 1) / degree - t * m / degree;
+    }
+  }
+  return held;
+}
+
+/// The all-to-all of each head-parallel group (`degree` consecutive workers, their tokens as
+/// memberTokens says): before the attention each member sends every other its own tokens'
+/// `before` bytes per token (the receiver's heads), after it every other member's tokens'
+/// `after` bytes per token (the sender's heads).
 std::vector<Flow> groupAllToAll(const Plan& ring, int64_t degree, int64_t beforeBytes,
                                 int64_t afterBytes, bool after) {
-  std::vector<int64_t> tokens(static_cast<size_t>(ring.config.numWorkers), 0);
-  for (size_t b = 0; b < ring.blocks.size(); ++b) {
-    tokens[static_cast<size_t>(ring.owner[b])] += ring.blocks[b].numTokens();
-  }
+  const std::vector<int64_t> held = memberTokens(ring, degree);
   std::vector<Flow> flows;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const int64_t t = tokens[i];
-    const auto held = [&](int64_t m) { return t * (m + 1) / degree - t * m / degree; };
+  for (int64_t base = 0; base < static_cast<int64_t>(held.size()); base += degree) {
     for (int64_t a = 0; a < degree; ++a) {
       for (int64_t b = 0; b < degree; ++b) {
         if (a == b) continue;
-        const double bytes = after ? static_cast<double>(held(b) * afterBytes)
-                                   : static_cast<double>(held(a) * beforeBytes);
+        const double bytes =
+            after ? static_cast<double>(held[static_cast<size_t>(base + b)] * afterBytes)
+                  : static_cast<double>(held[static_cast<size_t>(base + a)] * beforeBytes);
         if (bytes <= 0) continue;
-        const auto base = static_cast<int64_t>(i) * degree;
         flows.push_back({static_cast<int32_t>(base + a), static_cast<int32_t>(base + b), bytes});
       }
     }
@@ -743,18 +756,10 @@ std::vector<double> permuteSeconds(const Plan& ring, int64_t degree, int64_t ful
                                    const HardwareProfile& hw) {
   std::vector<double> seconds(static_cast<size_t>(ring.config.numWorkers * degree), 0);
   if (hw.memoryBytesPerSecond <= 0 || degree == 1) return seconds;
-  std::vector<int64_t> tokens(static_cast<size_t>(ring.config.numWorkers), 0);
-  for (size_t b = 0; b < ring.blocks.size(); ++b) {
-    tokens[static_cast<size_t>(ring.owner[b])] += ring.blocks[b].numTokens();
-  }
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const int64_t t = tokens[i];
-    for (int64_t m = 0; m < degree; ++m) {
-      const int64_t held = t * (m + 1) / degree - t * m / degree;
-      seconds[i * static_cast<size_t>(degree) + static_cast<size_t>(m)] =
-          static_cast<double>(held) * static_cast<double>(full + degree * share) /
-          hw.memoryBytesPerSecond;
-    }
+  const std::vector<int64_t> held = memberTokens(ring, degree);
+  for (size_t w = 0; w < held.size(); ++w) {
+    seconds[w] = static_cast<double>(held[w]) * static_cast<double>(full + degree * share) /
+                 hw.memoryBytesPerSecond;
   }
   return seconds;
 }

@@ -122,6 +122,10 @@ namespace detail {
 /// batch's agreement compares, for groups that must agree beyond it (api/ulysses.h).
 std::vector<int64_t> settingHashes(const BatchOptions& options);
 const char* settingName(size_t index);
+/// Throws Error(kInvalidArgument) naming `name` unless `t` is [tokens, heads, dim] of `dtype`
+/// with data and a row stride that fits, `rows` saying whose rows (the layers' own check).
+void checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads, int64_t dim,
+                 DType dtype, const char* rows);
 
 /// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
 /// planning thread hands over, so that the thread taking the plan only compares digests.
