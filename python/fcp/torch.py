@@ -334,6 +334,10 @@ class _Ulysses:
         count = _SETTINGS
         parts = _Ulysses.gathered(group, [1, args[1], args[2]] + hashes if args else [0, 0, 0] + [0] * count,
                                   "ulysses_group's ranges", timeout_seconds)
+        # The members have met: from here on, whatever this rank raises, it joins the node's
+        # confirmation after the batch (a check below that fails on some members only, the
+        # pairing across nodes, must not leave the others waiting there).
+        settings.node = (group, member, timeout_seconds)
         # The ranks of `group` must be one member index of every node, each of the same degree:
         # else every member of a node would read another node's heads (wrong results, no error).
         if across is not None and not hasattr(across, "py2f") and isinstance(across, dist.ProcessGroup):
@@ -536,11 +540,11 @@ def _confirmed(settings, make):
         made, error = make(), None
     except BaseException as e:  # noqa: BLE001 -- whatever it is, the node must hear of it first
         made, error = None, e
-    if settings.ulysses is not None:
-        failed = settings.ulysses.gathered(settings.ulysses.group, [0 if error is None else 1],
-                                           "whether every member made the batch",
-                                           settings.ulysses.timeout.total_seconds())
-        others = [m for m, f in enumerate(failed) if f[0] and m != settings.ulysses.member]
+    if settings.node is not None:
+        group, member, timeout_seconds = settings.node
+        failed = _Ulysses.gathered(group, [0 if error is None else 1], "whether every member made the batch",
+                                   timeout_seconds)
+        others = [m for m, f in enumerate(failed) if f[0] and m != member]
         if error is None and others:
             raise _fcp.InvalidArgument(f"member {others[0]} of ulysses_group could not make the batch (its own error "
                                        f"says why): expected every member's batch")
@@ -562,6 +566,7 @@ class _Settings:
             raise _fcp.InvalidArgument(f"timeout_seconds {timeout_seconds!r}: expected a number of seconds above 0 and at most 86400")
         self.transport, transport_error = _transport(group, timeout_seconds)
         self.ulysses = None
+        self.node = None  # (group, member, timeout_seconds) once ulysses_group's members have met
         args, message = None, ""
         try:
             if transport_error:

@@ -893,6 +893,22 @@ def test_ulysses_groups_ranges_and_heads_are_checked_on_every_rank(group):
                                r"member 0 of ulysses_group could not make the batch"):
                 make(cu, mine, across, **dict(options, threads=0 if rank == 2 else 1))
             assert time.perf_counter() - start < 30
+        # Nodes of 1 and 3 ranks whose index groups pair only in part: {0, 1} holds index 0 of
+        # both nodes, which differ in degree, while {2} and {3} pass (rank 0 holds no rows, so
+        # each of them plans the whole stream). Ranks 0 and 1 are refused in the pairing check;
+        # ranks 2 and 3 hear it in the node's confirmation (they waited there until the timeout
+        # before: rank 1 skipped it).
+        nodes = [dist.new_group([0]), dist.new_group([1, 2, 3])]
+        indices = [dist.new_group([0, 1]), dist.new_group([2]), dist.new_group([3])]
+        uneven = dict(options, heads=6, kv_heads=3, ulysses_group=nodes[0] if rank == 0 else nodes[1],
+                      timeout_seconds=20)
+        for make in (ft.Batch, lambda *a, **k: ft.PendingBatch(*a, **k).batch()):
+            start = time.perf_counter()
+            with pytest.raises(fcp.InvalidArgument, match=r"this rank's index \(0\) in every node of %d" % (1 if rank == 0 else 3)
+                               if rank < 2 else r"member 0 of ulysses_group could not make the batch"):
+                make(cu, ([0, 0, 200, 400, cu[-1]][rank], [0, 0, 200, 400, cu[-1]][rank + 1]),
+                     indices[0] if rank < 2 else indices[rank - 1], **uneven)
+            assert time.perf_counter() - start < 15
         # Index groups that do not pair with the nodes (rank 0 with rank 3's index) would read
         # another node's heads: refused on every rank.
         crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
