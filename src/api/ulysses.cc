@@ -207,7 +207,7 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
   }
 }
 
-AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
+BatchOptions UlyssesGroup::paired(runtime::Transport& across) const {
   BatchOptions o = this->across();
   std::vector<int64_t> seen = {member_, -member_, degree(), -degree()};
   across.allreduce(seen, runtime::ReduceOp::kMax, afterFailureSeconds(across));
@@ -218,10 +218,15 @@ AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
                    std::to_string(seen[2]) + " ranks: expected the ranks with this rank's index (" +
                    std::to_string(member_) + ") in every node of " + std::to_string(degree());
   }
-  std::optional<AttentionBatch> made;
+  return o;
+}
+
+template <typename Made, typename Make>
+Made UlyssesGroup::confirmed(Make&& make) const {
+  std::optional<Made> made;
   std::exception_ptr error;  // any exception: the node must hear of it before it is rethrown
   try {
-    made.emplace(across, o);
+    made.emplace(make());
   } catch (...) {
     error = std::current_exception();
   }
@@ -237,6 +242,20 @@ AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
     }
   }
   return std::move(*made);
+}
+
+AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
+  const BatchOptions o = paired(across);
+  return confirmed<AttentionBatch>([&] { return AttentionBatch(across, o); });
+}
+
+PendingBatch UlyssesGroup::pending(runtime::Transport& across) const {
+  const BatchOptions o = paired(across);
+  return confirmed<PendingBatch>([&] { return PendingBatch(across, o); });
+}
+
+AttentionBatch UlyssesGroup::batch(PendingBatch&& pending) const {
+  return confirmed<AttentionBatch>([&] { return AttentionBatch(std::move(pending)); });
 }
 
 void UlyssesGroup::checkBatch(const AttentionBatch& batch) const {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,6 +59,9 @@ struct Case {
   MaskKind mask = MaskKind::kCausal;
   uint64_t seed = 1;
   bool emptyRank = false;
+  /// The batch planned ahead (pending()), and the next one planned ahead between this one's
+  /// forward and backward; its forward must give the same o.
+  bool ahead = false;
 };
 
 std::vector<float> randomRows(Rng& rng, int64_t n, DType dtype) {
@@ -151,7 +155,7 @@ void expectMatchesReference(const Case& c) {
     options.dtype = c.dtype;
     options.planConfig.blockSize = 64;
     UlyssesGroup group(node, options);
-    AttentionBatch batch = group.batch(across);
+    AttentionBatch batch = c.ahead ? group.batch(group.pending(across)) : group.batch(across);
     const int64_t b = options.localBegin, n = options.localEnd - b;
     ASSERT_EQ(group.numUserTokens(), n);
     const int64_t qw = c.hq * c.dim, kw = c.hkv * c.dim;
@@ -178,9 +182,26 @@ void expectMatchesReference(const Case& c) {
               n * (sq + 2 * skv) * c.dim * e * (d - 1) + others * sq * (c.dim * e + 4));
     EXPECT_GE(layer.forwardStats().wallMs, batch.forwardStats().wallMs);
     EXPECT_EQ(layer.forwardStats().flops, batch.forwardStats().flops);
+    // The next batch, planned while this one's layers run (its group's and its agreement's
+    // collectives between this batch's exchanges).
+    std::optional<UlyssesGroup> next;
+    std::optional<PendingBatch> pending;
+    if (c.ahead) {
+      next.emplace(node, options);
+      pending.emplace(next->pending(across));
+    }
     layer.backward(group, batch, {dOs.data(), c.dtype, n, c.hq, c.dim},
                    {dqs.data(), c.dtype, n, c.hq, c.dim}, {dks.data(), c.dtype, n, c.hkv, c.dim},
                    {dvs.data(), c.dtype, n, c.hkv, c.dim});
+    if (c.ahead) {
+      AttentionBatch later = next->batch(std::move(*pending));
+      std::vector<std::byte> again(os.size());
+      UlyssesLayer second;
+      second.forward(*next, later, {qs.data(), c.dtype, n, c.hq, c.dim},
+                     {ks.data(), c.dtype, n, c.hkv, c.dim}, {vs.data(), c.dtype, n, c.hkv, c.dim},
+                     {again.data(), c.dtype, n, c.hq, c.dim});
+      EXPECT_TRUE(again == os) << "rank " << r << ": the batch planned ahead gave another o";
+    }
     unstored(os, o.data() + b * qw, c.dtype);
     unstored(dqs, dq.data() + b * qw, c.dtype);
     unstored(dks, dk.data() + b * kw, c.dtype);
@@ -206,6 +227,10 @@ TEST(UlyssesTest, OneNodeOfFourReplicatesEachKeyValueHeadOnTwoMembers) {
 
 TEST(UlyssesTest, OneKeyValueHeadOnEveryMemberInBf16) {
   expectMatchesReference({.hkv = 1, .dtype = DType::kBf16, .seed = 3});
+}
+
+TEST(UlyssesTest, ABatchPlannedAheadMatchesTheReference) {
+  expectMatchesReference({.hkv = 1, .seed = 5, .emptyRank = true, .ahead = true});
 }
 
 TEST(UlyssesTest, ADegreeOfOneIsFcpAlone) {
@@ -303,46 +328,58 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   // What only one index's agreement refuses (rank 2's thread count, a rank's own setting) fails
   // that index; the node's confirmation fails the other index too, rather than leave it to time
   // out in the first exchange.
-  std::vector<std::string> threadCounts(4);
-  runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
-    BatchOptions o = tinyOptions(r);
-    o.numThreads = r == 2 ? 0 : 1;
-    try {
-      UlyssesGroup(node, o).batch(across);
-    } catch (const Error& e) {
-      threadCounts[static_cast<size_t>(r)] = e.what();
+  // The same planned ahead (pending()), where the agreement comes before the plan.
+  const auto made = [](const UlyssesGroup& group, runtime::Transport& across, bool ahead) {
+    return ahead ? group.batch(group.pending(across)) : group.batch(across);
+  };
+  for (const bool ahead : {false, true}) {
+    std::vector<std::string> threadCounts(4);
+    runNodes(2, 2, [&](runtime::Transport& node, runtime::Transport& across, int r) {
+      BatchOptions o = tinyOptions(r);
+      o.numThreads = r == 2 ? 0 : 1;
+      try {
+        made(UlyssesGroup(node, o), across, ahead);
+      } catch (const Error& e) {
+        threadCounts[static_cast<size_t>(r)] = e.what();
+      }
+    });
+    for (const int r : {0, 2}) {
+      EXPECT_NE(threadCounts[static_cast<size_t>(r)].find("thread count"), std::string::npos)
+          << ahead << ": " << threadCounts[static_cast<size_t>(r)];
     }
-  });
-  for (const int r : {0, 2}) EXPECT_NE(threadCounts[static_cast<size_t>(r)], "") << r;
-  for (const int r : {1, 3}) {
-    EXPECT_NE(
-        threadCounts[static_cast<size_t>(r)].find("member 0 of the node could not make the batch"),
-        std::string::npos)
-        << threadCounts[static_cast<size_t>(r)];
+    for (const int r : {1, 3}) {
+      EXPECT_NE(threadCounts[static_cast<size_t>(r)].find(
+                    "member 0 of the node could not make the batch"),
+                std::string::npos)
+          << ahead << ": " << threadCounts[static_cast<size_t>(r)];
+    }
   }
   // An across transport that does not pair with the nodes: node 0's members swap indices, so
   // rank 0 (member 1 now) meets rank 2 (member 0). Refused on every rank.
-  std::vector<std::string> crossed(4);
-  {
-    ThreadWorld node0(2), node1(2), index0(2), index1(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 4; ++r) {
-      threads.emplace_back([&, r] {
-        const int member = r < 2 ? 1 - r : r - 2;  // node 0's ranks 0, 1 are members 1, 0
-        ThreadTransport node(r < 2 ? node0 : node1, member);
-        ThreadTransport across(r % 2 == 0 ? index0 : index1, r / 2);
-        const BatchOptions o = tinyOptions(r < 2 ? member : r);
-        try {
-          UlyssesGroup(node, o).batch(across);
-        } catch (const Error& e) {
-          crossed[static_cast<size_t>(r)] = e.what();
-        }
-      });
+  for (const bool ahead : {false, true}) {
+    std::vector<std::string> crossed(4);
+    {
+      ThreadWorld node0(2), node1(2), index0(2), index1(2);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < 4; ++r) {
+        threads.emplace_back([&, r] {
+          const int member = r < 2 ? 1 - r : r - 2;  // node 0's ranks 0, 1 are members 1, 0
+          ThreadTransport node(r < 2 ? node0 : node1, member);
+          ThreadTransport across(r % 2 == 0 ? index0 : index1, r / 2);
+          const BatchOptions o = tinyOptions(r < 2 ? member : r);
+          try {
+            made(UlyssesGroup(node, o), across, ahead);
+          } catch (const Error& e) {
+            crossed[static_cast<size_t>(r)] = e.what();
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
     }
-    for (auto& t : threads) t.join();
-  }
-  for (const std::string& m : crossed) {
-    EXPECT_NE(m.find("expected the ranks with this rank's index"), std::string::npos) << m;
+    for (const std::string& m : crossed) {
+      EXPECT_NE(m.find("expected the ranks with this rank's index"), std::string::npos)
+          << ahead << ": " << m;
+    }
   }
   // A call with a tensor of the wrong shape on every rank fails there, before any message.
   std::vector<std::string> shapes(4);

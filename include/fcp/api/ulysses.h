@@ -49,11 +49,24 @@ class UlyssesGroup {
   /// node could not make (its index's agreement refused it) fails on every member, naming it,
   /// rather than leave the others to time out in the first exchange.
   AttentionBatch batch(runtime::Transport& across) const;
+  /// Planning ahead (PendingBatch): batch()'s pairing check and the batch's agreement over
+  /// `across`, then the plan on a thread of its own; the node confirms that every member's
+  /// began. Collective over `across`, then over the node. The batch is then
+  /// batch(std::move(pending)), on this group, while or after this step's layers run:
+  ///
+  ///   UlyssesGroup nextNode(nodeTransport, nextOptions);
+  ///   PendingBatch next = nextNode.pending(acrossTransport);
+  ///   ... this step's layers ...
+  ///   AttentionBatch batch = nextNode.batch(std::move(next));
+  PendingBatch pending(runtime::Transport& across) const;
+  /// The batch this group's pending() planned: waits for its plan, checks that the ranks of
+  /// `across` reached the same one, then confirms over the node as batch() does. Collective.
+  AttentionBatch batch(PendingBatch&& pending) const;
   /// The options of the batch across nodes: the node's range, one member's share of the heads,
   /// the node's budget (memoryLimitTokens × degree), and the group's error, if any, as
-  /// localError (the batch then fails on every rank of its index). batch() plans with them and
-  /// confirms over the node; a PendingBatch made from them skips batch()'s pairing check and
-  /// confirmation (planning ahead is not offered with Ulysses in C++ yet).
+  /// localError (the batch then fails on every rank of its index). batch() and pending() plan
+  /// with them; a PendingBatch or AttentionBatch made from them directly skips the pairing check
+  /// and the node's confirmation.
   BatchOptions across() const;
 
   int64_t degree() const { return static_cast<int64_t>(rows_.size()); }
@@ -68,6 +81,12 @@ class UlyssesGroup {
   friend class UlyssesLayer;
   /// Throws unless `batch` is this group's batch across the nodes (its rows and head share).
   void checkBatch(const AttentionBatch& batch) const;
+  /// across(), with an error unless `across` pairs with the nodes (collective over it).
+  BatchOptions paired(runtime::Transport& across) const;
+  /// make() (collective across the nodes), then whether every member made it (over the node):
+  /// a member's failure fails every member, naming it.
+  template <typename Made, typename Make>
+  Made confirmed(Make&& make) const;
 
   runtime::Transport* node_;
   BatchOptions options_;  ///< the caller's, with the node's range and the share's heads
