@@ -345,6 +345,50 @@ bool aCallThatFailedOnOneRankIsNamedByTheNextBatch(MPI_Comm comm) {
   return all == 1;
 }
 
+// A split whose colour one rank refuses (the last passes -1): every rank throws within seconds,
+// the last naming its colour and the others naming it, rather than wait in MPI_Comm_split for
+// ever. Then a valid split (even and odd ranks) joins the ranks it should, in key order.
+bool aSplitOneRankRefusesFailsEveryRank(MPI_Comm comm) {
+  std::unique_ptr<runtime::Transport> t =
+      runtime::makeMpiTransport(runtime::MpiCommHandle{MPI_Comm_c2f(comm)}, {.timeoutSeconds = 20});
+  const int rank = t->rank(), ranks = t->size(), last = ranks - 1;
+  const double start = MPI_Wtime();
+  std::string what = "(no error)";
+  try {
+    runtime::makeMpiSplitTransport(*t, rank == last ? -1 : 0, rank);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  const double seconds = MPI_Wtime() - start;
+  const std::string expected =
+      rank == last ? "split colour -1: expected 0 or more"
+                   : "rank " + std::to_string(rank) + ": rank " + std::to_string(last) +
+                         "'s split arguments were refused there (its own error says why): "
+                         "expected valid arguments on every rank";
+  bool ok = what == expected && seconds < 10;
+  if (!ok) std::fprintf(stderr, "rank %d: after %.1f s: %s\n", rank, seconds, what.c_str());
+  // Reversed keys: the split's ranks count down.
+  std::unique_ptr<runtime::Transport> half = runtime::makeMpiSplitTransport(*t, rank % 2, -rank);
+  const int members = (ranks - rank % 2 + 1) / 2;
+  std::vector<int64_t> sum = {rank};
+  half->allreduce(sum, runtime::ReduceOp::kSum);
+  int64_t expectedSum = 0;
+  for (int r = rank % 2; r < ranks; r += 2) expectedSum += r;
+  const bool joined =
+      half->size() == members && half->rank() == members - 1 - rank / 2 && sum[0] == expectedSum;
+  if (!joined) {
+    std::fprintf(stderr, "rank %d: split rank %d of %d, sum %lld\n", rank, half->rank(),
+                 half->size(), static_cast<long long>(sum[0]));
+  }
+  int all = ok && joined ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm);
+  if (rank == 0) {
+    std::printf("a split one rank refuses fails every rank; a valid one joins its ranks: %s\n",
+                all ? "ok" : "FAILED");
+  }
+  return all == 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -358,6 +402,7 @@ int main(int argc, char** argv) {
     passed = runAll(MPI_COMM_WORLD, "world", 2024) ? 1 : 0;
     if (!oneRanksPlanningFailureStopsEveryRank(MPI_COMM_WORLD)) passed = 0;
     if (!aCallThatFailedOnOneRankIsNamedByTheNextBatch(MPI_COMM_WORLD)) passed = 0;
+    if (!aSplitOneRankRefusesFailsEveryRank(MPI_COMM_WORLD)) passed = 0;
     if (worldSize >= 4) {
       // Two context-parallel groups (even and odd ranks) running different batches at once,
       // while WORLD carries the caller's own traffic.

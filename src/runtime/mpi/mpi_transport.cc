@@ -438,12 +438,25 @@ std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions
 std::unique_ptr<Transport> makeMpiSplitTransport(Transport& parent, int color, int key,
                                                  const MpiOptions& options) {
   auto* mpi = dynamic_cast<MpiTransport*>(&parent);
+  std::string refusal;
   if (mpi == nullptr) {
-    throwInvalidArgument(
-        "a split of a transport that is not an MPI transport: expected one "
-        "makeMpiTransport made");
+    refusal =
+        "a split of a transport that is not an MPI transport: expected one makeMpiTransport "
+        "made";
+  } else if (color < 0) {
+    refusal = "split colour " + std::to_string(color) + ": expected 0 or more";
   }
-  if (color < 0) throwInvalidArgument("split colour ", color, ": expected 0 or more");
+  // MPI_Comm_split has no timeout: a rank that refused here alone would leave the others
+  // waiting in it for ever. So the ranks first agree (the lowest rank that refused, over the
+  // parent, bounded by its timeout), and every rank throws or none does.
+  std::vector<int64_t> lowest = {refusal.empty() ? parent.size() : parent.rank()};
+  parent.allreduce(lowest, ReduceOp::kMin);
+  if (!refusal.empty()) throw Error(ErrorCode::kInvalidArgument, refusal);
+  if (lowest[0] < parent.size()) {
+    throwInvalidArgument("rank ", parent.rank(), ": rank ", lowest[0],
+                         "'s split arguments were refused there (its own error says why): "
+                         "expected valid arguments on every rank");
+  }
   MPI_Comm split = MPI_COMM_NULL;
   if (MPI_Comm_split(mpi->communicator(), color, key, &split) != MPI_SUCCESS ||
       split == MPI_COMM_NULL) {
