@@ -244,6 +244,7 @@ PYBIND11_MODULE(_fcp, m) {
   using namespace fcp::python;
   m.doc() = "FCP's C++ library (use the fcp and fcp.torch modules instead)";
 
+  m.attr("__version__") = FCP_VERSION;  // the CMake project's
   m.attr("max_kernel_threads") = runtime::kMaxKernelThreads;
   // fcp.Error, a RuntimeError, is every error FCP raises. Bad input is fcp.InvalidArgument, a
   // ValueError too (a training loop's `except ValueError` catches it); failed or timed-out

@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
   CLI::App app{"fcp: flexible context parallelism"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
+  app.set_version_flag("--version", std::string("fcp ") + FCP_VERSION,
+                       "Print the version (the CMake project's) and exit");
   fcp::app::addPlanCommand(app);
   fcp::app::addBenchCommand(app);
   fcp::app::addRunCommand(app);
@@ -48,6 +50,9 @@ int main(int argc, char** argv) {
     return finish(0);
   } catch (const CLI::CallForAllHelp&) {
     std::cout << app.help("", CLI::AppFormatMode::All);
+    return finish(0);
+  } catch (const CLI::CallForVersion& e) {
+    std::cout << e.what() << '\n';
     return finish(0);
   } catch (const CLI::ParseError& e) {
     fcp::app::printErrorLine("error", std::string(e.what()) + " (see fcp --help)");

@@ -6,6 +6,6 @@ The C++ library's Python face. ``fcp.torch`` has what a PyTorch training loop us
 """
 # Every error FCP raises is an Error (a RuntimeError) with a one-line message: bad input an
 # InvalidArgument (a ValueError too), failed or timed-out communication a TransportError.
-from ._fcp import Error, InvalidArgument, TransportError  # noqa: F401
+from ._fcp import Error, InvalidArgument, TransportError, __version__  # noqa: F401
 
-__all__ = ["Error", "InvalidArgument", "TransportError"]
+__all__ = ["Error", "InvalidArgument", "TransportError", "__version__"]

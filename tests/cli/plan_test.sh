@@ -13,6 +13,11 @@ check() {  # check NAME COMMAND...: the command must succeed
   if "$@"; then passed=$((passed + 1)); else echo "FAIL $name"; failures=$((failures + 1)); fi
 }
 
+# The version, as the CMake project names it, on stdout, exit 0.
+version=$(sed -n 's/^project(fcp VERSION \([0-9.]*\).*/\1/p' "$(dirname "$0")/../../CMakeLists.txt")
+check version_found test -n "$version"
+check version_printed test "$("$fcp" --version)" = "fcp $version"
+
 check summary_runs "$fcp" plan --workers 8 > "$tmp/summary.txt"
 check summary_mentions_imbalance grep -q "imbalance: compute" "$tmp/summary.txt"
 

@@ -10,6 +10,7 @@ Run under a launcher, every rank running pytest in step (each test is collective
         -> an mpi4py communicator
 """
 import os
+import re
 import threading
 import time
 
@@ -80,6 +81,12 @@ CASES = [
     (4, torch.float32, "transparent", False, 8, 2, 16, "ring"),
     (5, torch.float32, "dispatched", True, 4, 2, 16, "magi"),
 ]
+
+
+def test_the_version_is_the_cmake_projects():
+    """fcp.__version__ is the version CMakeLists.txt's project() names."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "CMakeLists.txt")).read()
+    assert fcp.__version__ == re.search(r"project\(fcp VERSION ([0-9.]+)", text).group(1)
 
 
 @pytest.mark.parametrize("seed,dtype,layout,causal,heads,kv_heads,dim,strategy", CASES)
