@@ -244,14 +244,14 @@ Made UlyssesGroup::confirmed(Make&& make) const {
   return std::move(*made);
 }
 
+// The pairing check inside confirmed(): its allreduce may throw on one member (a timeout, a
+// transport an earlier call abandoned), which must still tell the node.
 AttentionBatch UlyssesGroup::batch(runtime::Transport& across) const {
-  const BatchOptions o = paired(across);
-  return confirmed<AttentionBatch>([&] { return AttentionBatch(across, o); });
+  return confirmed<AttentionBatch>([&] { return AttentionBatch(across, paired(across)); });
 }
 
 PendingBatch UlyssesGroup::pending(runtime::Transport& across) const {
-  const BatchOptions o = paired(across);
-  return confirmed<PendingBatch>([&] { return PendingBatch(across, o); });
+  return confirmed<PendingBatch>([&] { return PendingBatch(across, paired(across)); });
 }
 
 AttentionBatch UlyssesGroup::batch(PendingBatch&& pending) const {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -398,6 +399,94 @@ TEST(UlyssesTest, TheGroupsErrorsFailTheBatchOnEveryRank) {
   });
   for (const std::string& m : shapes) {
     EXPECT_NE(m.find("q is [100, 2, 8] fp32, expected [100, 4, 8] fp32"), std::string::npos) << m;
+  }
+}
+
+/// A thread transport's messages as they are, and an allreduce of this test's own.
+class WithAllreduce : public runtime::Transport {
+ public:
+  explicit WithAllreduce(runtime::Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int maxTag() const override { return inner_.maxTag(); }
+  runtime::RequestId isend(int peer, int tag, std::span<const std::byte> data) override {
+    return inner_.isend(peer, tag, data);
+  }
+  runtime::RequestId irecv(int peer, int tag, std::span<std::byte> data) override {
+    return inner_.irecv(peer, tag, data);
+  }
+  bool test(runtime::RequestId request) override { return inner_.test(request); }
+  void wait(runtime::RequestId request) override { inner_.wait(request); }
+  [[noreturn]] void abort(int) noexcept override { std::abort(); }  // as ThreadTransport
+  using Transport::allreduce;
+
+ private:
+  runtime::Transport& inner_;
+};
+
+/// Its allreduce throws on this rank, as an MPI transport's does once an earlier collective
+/// was abandoned, or one that timed out.
+class RefusesAllreduce final : public WithAllreduce {
+ public:
+  using WithAllreduce::WithAllreduce;
+  void allreduce(std::span<int64_t>, runtime::ReduceOp, double) override {
+    throw Error(ErrorCode::kTransport, "this rank's across allreduce was refused");
+  }
+};
+
+/// An allreduce made of messages (gathered at rank 0, sent back), so that it throws after the
+/// world's receive timeout, as MPI's and gloo's do, where ThreadTransport's own waits for ever.
+class BoundedAllreduce final : public WithAllreduce {
+ public:
+  using WithAllreduce::WithAllreduce;
+  void allreduce(std::span<int64_t> values, runtime::ReduceOp op, double) override {
+    const int tag = maxTag();
+    if (rank() != 0) {
+      wait(isend(0, tag, std::as_bytes(values)));
+      wait(irecv(0, tag, std::as_writable_bytes(values)));
+      return;
+    }
+    std::vector<int64_t> other(values.size());
+    for (int r = 1; r < size(); ++r) {
+      wait(irecv(r, tag, std::as_writable_bytes(std::span<int64_t>(other))));
+      for (size_t i = 0; i < values.size(); ++i) {
+        values[i] = op == runtime::ReduceOp::kSum   ? values[i] + other[i]
+                    : op == runtime::ReduceOp::kMin ? std::min(values[i], other[i])
+                                                    : std::max(values[i], other[i]);
+      }
+    }
+    for (int r = 1; r < size(); ++r) wait(isend(r, tag, std::as_bytes(values)));
+  }
+};
+
+TEST(UlyssesTest, AMemberWhosePairingCheckThrowsStillTellsItsNode) {
+  // One node of 2, each member alone across nodes; member 0's across allreduce (the pairing
+  // check's) throws. Member 1 must hear of it in the node's confirmation, in line and planning
+  // ahead; before, member 0 skipped the confirmation and member 1 waited there.
+  for (const bool ahead : {false, true}) {
+    ThreadWorld inside(2, std::chrono::seconds(5)), across0(1), across1(1);
+    std::vector<std::string> messages(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        ThreadTransport member(inside, r), alone(r == 0 ? across0 : across1, 0);
+        BoundedAllreduce node(member);
+        RefusesAllreduce refusing(alone);
+        runtime::Transport& across = r == 0 ? static_cast<runtime::Transport&>(refusing) : alone;
+        BatchOptions o = tinyOptions(r);
+        o.cuSeqlens = {0, 200};
+        try {
+          UlyssesGroup group(node, o);
+          ahead ? group.batch(group.pending(across)) : group.batch(across);
+        } catch (const Error& e) {
+          messages[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(messages[0], "this rank's across allreduce was refused") << ahead;
+    EXPECT_NE(messages[1].find("member 0 of the node could not make the batch"), std::string::npos)
+        << ahead << ": " << messages[1];
   }
 }
 

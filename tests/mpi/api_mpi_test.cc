@@ -345,28 +345,36 @@ bool aCallThatFailedOnOneRankIsNamedByTheNextBatch(MPI_Comm comm) {
   return all == 1;
 }
 
-// A split whose colour one rank refuses (the last passes -1): every rank throws within seconds,
-// the last naming its colour and the others naming it, rather than wait in MPI_Comm_split for
+// A split one rank refuses (the last passes colour -1, then a timeout of 0 s, which the new
+// transport checks before its MPI_Comm_dup): every rank throws within seconds, the last naming
+// its argument and the others naming it, rather than wait in MPI_Comm_split or MPI_Comm_dup for
 // ever. Then a valid split (even and odd ranks) joins the ranks it should, in key order.
 bool aSplitOneRankRefusesFailsEveryRank(MPI_Comm comm) {
   std::unique_ptr<runtime::Transport> t =
       runtime::makeMpiTransport(runtime::MpiCommHandle{MPI_Comm_c2f(comm)}, {.timeoutSeconds = 20});
   const int rank = t->rank(), ranks = t->size(), last = ranks - 1;
-  const double start = MPI_Wtime();
-  std::string what = "(no error)";
-  try {
-    runtime::makeMpiSplitTransport(*t, rank == last ? -1 : 0, rank);
-  } catch (const Error& e) {
-    what = e.what();
+  bool ok = true;
+  for (const bool colour : {true, false}) {
+    const double start = MPI_Wtime();
+    std::string what = "(no error)";
+    try {
+      runtime::makeMpiSplitTransport(*t, rank == last && colour ? -1 : 0, rank,
+                                     {.timeoutSeconds = rank == last && !colour ? 0.0 : 20.0});
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    const double seconds = MPI_Wtime() - start;
+    const std::string expected =
+        rank == last ? (colour ? "split colour -1: expected 0 or more"
+                               : "MPI transport timeout 0 s: expected above 0 and at most 86400")
+                     : "rank " + std::to_string(rank) + ": rank " + std::to_string(last) +
+                           "'s split arguments were refused there (its own error says why): "
+                           "expected valid arguments on every rank";
+    if (what != expected || seconds >= 10) {
+      std::fprintf(stderr, "rank %d: after %.1f s: %s\n", rank, seconds, what.c_str());
+      ok = false;
+    }
   }
-  const double seconds = MPI_Wtime() - start;
-  const std::string expected =
-      rank == last ? "split colour -1: expected 0 or more"
-                   : "rank " + std::to_string(rank) + ": rank " + std::to_string(last) +
-                         "'s split arguments were refused there (its own error says why): "
-                         "expected valid arguments on every rank";
-  bool ok = what == expected && seconds < 10;
-  if (!ok) std::fprintf(stderr, "rank %d: after %.1f s: %s\n", rank, seconds, what.c_str());
   // Reversed keys: the split's ranks count down.
   std::unique_ptr<runtime::Transport> half = runtime::makeMpiSplitTransport(*t, rank % 2, -rank);
   const int members = (ranks - rank % 2 + 1) / 2;

@@ -52,7 +52,8 @@ class UlyssesGroup {
   /// Planning ahead (PendingBatch): batch()'s pairing check and the batch's agreement over
   /// `across`, then the plan on a thread of its own; the node confirms that every member's
   /// began. Collective over `across`, then over the node. The batch is then
-  /// batch(std::move(pending)), on this group, while or after this step's layers run:
+  /// batch(std::move(pending)), on this group, between or after this step's layer calls (each
+  /// of these is a collective on the same transports):
   ///
   ///   UlyssesGroup nextNode(nodeTransport, nextOptions);
   ///   PendingBatch next = nextNode.pending(acrossTransport);

@@ -49,9 +49,11 @@ std::unique_ptr<Transport> makeMpiTransport(MpiCommHandle comm, const MpiOptions
 /// A transport over the ranks of `parent` (an MPI transport) that pass the same `color`,
 /// ordered by `key` (MPI_Comm_split; collective over parent's ranks): a node's members, say, or
 /// the members of one index across nodes (fcp::UlyssesGroup). Throws Error(kInvalidArgument)
-/// when `parent` is not an MPI transport or `color` is negative, on every rank: the ranks agree
-/// first (one allreduce over `parent`, within its timeout), since MPI_Comm_split has no timeout;
-/// the rank that refused names its argument, the others name that rank.
+/// when `parent` is not an MPI transport, `color` is negative or `options` are invalid, on
+/// every rank: the ranks agree first (one allreduce over `parent`, within its timeout), since
+/// MPI_Comm_split has no timeout; the rank that refused names its argument, the others name
+/// that rank. (A rank that reaches the split after that allreduce timed out on the others is
+/// not covered: it may still enter MPI_Comm_split alone.)
 std::unique_ptr<Transport> makeMpiSplitTransport(Transport& parent, int color, int key,
                                                  const MpiOptions& options = {});
 

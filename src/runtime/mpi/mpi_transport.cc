@@ -46,15 +46,24 @@ std::mutex initMutex;
 int ownedTransports = 0;
 bool fcpInitialisedMpi = false;
 
+/// Why `options` are refused, or empty: checked before any collective (MPI_Comm_dup, like
+/// MPI_Comm_split, has no timeout).
+std::string optionsRefusal(const MpiOptions& options) {
+  if (options.timeoutSeconds > 0 && options.timeoutSeconds <= 86400) return {};
+  std::ostringstream text;
+  text << "MPI transport timeout " << options.timeoutSeconds
+       << " s: expected above 0 and at most 86400";
+  return text.str();
+}
+
 class MpiTransport final : public Transport {
  public:
   /// Over a duplicate of `comm` (MPI_COMM_NULL: of MPI_COMM_WORLD, initialising MPI if no one
   /// has). The duplicate gives FCP a communication context of its own: no message of the
   /// caller's on `comm` can match one of FCP's, whatever its tag.
   MpiTransport(MPI_Comm comm, const MpiOptions& options) : options_(options) {
-    if (!(options.timeoutSeconds > 0 && options.timeoutSeconds <= 86400)) {
-      throwInvalidArgument("MPI transport timeout ", options.timeoutSeconds,
-                           " s: expected above 0 and at most 86400");
+    if (const std::string refusal = optionsRefusal(options); !refusal.empty()) {
+      throw Error(ErrorCode::kInvalidArgument, refusal);
     }
     int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);
@@ -445,10 +454,13 @@ std::unique_ptr<Transport> makeMpiSplitTransport(Transport& parent, int color, i
         "made";
   } else if (color < 0) {
     refusal = "split colour " + std::to_string(color) + ": expected 0 or more";
+  } else {
+    refusal = optionsRefusal(options);
   }
-  // MPI_Comm_split has no timeout: a rank that refused here alone would leave the others
-  // waiting in it for ever. So the ranks first agree (the lowest rank that refused, over the
-  // parent, bounded by its timeout), and every rank throws or none does.
+  // MPI_Comm_split (and the new transport's MPI_Comm_dup) has no timeout: a rank that refused
+  // here alone would leave the others waiting in it for ever. So the ranks first agree (the
+  // lowest rank that refused, over the parent, bounded by its timeout), and every rank throws
+  // or none does.
   std::vector<int64_t> lowest = {refusal.empty() ? parent.size() : parent.rank()};
   parent.allreduce(lowest, ReduceOp::kMin);
   if (!refusal.empty()) throw Error(ErrorCode::kInvalidArgument, refusal);
