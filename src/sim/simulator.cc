@@ -32,6 +32,11 @@ struct SimStage {
   int32_t planStage = 0;
   double computeSeconds = 0;
   std::vector<int32_t> flows;
+  /// The stage whose communication this stage's compute waits for, counted back from this
+  /// one: 1, the stage before (what a stage-by-stage pipeline does), or more where the data the
+  /// compute reads arrived earlier (FCP with D buffers computes in stage g + D − 1 what arrived
+  /// in stage g).
+  int32_t waitBack = 1;
 };
 
 /// The event-driven engine for one pass.
@@ -43,7 +48,11 @@ struct SimStage {
 /// on the port, recomputed whenever a flow starts or ends on either port. Each active flow has
 /// one drain time, kept in an indexed 4-ary heap (`heap_`, position `FlowState::heapPos`) and
 /// moved in place when its rate changes; compute ends and arrivals go through `queue_`. A
-/// worker's `outstanding` counts the flows and the compute of its current stage not yet done.
+/// worker runs two streams through its stages. Its communication enters stage i once stage
+/// i − 1's communication and compute are both done (the buffers stage i receives into are freed
+/// by that compute); its compute enters stage i once stage i − 1's compute and stage
+/// i − waitBack's communication are done (the data its pairs read has arrived). With waitBack 1
+/// both streams enter each stage together: the stage-by-stage lock-step.
 ///
 /// Rates are recomputed once per instant, not once per start or end: a port whose flow set
 /// changed is *dirty*, and before time moves past the instant every dirty port's flows are
@@ -76,17 +85,23 @@ class Engine {
     }
     active_.resize(4 * n_);
     isDirty_.assign(4 * n_, 0);
-    stageIdx_.assign(n_, 0);
-    outstanding_.assign(n_, 0);
-    stageStart_.assign(n_, 0);
-    computeEnd_.assign(n_, 0);
+    worker_.resize(n_);
     result_.computeMs.assign(n_, 0);
     result_.finishMs.assign(n_, 0);
-    if (keep_) result_.timelines.resize(n_);
+    if (keep_) {
+      result_.timelines.resize(n_);
+      for (size_t w = 0; w < n_; ++w) {
+        result_.timelines[w].resize(stages_[w].size());
+        for (size_t i = 0; i < stages_[w].size(); ++i) {
+          result_.timelines[w][i].stage = stages_[w][i].planStage;
+          result_.timelines[w][i].startMs = std::numeric_limits<double>::infinity();
+        }
+      }
+    }
   }
 
   PassResult run() {
-    for (size_t w = 0; w < n_; ++w) enter(static_cast<int32_t>(w), 0);
+    for (size_t w = 0; w < n_; ++w) advance(static_cast<int32_t>(w), 0);
     constexpr double kNever = std::numeric_limits<double>::infinity();
     while (!queue_.empty() || !heap_.empty() || !dirty_.empty()) {
       const double nextEvent = queue_.empty() ? kNever : queue_.top().time;
@@ -104,23 +119,31 @@ class Engine {
       const Event e = queue_.top();
       queue_.pop();
       switch (e.kind) {
-        case kComputeDone:
-          computeEnd_[static_cast<size_t>(e.id)] = e.time;
-          done(e.id, e.time);
+        case kComputeDone: {
+          Worker& k = worker_[static_cast<size_t>(e.id)];
+          if (keep_) span(e.id, k.computeDone).computeEndMs = e.time * 1e3;
+          k.computing = false;
+          ++k.computeDone;
+          advance(e.id, e.time);
           break;
+        }
         case kArrived:
-          done(flow_[static_cast<size_t>(e.id)].src, e.time);
-          done(flow_[static_cast<size_t>(e.id)].dst, e.time);
+          arrived(flow_[static_cast<size_t>(e.id)].src, e.time);
+          arrived(flow_[static_cast<size_t>(e.id)].dst, e.time);
           break;
       }
     }
     for (size_t w = 0; w < n_; ++w) {
-      if (stageIdx_[w] < stages_[w].size()) {
+      const Worker& k = worker_[w];
+      if (k.commDone < stages_[w].size() || k.computeDone < stages_[w].size()) {
         throw Error(ErrorCode::kInvalidPlan,
                     "simulation stalls: worker " + std::to_string(w) + " waits forever in stage " +
-                        std::to_string(stages_[w][stageIdx_[w]].planStage));
+                        std::to_string(stages_[w][std::min(k.commDone, k.computeDone)].planStage));
       }
       result_.timeMs = std::max(result_.timeMs, result_.finishMs[w]);
+      if (keep_) {
+        for (StageSpan& sp : result_.timelines[w]) sp.endMs = std::max(sp.endMs, sp.computeEndMs);
+      }
     }
     return std::move(result_);
   }
@@ -238,32 +261,60 @@ class Engine {
     return capacity(port) / static_cast<double>(active_[static_cast<size_t>(port)].size());
   }
 
-  void enter(int32_t w, double t) {
+  /// Enters every stage worker w's two streams may enter at time t (the rules above), and
+  /// records when the worker has finished both.
+  void advance(int32_t w, double t) {
     const auto wi = static_cast<size_t>(w);
-    if (stageIdx_[wi] == stages_[wi].size()) {
-      result_.finishMs[wi] = t * 1e3;
-      return;
+    Worker& k = worker_[wi];
+    const std::vector<SimStage>& own = stages_[wi];
+    for (bool moved = true; moved;) {
+      moved = false;
+      if (!k.communicating && k.commDone < own.size() && k.computeDone >= k.commDone) {
+        const SimStage& s = own[k.commDone];
+        if (keep_) span(w, k.commDone).startMs = std::min(span(w, k.commDone).startMs, t * 1e3);
+        k.flowsLeft = static_cast<int64_t>(s.flows.size());
+        if (k.flowsLeft == 0) {
+          if (keep_) span(w, k.commDone).endMs = t * 1e3;
+          ++k.commDone;
+        } else {
+          k.communicating = true;
+          for (int32_t f : s.flows) {
+            if (++flow_[static_cast<size_t>(f)].posted == 2) start(f, t);
+          }
+        }
+        moved = true;
+      }
+      if (!k.computing && k.computeDone < own.size()) {
+        const SimStage& s = own[k.computeDone];
+        const auto waitFor = static_cast<int64_t>(k.computeDone) - s.waitBack;
+        if (waitFor < 0 || static_cast<int64_t>(k.commDone) > waitFor) {
+          if (keep_)
+            span(w, k.computeDone).startMs = std::min(span(w, k.computeDone).startMs, t * 1e3);
+          k.computing = true;
+          result_.computeMs[wi] += s.computeSeconds * 1e3;
+          push(t + s.computeSeconds, kComputeDone, w);
+          moved = true;
+        }
+      }
     }
-    const SimStage& s = stages_[wi][stageIdx_[wi]];
-    stageStart_[wi] = t;
-    outstanding_[wi] = static_cast<int64_t>(s.flows.size()) + 1;
-    result_.computeMs[wi] += s.computeSeconds * 1e3;
-    push(t + s.computeSeconds, kComputeDone, w);
-    for (int32_t f : s.flows) {
-      if (++flow_[static_cast<size_t>(f)].posted == 2) start(f, t);
+    if (!k.finished && k.commDone == own.size() && k.computeDone == own.size()) {
+      k.finished = true;
+      result_.finishMs[wi] = t * 1e3;
     }
   }
 
-  void done(int32_t w, double t) {
-    const auto wi = static_cast<size_t>(w);
-    if (--outstanding_[wi] > 0) return;
-    if (keep_) {
-      result_.timelines[wi].push_back({stages_[wi][stageIdx_[wi]].planStage, stageStart_[wi] * 1e3,
-                                       computeEnd_[wi] * 1e3, t * 1e3});
-    }
-    ++stageIdx_[wi];
-    enter(w, t);
+  /// One of worker w's flows of its current communication stage is done.
+  void arrived(int32_t w, double t) {
+    Worker& k = worker_[static_cast<size_t>(w)];
+    if (--k.flowsLeft > 0) return;
+    if (keep_) span(w, k.commDone).endMs = t * 1e3;
+    k.communicating = false;
+    ++k.commDone;
+    advance(w, t);
   }
+
+  /// Worker w's record of its stage i (timelines only). endMs is the later of its two ends.
+  StageSpan& span(int32_t w, size_t i) { return result_.timelines[static_cast<size_t>(w)][i]; }
 
   /// Marks `port` for re-rating at time t (the current instant).
   void markDirty(int32_t port, double t) {
@@ -341,9 +392,14 @@ class Engine {
   std::vector<uint8_t> isDirty_;
   std::vector<int32_t> dirty_;
   double dirtyTime_ = 0;
-  std::vector<size_t> stageIdx_;
-  std::vector<int64_t> outstanding_;
-  std::vector<double> stageStart_, computeEnd_;
+  /// A worker's two streams: stages whose communication and whose compute are done, and
+  /// whether each is inside its next stage.
+  struct Worker {
+    size_t commDone = 0, computeDone = 0;
+    bool communicating = false, computing = false, finished = false;
+    int64_t flowsLeft = 0;  ///< of the communication stage it is in
+  };
+  std::vector<Worker> worker_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
   uint64_t seq_ = 0;
   PassResult result_;
