@@ -56,6 +56,7 @@ struct SimulateArgs {
   bool forwardOnly = false;
   bool noReshuffle = false;
   std::string kernelLaunch;  ///< empty: the profile's
+  std::string pipeline = "lockstep";
   int64_t ulyssesDegree = 0;  ///< usp and fcp+ulysses; 0: theirs (usp tuned, fcp+ulysses a node)
   bool json = false;
   bool csv = false;
@@ -123,6 +124,14 @@ sim::KernelLaunch kernelLaunch(const std::string& text, sim::KernelLaunch profil
   throwInvalidArgument("invalid --kernel-launch '", printable(text), "': expected pair or stage");
 }
 
+/// --pipeline's value.
+sim::Pipeline pipelineNamed(const std::string& text) {
+  if (text == "lockstep") return sim::Pipeline::kLockstep;
+  if (text == "multibuffer") return sim::Pipeline::kMultiBuffer;
+  throwInvalidArgument("invalid --pipeline '", printable(text),
+                       "': expected lockstep or multibuffer");
+}
+
 /// Whether --strategy lists `name`.
 bool lists(const SimulateArgs& a, const char* name) {
   return std::find(a.strategies.begin(), a.strategies.end(), name) != a.strategies.end();
@@ -131,6 +140,7 @@ bool lists(const SimulateArgs& a, const char* name) {
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   (void)kernelLaunch(a.kernelLaunch, sim::KernelLaunch::kPair);
+  (void)pipelineNamed(a.pipeline);
   if (a.strategies.empty())
     throwInvalidArgument("empty --strategy: expected at least one strategy");
   for (const std::string& s : a.strategies) {
@@ -289,6 +299,7 @@ void runSimulate(const SimulateArgs& a) {
   sim::SimOptions options;
   options.backward = !a.forwardOnly;
   options.reshuffle = !a.noReshuffle;
+  options.pipeline = pipelineNamed(a.pipeline);
 
   const int64_t batches = a.trace.empty() ? a.batches : 1;
   const size_t total = a.workers.size() * static_cast<size_t>(batches) * a.strategies.size();
@@ -486,6 +497,11 @@ void addSimulateCommand(CLI::App& app) {
           "pair (each pair its own kernel and merge) or stage (one launch per worker and stage, "
           "as the paper's coalescer and MagiAttention's FFA run them); default: the profile's "
           "kernel_launch (h100, gpu-x, gpu-y: stage; cpu: pair, as FCP's CPU executor runs)");
+  addText(cmd, "--pipeline", args->pipeline,
+          "lockstep (a stage's compute and transfers start once the stage before has done both, "
+          "as FCP's CPU executor runs) or multibuffer (a stage's compute waits only for the "
+          "transfers that brought its KV, --buffers - 1 stages back for FCP: the paper's "
+          "multi-buffer pipeline)");
   addText(cmd, "--placement", args->placement,
           "FCP's placement, as for fcp plan: local (blocks stay where the user layout holds "
           "them unless balance needs them elsewhere) or lpt (the paper's Zig-Zag blocks and LPT "

@@ -627,6 +627,27 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
   flows = std::move(merged);
 }
 
+/// How many stages back from stage s the communication is that worker w's compute in stage s
+/// waits for: the latest stage before s in which a KV block its pairs read arrived (`arrivals`,
+/// its (block, stage) pairs sorted), and at least stage 0 from stage 1 on (stage 0's
+/// communication holds the reshuffle in, when it overlaps). A compute that reads a block
+/// arriving in its own stage or later, or never, waits as a stage-by-stage pipeline would: for
+/// the stage before (1), as does every compute of a plan without block owners.
+int32_t computeWaitBack(const Plan& plan, const Stage& stage, int32_t w, int32_t s,
+                        const std::vector<std::pair<int32_t, int32_t>>& arrivals) {
+  if (plan.owner.size() != plan.blocks.size()) return 1;  // a plan made by hand: no owners
+  int32_t need = s > 0 ? 0 : -1;
+  for (const int32_t p : stage.compute) {
+    const int32_t kv = plan.pairs[static_cast<size_t>(p)].kvBlock;
+    if (plan.owner[static_cast<size_t>(kv)] == w) continue;
+    // The latest arrival of kv before stage s.
+    auto it = std::lower_bound(arrivals.begin(), arrivals.end(), std::make_pair(kv, s));
+    if (it == arrivals.begin() || std::prev(it)->first != kv) return 1;
+    need = std::max(need, std::prev(it)->second);
+  }
+  return s - need;
+}
+
 /// What the engine runs for one pass: the flows, and each worker's stages (flow ids index
 /// `flows`), before messages are merged.
 struct PassGraph {
@@ -663,13 +684,28 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
   std::vector<std::vector<SimStage>> stages(n);
   // This stage's Q blocks that compute with remote KV, once per pair (kPair) or per stage.
   std::vector<int32_t> merged;
+  // (block, stage) of each block this worker receives in the pass.
+  std::vector<std::pair<int32_t, int32_t>> arrivals;
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
     stages[w].resize(ws.size());
+    arrivals.clear();
+    const bool multiBuffer = options.pipeline == Pipeline::kMultiBuffer;
+    for (size_t s = 0; s < ws.size() && multiBuffer; ++s) {
+      for (const int32_t t : ws[s].recv) {
+        arrivals.emplace_back(plan.transfers[static_cast<size_t>(t)].block,
+                              static_cast<int32_t>(s));
+      }
+    }
+    std::sort(arrivals.begin(), arrivals.end());
     for (size_t s = 0; s < ws.size(); ++s) {
       const Stage& st = ws[s];
       SimStage& out = stages[w][s];
       out.planStage = static_cast<int32_t>(s);
+      if (multiBuffer) {
+        out.waitBack =
+            computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s), arrivals);
+      }
       merged.clear();
       if (fused) out.computeSeconds = fused->seconds(st.compute);
       for (int32_t p : st.compute) {

@@ -70,6 +70,21 @@ if ! grep -q "a launch per stage" "$tmp/launch.txt" || ! grep -q "a kernel per p
 else
   passed=$((passed + 1))
 fi
+expect unknown_pipeline "invalid --pipeline 'async': expected lockstep or multibuffer" --pipeline async
+# Lock-step unless told; the multi-buffer pipeline lets FCP's three buffers compute ahead of the
+# stage before's transfers, so its step is shorter here (a stage's compute no longer waits for
+# transfers it does not read).
+for pipeline in lockstep multibuffer; do
+  "$fcp" simulate --workers 32 --strategy fcp --pipeline $pipeline > "$tmp/pipeline_$pipeline.txt" 2> /dev/null
+done
+if ! awk 'FNR == 3 { t[FILENAME] = $6 } END { exit !(t[ARGV[2]] < t[ARGV[1]]) }' \
+     "$tmp/pipeline_lockstep.txt" "$tmp/pipeline_multibuffer.txt"; then
+  echo "FAIL pipeline: expected --pipeline multibuffer faster than lockstep"
+  cat "$tmp/pipeline_lockstep.txt" "$tmp/pipeline_multibuffer.txt" | sed 's/^/    /'
+  failures=$((failures + 1))
+else
+  passed=$((passed + 1))
+fi
 # Every cell's batch is checked before the first cell runs (the 1-worker cell used to run, with
 # its progress on stderr, before the 2^20-worker one was refused).
 expect later_cell_batch_too_large \

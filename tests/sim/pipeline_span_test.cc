@@ -38,6 +38,28 @@ double busiestCost(const plan::Plan& p) {
   return most;
 }
 
+TEST(PipelineSpanTest, TheMultiBufferPipelineIsTheLockstepWhereComputeReadsThePreviousStage) {
+  // Ring attention computes with the KV of the step before, and FCP with two buffers with the
+  // group of the stage before: the two pipelines time them alike, forward and backward. With
+  // three buffers FCP's computes wait less, and on this batch the pass is shorter.
+  const HardwareProfile hw = loadHardwareProfile("h100");
+  plan::PlanConfig c;
+  c.numWorkers = 32;
+  c.tokensPerWorker = 8192;
+  c.blockSize = 2048;
+  const Batch batch = sampleBatch(findWorkload("bimodal"), 32 * 8192, 3);
+  SimOptions lockstep, multiBuffer;
+  multiBuffer.pipeline = Pipeline::kMultiBuffer;
+  const plan::Plan ring = baselines::ringPlan(batch, c, hw.costModel(c.attention));
+  EXPECT_EQ(simulate(ring, hw, lockstep).timeMs, simulate(ring, hw, multiBuffer).timeMs);
+  c.bufferDepth = 2;
+  const plan::Plan two = plan::buildPlan(batch, c, hw.costModel(c.attention));
+  EXPECT_EQ(simulate(two, hw, lockstep).timeMs, simulate(two, hw, multiBuffer).timeMs);
+  c.bufferDepth = 3;
+  const plan::Plan three = plan::buildPlan(batch, c, hw.costModel(c.attention));
+  EXPECT_LT(simulate(three, hw, multiBuffer).timeMs, simulate(three, hw, lockstep).timeMs);
+}
+
 TEST(PipelineSpanTest, IsTheSimulatedForwardPassWhenLinksAreFree) {
   const HardwareProfile hw = freeLinks();
   struct Case {

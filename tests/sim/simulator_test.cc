@@ -107,6 +107,38 @@ TEST(SimulatorTest, ATimeThatIsNotFiniteIsAnErrorNotACrash) {
             std::string::npos);
 }
 
+TEST(SimulatorTest, AMultiBufferPipelineComputesOnceItsOwnKvHasArrived) {
+  // Worker 1 computes for 1 s in stage 2 with block 1, which arrived from worker 0 in stage 0
+  // (1 ms); in stage 1 another block takes 1 s to arrive. Stage by stage, the compute waits for
+  // that second transfer: 1 + 1000 + 1000 ms. With the multi-buffer pipeline it waits only for
+  // its own block and runs beside the second transfer: 1 + 1000 ms.
+  plan::Plan p = barePlan(2, 3);
+  addCompute(p, 1, 1.0, 2);           // Q block 0 (worker 1's), KV block 1 (worker 0's)
+  p.blocks.push_back({{{1, 0, 1}}});  // block 2, worker 0's, what stage 1 brings
+  p.owner = {1, 0, 0};
+  addTransfer(p, 0, 1, 1'000'000, 0);
+  p.transfers.back().block = 1;
+  addTransfer(p, 0, 1, 1'000'000'000, 1);
+  p.transfers.back().block = 2;
+  SimOptions o = forwardOnly();
+  EXPECT_NEAR(simulate(p, unitHardware(), o).forward.timeMs, 2001.0, 1e-6);
+  o.pipeline = Pipeline::kMultiBuffer;
+  const SimResult ahead = simulate(p, unitHardware(), o);
+  EXPECT_NEAR(ahead.forward.timeMs, 1001.0, 1e-6);
+  // Worker 1's stage 2: it began when its block was in (1 ms) and ended with its compute.
+  const StageSpan& last = ahead.forward.timelines[1][2];
+  EXPECT_NEAR(last.startMs, 1.0, 1e-6);
+  EXPECT_NEAR(last.computeEndMs, 1001.0, 1e-6);
+  // A compute that reads a block arriving only in its own stage still waits as stage by stage.
+  p.transfers.front().round = 0;
+  p.forward.edit([&](auto& forward) {
+    std::swap(forward[0][0].send, forward[0][2].send);
+    std::swap(forward[1][0].recv, forward[1][2].recv);
+  });
+  EXPECT_NEAR(simulate(p, unitHardware(), o).forward.timeMs,
+              simulate(p, unitHardware(), forwardOnly()).forward.timeMs, 1e-9);
+}
+
 TEST(SimulatorTest, LatencyIsAddedOncePerTransfer) {
   plan::Plan p = barePlan(2, 1);
   addTransfer(p, 0, 1, 1'000'000, 0);
