@@ -56,7 +56,7 @@ struct SimulateArgs {
   bool forwardOnly = false;
   bool noReshuffle = false;
   std::string kernelLaunch;  ///< empty: the profile's
-  std::string pipeline = "lockstep";
+  std::string pipeline;      ///< empty: the profile's
   int64_t ulyssesDegree = 0;  ///< usp and fcp+ulysses; 0: theirs (usp tuned, fcp+ulysses a node)
   bool json = false;
   bool csv = false;
@@ -124,10 +124,10 @@ sim::KernelLaunch kernelLaunch(const std::string& text, sim::KernelLaunch profil
   throwInvalidArgument("invalid --kernel-launch '", printable(text), "': expected pair or stage");
 }
 
-/// --pipeline's value.
-sim::Pipeline pipelineNamed(const std::string& text) {
-  if (text == "lockstep") return sim::Pipeline::kLockstep;
-  if (text == "multibuffer") return sim::Pipeline::kMultiBuffer;
+/// --pipeline's value, or the profile's when it was not given.
+sim::Pipeline pipeline(const std::string& text, sim::Pipeline profiles) {
+  if (text.empty()) return profiles;
+  if (const std::optional<sim::Pipeline> named = sim::pipelineNamed(text)) return *named;
   throwInvalidArgument("invalid --pipeline '", printable(text),
                        "': expected lockstep or multibuffer");
 }
@@ -140,7 +140,7 @@ bool lists(const SimulateArgs& a, const char* name) {
 void checkArgs(const SimulateArgs& a) {
   (void)plan::parsePlacement(a.placement);  // names a bad one before any planning
   (void)kernelLaunch(a.kernelLaunch, sim::KernelLaunch::kPair);
-  (void)pipelineNamed(a.pipeline);
+  (void)pipeline(a.pipeline, sim::Pipeline::kLockstep);
   if (a.strategies.empty())
     throwInvalidArgument("empty --strategy: expected at least one strategy");
   for (const std::string& s : a.strategies) {
@@ -277,6 +277,7 @@ void runSimulate(const SimulateArgs& a) {
   const sim::HardwareProfile hw = [&] {
     sim::HardwareProfile h = sim::loadHardwareProfile(a.hardware);
     h.launch = kernelLaunch(a.kernelLaunch, h.launch);
+    h.pipeline = pipeline(a.pipeline, h.pipeline);
     return h;
   }();
   plan::PlanConfig base;
@@ -299,7 +300,6 @@ void runSimulate(const SimulateArgs& a) {
   sim::SimOptions options;
   options.backward = !a.forwardOnly;
   options.reshuffle = !a.noReshuffle;
-  options.pipeline = pipelineNamed(a.pipeline);
 
   const int64_t batches = a.trace.empty() ? a.batches : 1;
   const size_t total = a.workers.size() * static_cast<size_t>(batches) * a.strategies.size();
@@ -314,10 +314,11 @@ void runSimulate(const SimulateArgs& a) {
                 "plan_ms,sim_ms\n");
   } else if (!a.json) {
     table.printf(
-        "hardware %s, %s, block %s%s\n", hw.name.c_str(),
+        "hardware %s, %s, block %s%s%s\n", hw.name.c_str(),
         a.trace.empty() ? ("workload " + a.workload).c_str() : ("trace " + a.trace).c_str(),
         a.blockSize.c_str(),
-        hw.launch == sim::KernelLaunch::kStage ? ", a launch per stage" : ", a kernel per pair");
+        hw.launch == sim::KernelLaunch::kStage ? ", a launch per stage" : ", a kernel per pair",
+        hw.pipeline == sim::Pipeline::kMultiBuffer ? ", multi-buffer pipeline" : "");
     table.printf("%-13s %7s %7s %7s %7s %11s %8s %8s %8s\n", "strategy", "workers", "mfu", "fwd",
                  "bwd", "time_ms", "imb_comp", "imb_comm", "ulysses");
   }
@@ -501,7 +502,8 @@ void addSimulateCommand(CLI::App& app) {
           "lockstep (a stage's compute and transfers start once the stage before has done both, "
           "as FCP's CPU executor runs) or multibuffer (a stage's compute waits only for the "
           "transfers that brought its KV, --buffers - 1 stages back for FCP: the paper's "
-          "multi-buffer pipeline)");
+          "multi-buffer pipeline); default: the profile's pipeline (h100, gpu-x, gpu-y: "
+          "multibuffer; cpu: lockstep)");
   addText(cmd, "--placement", args->placement,
           "FCP's placement, as for fcp plan: local (blocks stay where the user layout holds "
           "them unless balance needs them elsewhere) or lpt (the paper's Zig-Zag blocks and LPT "

@@ -53,7 +53,7 @@ constexpr double kMinProfileRate = 1e-6;
 
 /// The fields a profile may have; any other is refused, so a misspelt optional field (a
 /// latency, say) is named rather than silently read as absent.
-constexpr std::array<std::string_view, 14> kProfileFields = {"kind",
+constexpr std::array<std::string_view, 15> kProfileFields = {"kind",
                                                              "name",
                                                              "note",
                                                              "peak_tflops",
@@ -65,6 +65,7 @@ constexpr std::array<std::string_view, 14> kProfileFields = {"kind",
                                                              "merge_ps_per_element",
                                                              "hbm_gbps",
                                                              "kernel_launch",
+                                                             "pipeline",
                                                              "forward",
                                                              "backward"};
 
@@ -139,6 +140,12 @@ std::optional<KernelLaunch> kernelLaunchNamed(std::string_view name) {
   return std::nullopt;
 }
 
+std::optional<Pipeline> pipelineNamed(std::string_view name) {
+  if (name == "lockstep") return Pipeline::kLockstep;
+  if (name == "multibuffer") return Pipeline::kMultiBuffer;
+  return std::nullopt;
+}
+
 CostModel HardwareProfile::costModel(const AttentionConfig& attention) const {
   return CostModel{attention, forward, backward};
 }
@@ -186,6 +193,13 @@ HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::str
                          "': expected pair or stage");
   }
   h.launch = *named;
+  const std::string pipeline = optionalString(j, "pipeline", "lockstep", source);
+  const std::optional<Pipeline> pipelined = pipelineNamed(pipeline);
+  if (!pipelined) {
+    throwInvalidArgument("hardware profile ", source, ": pipeline '", printable(pipeline),
+                         "': expected lockstep or multibuffer");
+  }
+  h.pipeline = *pipelined;
   try {
     h.forward = curve(j, "forward");
     h.backward = j.contains("backward") ? curve(j, "backward") : h.forward;

@@ -690,7 +690,7 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
     const auto& ws = passStages[w];
     stages[w].resize(ws.size());
     arrivals.clear();
-    const bool multiBuffer = options.pipeline == Pipeline::kMultiBuffer;
+    const bool multiBuffer = hw.pipeline == Pipeline::kMultiBuffer;
     for (size_t s = 0; s < ws.size() && multiBuffer; ++s) {
       for (const int32_t t : ws[s].recv) {
         arrivals.emplace_back(plan.transfers[static_cast<size_t>(t)].block,

@@ -220,6 +220,30 @@ TEST(HardwareInputTest, KernelLaunchIsPairUnlessTheProfileSaysStage) {
   EXPECT_EQ(loadHardwareProfile("cpu").launch, KernelLaunch::kPair);
 }
 
+TEST(HardwareInputTest, ThePipelineIsLockstepUnlessTheProfileSaysMultiBuffer) {
+  const auto with = [](const std::string& pipeline) {
+    return R"({"kind": "fcp-hardware", "peak_tflops": 1, "workers_per_node": 8,)"
+           R"( "intra_node_gbps": 1, "inter_node_gbps": 1, "forward": [[256, 0.5]])" +
+           (pipeline.empty() ? std::string{} : ", \"pipeline\": " + pipeline) + "}";
+  };
+  EXPECT_EQ(parseHardwareProfile(with(""), "p").pipeline, Pipeline::kLockstep);
+  EXPECT_EQ(parseHardwareProfile(with(R"("lockstep")"), "p").pipeline, Pipeline::kLockstep);
+  EXPECT_EQ(parseHardwareProfile(with(R"("multibuffer")"), "p").pipeline, Pipeline::kMultiBuffer);
+  EXPECT_NE(errorOf([&] {
+              parseHardwareProfile(with(R"("async")"), "p");
+            }).find("hardware profile p: pipeline 'async': expected lockstep or multibuffer"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] {
+              parseHardwareProfile(with("3"), "p");
+            }).find("field 'pipeline' must be a string"),
+            std::string::npos);
+  // The GPU profiles run the paper's multi-buffer pipeline; the CPU profile is FCP's CPU
+  // executor, which goes stage by stage.
+  for (const std::string name : {"h100", "gpu-x", "gpu-y"})
+    EXPECT_EQ(loadHardwareProfile(name).pipeline, Pipeline::kMultiBuffer) << name;
+  EXPECT_EQ(loadHardwareProfile("cpu").pipeline, Pipeline::kLockstep);
+}
+
 TEST(HardwareInputTest, TheNameIsOnePrintableLine) {
   const std::string text =
       R"({"kind": "fcp-hardware", "name": "evil\u001b[31m\nline", "peak_tflops": 1,)"

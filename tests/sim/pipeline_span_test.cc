@@ -42,22 +42,23 @@ TEST(PipelineSpanTest, TheMultiBufferPipelineIsTheLockstepWhereComputeReadsThePr
   // Ring attention computes with the KV of the step before, and FCP with two buffers with the
   // group of the stage before: the two pipelines time them alike, forward and backward. With
   // three buffers FCP's computes wait less, and on this batch the pass is shorter.
-  const HardwareProfile hw = loadHardwareProfile("h100");
+  HardwareProfile hw = loadHardwareProfile("h100"), multiBuffer = hw;
+  hw.pipeline = Pipeline::kLockstep;
+  multiBuffer.pipeline = Pipeline::kMultiBuffer;
   plan::PlanConfig c;
   c.numWorkers = 32;
   c.tokensPerWorker = 8192;
   c.blockSize = 2048;
   const Batch batch = sampleBatch(findWorkload("bimodal"), 32 * 8192, 3);
-  SimOptions lockstep, multiBuffer;
-  multiBuffer.pipeline = Pipeline::kMultiBuffer;
+  const SimOptions o;
   const plan::Plan ring = baselines::ringPlan(batch, c, hw.costModel(c.attention));
-  EXPECT_EQ(simulate(ring, hw, lockstep).timeMs, simulate(ring, hw, multiBuffer).timeMs);
+  EXPECT_EQ(simulate(ring, hw, o).timeMs, simulate(ring, multiBuffer, o).timeMs);
   c.bufferDepth = 2;
   const plan::Plan two = plan::buildPlan(batch, c, hw.costModel(c.attention));
-  EXPECT_EQ(simulate(two, hw, lockstep).timeMs, simulate(two, hw, multiBuffer).timeMs);
+  EXPECT_EQ(simulate(two, hw, o).timeMs, simulate(two, multiBuffer, o).timeMs);
   c.bufferDepth = 3;
   const plan::Plan three = plan::buildPlan(batch, c, hw.costModel(c.attention));
-  EXPECT_LT(simulate(three, hw, multiBuffer).timeMs, simulate(three, hw, lockstep).timeMs);
+  EXPECT_LT(simulate(three, multiBuffer, o).timeMs, simulate(three, hw, o).timeMs);
 }
 
 TEST(PipelineSpanTest, IsTheSimulatedForwardPassWhenLinksAreFree) {

@@ -35,6 +35,24 @@ enum class KernelLaunch {
 /// --kernel-launch spell it), or nullopt for any other name.
 std::optional<KernelLaunch> kernelLaunchNamed(std::string_view name);
 
+/// How a worker's compute waits for its communication.
+enum class Pipeline {
+  /// Stage by stage: a stage's compute and its transfers start together once the stage before
+  /// has done both (as FCP's CPU executor runs; the default).
+  kLockstep,
+  /// The FCP paper's multi-buffer pipeline ("launches several communication operation
+  /// concurrently ... we use three buffers"): a stage's compute waits only for the stage whose
+  /// transfers brought the KV it reads (FCP with D buffers computes D − 1 stages behind what it
+  /// receives), while the transfers still go stage by stage, each after the compute that frees
+  /// its buffers. A schedule that computes with the stage before's KV (ring attention's double
+  /// buffering, FCP with two buffers) times the same either way.
+  kMultiBuffer,
+};
+
+/// The pipeline named `name` ("lockstep" or "multibuffer", as a profile's pipeline and fcp
+/// simulate's --pipeline spell it), or nullopt for any other name.
+std::optional<Pipeline> pipelineNamed(std::string_view name);
+
 /// One worker type and its network. Bandwidths are bytes per second each way per worker.
 struct HardwareProfile {
   std::string name = "h100";
@@ -56,6 +74,7 @@ struct HardwareProfile {
   /// (simulateHeadParallel). 0: not charged.
   double memoryBytesPerSecond = 0;
   KernelLaunch launch = KernelLaunch::kPair;  ///< JSON "kernel_launch": "pair" or "stage"
+  Pipeline pipeline = Pipeline::kLockstep;    ///< JSON "pipeline": "lockstep" or "multibuffer"
   /// Kernel efficiency f(block tokens) of the forward and backward kernels.
   EfficiencyCurve forward = EfficiencyCurve::paperDefault();
   EfficiencyCurve backward = EfficiencyCurve::paperDefault();
@@ -77,6 +96,7 @@ struct HardwareProfile {
 ///    "workers_per_node": 8, "intra_node_gbps": 450, "inter_node_gbps": 50,
 ///    "intra_node_latency_us": 3, "inter_node_latency_us": 10, "merge_ps_per_element": 0,
 ///    "hbm_gbps": 0, "kernel_launch": "pair" (or "stage"; KernelLaunch),
+///    "pipeline": "lockstep" (or "multibuffer"; Pipeline),
 ///    "forward": [[tokens, fraction], ...], "backward": [[tokens, fraction], ...]}
 /// (GB/s = 1e9 bytes/s). Throws Error(kInvalidArgument) naming the bad or missing field.
 HardwareProfile parseHardwareProfile(const std::string& jsonText, const std::string& source);

@@ -11,7 +11,7 @@
 /// through one port share it equally, a transfer running at the smallest share of its two
 /// ports (so two transfers into one NIC take twice as long), plus a fixed latency. A stage
 /// ends when its compute and all its transfers are done. Compute thus overlaps communication
-/// exactly as far as the plan's stages (and their buffer depth) allow; with
+/// exactly as far as the plan's stages (and their buffer depth) allow; with the profile's
 /// Pipeline::kMultiBuffer a stage's compute waits only for the transfers it reads, not for the
 /// previous stage's. The reshuffle moves
 /// its off-worker bytes (forward: Q, K, V in and O out; backward: dO in and dQ, dK, dV out)
@@ -26,24 +26,11 @@
 
 namespace fcp::sim {
 
-/// How a worker's compute waits for its communication.
-enum class Pipeline {
-  /// Stage by stage: a stage's compute and its transfers start together once the stage before
-  /// has done both (what FCP's CPU executor does, and the default).
-  kLockstep,
-  /// The FCP paper's multi-buffer pipeline ("launches several communication operations
-  /// concurrently"): a stage's compute waits only for the stage whose transfers brought the KV
-  /// it reads (with D buffers, D − 1 stages back), while the transfers still go stage by stage,
-  /// each after the compute that frees its buffers.
-  kMultiBuffer,
-};
-
 struct SimOptions {
   bool backward = true;          ///< simulate the backward pass too
   bool reshuffle = true;         ///< charge the reshuffle's bytes
   bool overlapReshuffle = true;  ///< reshuffle during the first / last stage (else apart)
   bool timelines = false;        ///< keep per-worker stage timelines
-  Pipeline pipeline = Pipeline::kLockstep;
 };
 
 /// One stage of one worker on the timeline, in milliseconds from the pass's start.
