@@ -10,10 +10,10 @@
 /// across nodes. Every worker has an out and an in port of each kind; concurrent transfers
 /// through one port share it equally, a transfer running at the smallest share of its two
 /// ports (so two transfers into one NIC take twice as long), plus a fixed latency. A stage
-/// ends when its compute and all its transfers are done. Compute thus overlaps communication
-/// exactly as far as the plan's stages (and their buffer depth) allow; with the profile's
-/// Pipeline::kMultiBuffer a stage's compute waits only for the transfers it reads, not for the
-/// previous stage's. The reshuffle moves
+/// ends when its compute and all its transfers are done (the profile's Pipeline::kLockstep).
+/// Compute thus overlaps communication exactly as far as the plan's stages (and their buffer
+/// depth) allow; with Pipeline::kMultiBuffer a stage's compute waits only for the transfers
+/// that brought the KV it reads, not for the previous stage's. The reshuffle moves
 /// its off-worker bytes (forward: Q, K, V in and O out; backward: dO in and dQ, dK, dV out)
 /// during the first and the last stage, or, with overlapReshuffle off, in a stage of its own
 /// before and after.
