@@ -209,30 +209,33 @@ void checkArgs(const SimulateArgs& a) {
 }
 
 nlohmann::json record(const std::string& strategy, int64_t workers, const Cell& c,
-                      const plan::PlanConfig& config, const std::string& hardware) {
-  return {{"strategy", strategy},
-          {"workers", workers},
-          {"hardware", hardware},
-          {"tokens_per_worker", config.tokensPerWorker},
-          {"block_size", config.blockSize},
-          {"batches", c.batches},
-          {"mfu", c.mfu},
-          {"mfu_forward", c.mfuForward},
-          {"mfu_backward", c.mfuBackward},
-          {"time_ms", c.timeMs},
-          {"forward_ms", c.forwardMs},
-          {"backward_ms", c.backwardMs},
-          {"imbalance", {{"compute", c.computeImbalance}, {"comm", c.commImbalance}}},
-          {"breakdown_ms", {{"compute", c.computeMs}, {"idle", c.idleMs}}},
-          {"transfer_bytes", c.transferBytes},
-          {"reshuffle_bytes", c.reshuffleBytes},
-          {"plan_ms", c.planMs},
-          {"sim_ms", c.simMs}};
+                      const plan::PlanConfig& config, const sim::HardwareProfile& hardware) {
+  return {
+      {"strategy", strategy},
+      {"workers", workers},
+      {"hardware", hardware.name},
+      {"kernel_launch", hardware.launch == sim::KernelLaunch::kStage ? "stage" : "pair"},
+      {"pipeline", hardware.pipeline == sim::Pipeline::kMultiBuffer ? "multibuffer" : "lockstep"},
+      {"tokens_per_worker", config.tokensPerWorker},
+      {"block_size", config.blockSize},
+      {"batches", c.batches},
+      {"mfu", c.mfu},
+      {"mfu_forward", c.mfuForward},
+      {"mfu_backward", c.mfuBackward},
+      {"time_ms", c.timeMs},
+      {"forward_ms", c.forwardMs},
+      {"backward_ms", c.backwardMs},
+      {"imbalance", {{"compute", c.computeImbalance}, {"comm", c.commImbalance}}},
+      {"breakdown_ms", {{"compute", c.computeMs}, {"idle", c.idleMs}}},
+      {"transfer_bytes", c.transferBytes},
+      {"reshuffle_bytes", c.reshuffleBytes},
+      {"plan_ms", c.planMs},
+      {"sim_ms", c.simMs}};
 }
 
 /// record() with each batch's Ulysses degree for the head-parallel strategies (usp's is tuned).
 nlohmann::json recordOf(const std::string& strategy, int64_t workers, const Cell& c,
-                        const plan::PlanConfig& config, const std::string& hardware) {
+                        const plan::PlanConfig& config, const sim::HardwareProfile& hardware) {
   nlohmann::json r = record(strategy, workers, c, config, hardware);
   if (!c.ulyssesDegrees.empty()) r["ulysses_degree"] = c.ulyssesDegrees;
   return r;
@@ -404,7 +407,7 @@ void runSimulate(const SimulateArgs& a) {
       Cell& c = cells[strategy];
       c.finish();
       if (a.json) {
-        table.text += recordOf(strategy, workers, c, config, hw.name).dump() + '\n';
+        table.text += recordOf(strategy, workers, c, config, hw).dump() + '\n';
       } else if (a.csv) {
         table.printf("%s,%lld,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f,%.3f,%.3f\n",
                     strategy.c_str(), static_cast<long long>(workers), static_cast<long long>(c.batches), c.mfu,

@@ -191,6 +191,8 @@ for r in rows:
         assert 0.0 <= r["imbalance"][k] < 1.0, (s, "imbalance", k, r["imbalance"][k])
     # forward + backward make up the step.
     assert abs(r["forward_ms"] + r["backward_ms"] - r["time_ms"]) <= 1e-6 * r["time_ms"], s
+    # How it was timed: h100's stage launch and multi-buffer pipeline.
+    assert (r["hardware"], r["kernel_launch"], r["pipeline"]) == ("h100", "stage", "multibuffer"), s
 PY
   if [ -n "$why" ]; then
     echo "FAIL valid_json:$why"

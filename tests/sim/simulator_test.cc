@@ -140,6 +140,47 @@ TEST(SimulatorTest, AMultiBufferPipelineComputesOnceItsOwnKvHasArrived) {
               simulate(p, unitHardware(), o).forward.timeMs, 1e-9);
 }
 
+TEST(SimulatorTest, AMultiBufferComputeWaitsForTheLatestOfItsBlocksAndForStageZero) {
+  HardwareProfile multiBuffer = unitHardware();
+  multiBuffer.pipeline = Pipeline::kMultiBuffer;
+  const SimOptions o = forwardOnly();
+  {
+    // Worker 1's stage 3 reads block 1 (arrives in stage 0, 1 ms) and block 3 (stage 1, 500
+    // ms); stage 2 brings an unread block in 200 ms. The compute (1 s) waits for the later of
+    // its blocks, stage 1's, not for stage 2's: 501 + 1000 ms. Stage by stage: 701 + 1000.
+    plan::Plan p = barePlan(2, 4);
+    addCompute(p, 1, 0.5, 3);           // Q block 0 (worker 1), KV block 1 (worker 0)
+    addCompute(p, 1, 0.5, 3);           // Q block 2 (worker 1), KV block 3 (worker 0)
+    p.blocks.push_back({{{2, 0, 1}}});  // block 4, read by no one
+    p.owner = {1, 0, 1, 0, 0};
+    struct Sent {
+      int64_t bytes;
+      size_t stage;
+      int32_t block;
+    };
+    for (const Sent& t :
+         {Sent{1'000'000, 0, 1}, Sent{500'000'000, 1, 3}, Sent{200'000'000, 2, 4}}) {
+      addTransfer(p, 0, 1, t.bytes, t.stage);
+      p.transfers.back().block = t.block;
+    }
+    EXPECT_NEAR(simulate(p, unitHardware(), o).forward.timeMs, 1701.0, 1e-6);
+    EXPECT_NEAR(simulate(p, multiBuffer, o).forward.timeMs, 1501.0, 1e-6);
+  }
+  {
+    // Stage 0 brings an unread block in 1 s (as the reshuffle in does, beside stage 0's pairs);
+    // stage 1 computes with a block worker 1 owns. From stage 1 on a compute waits for stage
+    // 0's messages, so both pipelines take 1000 + 1000 ms.
+    plan::Plan p = barePlan(2, 2);
+    addCompute(p, 1, 1.0, 1);
+    p.blocks.push_back({{{1, 0, 1}}});
+    p.owner = {1, 1, 0};
+    addTransfer(p, 0, 1, 1'000'000'000, 0);
+    p.transfers.back().block = 2;
+    EXPECT_NEAR(simulate(p, unitHardware(), o).forward.timeMs, 2000.0, 1e-6);
+    EXPECT_NEAR(simulate(p, multiBuffer, o).forward.timeMs, 2000.0, 1e-6);
+  }
+}
+
 TEST(SimulatorTest, LatencyIsAddedOncePerTransfer) {
   plan::Plan p = barePlan(2, 1);
   addTransfer(p, 0, 1, 1'000'000, 0);
