@@ -331,8 +331,7 @@ class _Ulysses:
         # ranks only (over this rank alone when the node is the whole job), so the node's members
         # compare them among themselves.
         hashes = _fcp.setting_hashes(_fcp.batch_options(*args, local_error="")) if args else []
-        count = _SETTINGS
-        parts = _Ulysses.gathered(group, [1, args[1], args[2]] + hashes if args else [0, 0, 0] + [0] * count,
+        parts = _Ulysses.gathered(group, [1, args[1], args[2]] + hashes if args else [0, 0, 0] + [0] * _SETTINGS,
                                   "ulysses_group's ranges", timeout_seconds)
         # The members have met: from here on, whatever this rank raises, it joins the node's
         # confirmation after the batch (a check below that fails on some members only, the
@@ -356,7 +355,7 @@ class _Ulysses:
                                        f"nodes of {sorted({x[1] for x in seen}) if seen else '?'} ranks: expected a "
                                        f"torch.distributed group of the ranks with this rank's index ({member}) in "
                                        f"every node of {degree} (ulysses_groups() makes it)")
-        for i in range(count):
+        for i in range(_SETTINGS):
             if any(p[3 + i] != hashes[i] for p in parts):
                 raise _fcp.InvalidArgument(f"ulysses_group's members passed different settings "
                                            f"({_fcp.setting_name(i)}): expected the same on every member")

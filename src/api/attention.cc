@@ -245,10 +245,9 @@ Agreed agree(runtime::Transport& transport, const BatchOptions& o) {
   // for them, so that every rank hears the plan agreement's verdict on that call
   // (checkPlanAgreement) rather than a timeout of its own, which it met just before the others
   // arrived (a review: both ranks timed out, 41 s for a 20 s timeout).
-  const double timeout = transport.timeoutSeconds();
-  const bool afterFailure = transport.calls().state().kind != 0 && timeout > 0;
-  transport.allreduce(same, runtime::ReduceOp::kMax,
-                      afterFailure ? 2 * timeout + kAfterFailureSeconds : 0);
+  transport.allreduce(
+      same, runtime::ReduceOp::kMax,
+      transport.calls().state().kind != 0 ? detail::afterFailureSeconds(transport) : 0);
   std::vector<int64_t> ranges(2 * static_cast<size_t>(ranks), 0);
   ranges[2 * static_cast<size_t>(rank)] = o.localBegin;
   ranges[2 * static_cast<size_t>(rank) + 1] = o.localEnd;
@@ -419,6 +418,10 @@ std::vector<int64_t> detail::settingHashes(const BatchOptions& options) {
 void detail::checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads,
                          int64_t dim, DType dtype, const char* rows) {
   fcp::checkTensor(name, t, tokens, heads, dim, dtype, rows);
+}
+
+double detail::afterFailureSeconds(const runtime::Transport& t) {
+  return t.timeoutSeconds() > 0 ? 2 * t.timeoutSeconds() + kAfterFailureSeconds : 0;
 }
 
 const char* detail::settingName(size_t index) {

@@ -106,12 +106,6 @@ void writeRows(const std::vector<float>& in, int64_t n, int64_t heads, int64_t d
   }
 }
 
-/// How long a group's collectives wait: as long as a batch's agreement after a failed call (twice
-/// the transport's timeout and 5 s), since a member may still be inside that call's exchange.
-double afterFailureSeconds(const runtime::Transport& t) {
-  return t.timeoutSeconds() > 0 ? 2 * t.timeoutSeconds() + 5 : 0;
-}
-
 std::string rangesText(const std::vector<int64_t>& ends) {
   std::ostringstream text;
   text << '[';
@@ -153,7 +147,7 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
   }
   // As long as the batch's agreement after a failed call waits: a member may still be inside
   // the failed call's exchange.
-  node.allreduce(values, runtime::ReduceOp::kMax, afterFailureSeconds(node));
+  node.allreduce(values, runtime::ReduceOp::kMax, detail::afterFailureSeconds(node));
   const std::vector<int64_t> ends(values.begin(),
                                   values.begin() + static_cast<int64_t>(2 * degree));
   rows_.resize(degree);
@@ -210,7 +204,7 @@ UlyssesGroup::UlyssesGroup(runtime::Transport& node, const BatchOptions& options
 BatchOptions UlyssesGroup::paired(runtime::Transport& across) const {
   BatchOptions o = this->across();
   std::vector<int64_t> seen = {member_, -member_, degree(), -degree()};
-  across.allreduce(seen, runtime::ReduceOp::kMax, afterFailureSeconds(across));
+  across.allreduce(seen, runtime::ReduceOp::kMax, detail::afterFailureSeconds(across));
   if (o.localError.empty() &&
       (seen[0] != member_ || -seen[1] != member_ || seen[2] != degree() || -seen[3] != degree())) {
     o.localError = "the across transport joins members " + std::to_string(-seen[1]) + " to " +
@@ -232,7 +226,7 @@ Made UlyssesGroup::confirmed(Make&& make) const {
   }
   std::vector<int64_t> failed(rows_.size(), 0);
   failed[static_cast<size_t>(member_)] = error ? 1 : 0;
-  node_->allreduce(failed, runtime::ReduceOp::kSum, afterFailureSeconds(*node_));
+  node_->allreduce(failed, runtime::ReduceOp::kSum, detail::afterFailureSeconds(*node_));
   if (error) std::rethrow_exception(error);
   for (size_t m = 0; m < failed.size(); ++m) {
     if (failed[m] != 0) {

@@ -686,11 +686,11 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
   std::vector<int32_t> merged;
   // (block, stage) of each block this worker receives in the pass.
   std::vector<std::pair<int32_t, int32_t>> arrivals;
+  const bool multiBuffer = hw.pipeline == Pipeline::kMultiBuffer;
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
     stages[w].resize(ws.size());
     arrivals.clear();
-    const bool multiBuffer = hw.pipeline == Pipeline::kMultiBuffer;
     for (size_t s = 0; s < ws.size() && multiBuffer; ++s) {
       for (const int32_t t : ws[s].recv) {
         arrivals.emplace_back(plan.transfers[static_cast<size_t>(t)].block,

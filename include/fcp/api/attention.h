@@ -126,6 +126,10 @@ const char* settingName(size_t index);
 /// with data and a row stride that fits, `rows` saying whose rows (the layers' own check).
 void checkTensor(const char* name, ConstTensorRef t, int64_t tokens, int64_t heads, int64_t dim,
                  DType dtype, const char* rows);
+/// How long a collective over `t` waits after a call threw: the ranks still inside that call
+/// wait out their timeout first (twice the transport's timeout and 5 s; 0, the transport's own,
+/// when it sets none).
+double afterFailureSeconds(const runtime::Transport& t);
 
 /// A batch's plan, checked (plan::checkValid), with its digest (plan::planDigest): what the
 /// planning thread hands over, so that the thread taking the plan only compares digests.
