@@ -21,6 +21,7 @@
 #include "fcp/core/input.h"
 #include "fcp/core/units.h"
 #include "fcp/core/workload.h"
+#include "fcp/runtime/timeline.h"
 #include "fcp/sim/hardware.h"
 #include "fcp/sim/simulator.h"
 
@@ -60,6 +61,7 @@ struct SimulateArgs {
   int64_t ulyssesDegree = 0;  ///< usp and fcp+ulysses; 0: theirs (usp tuned, fcp+ulysses a node)
   bool json = false;
   bool csv = false;
+  std::string timeline;  ///< a Chrome trace of the one cell's simulated step, if given
 };
 
 /// Means over batches of one (strategy, workers) cell.
@@ -206,6 +208,56 @@ void checkArgs(const SimulateArgs& a) {
     throwInvalidArgument("invalid --memory-slack ", a.memorySlack, ": expected 0 to 100");
   }
   if (a.json && a.csv) throwInvalidArgument("--json and --csv both given: expected at most one");
+  if (!a.timeline.empty()) {
+    // A trace is one simulated step: one strategy on one worker count and one batch.
+    if (a.strategies.size() != 1 || a.workers.size() != 1) {
+      throwInvalidArgument("--timeline with ", a.strategies.size(), " strategies and ",
+                           a.workers.size(),
+                           " worker counts: expected one --strategy and one --workers count");
+    }
+    if (a.trace.empty() && a.batches != 1) {
+      throwInvalidArgument("--timeline with --batches ", a.batches,
+                           ": expected 1 (the trace is of one batch; --seed picks it)");
+    }
+    checkOutputPath(a.timeline, "--timeline file");
+    checkNotAnInput(a.timeline, "--timeline file",
+                    {{a.trace, "--trace"},
+                     {workloadFile(a.workload), "--workload"},
+                     {sim::isProfileName(a.hardware) ? "" : a.hardware, "--hardware"}});
+  }
+}
+
+/// The Chrome trace (Perfetto) of a simulated step: a process per worker, its compute and
+/// messages per stage in two lanes and each pass in the third, the backward after the forward.
+/// Stages -1 and -2 are a separate reshuffle (the ablation steps) or, for the head-parallel
+/// strategies, the all-to-alls, in and out.
+std::string simulatedTrace(const sim::SimResult& r, bool headParallel) {
+  const size_t n = r.forward.timelines.size();
+  std::vector<std::vector<runtime::Span>> workers(n);
+  const auto name = [&](const char* pass, int32_t stage) {
+    if (stage >= 0) return std::string(pass) + " stage " + std::to_string(stage);
+    return std::string(pass) + (headParallel ? " all-to-all " : " reshuffle ") +
+           (stage == -1 ? "in" : "out");
+  };
+  for (const auto& [pass, label, offsetMs] :
+       {std::tuple{&r.forward, "forward", 0.0},
+        std::tuple{&r.backward, "backward", r.forward.timeMs}}) {
+    if (pass->timelines.size() != n) continue;  // no backward pass
+    for (size_t w = 0; w < n; ++w) {
+      std::vector<runtime::Span>& out = workers[w];
+      const auto add = [&](std::string text, int lane, double startMs, double endMs) {
+        out.push_back({std::move(text), lane, (offsetMs + startMs) * 1e3, (endMs - startMs) * 1e3});
+      };
+      add(label, 2, 0, pass->finishMs[w]);
+      for (const sim::StageSpan& s : pass->timelines[w]) {
+        if (s.computeEndMs > s.computeStartMs)
+          add(name(label, s.stage), 0, s.computeStartMs, s.computeEndMs);
+        if (s.commEndMs > s.commStartMs)
+          add(name(label, s.stage) + " messages", 1, s.commStartMs, s.commEndMs);
+      }
+    }
+  }
+  return runtime::chromeTrace(workers, "worker");
 }
 
 nlohmann::json record(const std::string& strategy, int64_t workers, const Cell& c,
@@ -303,6 +355,8 @@ void runSimulate(const SimulateArgs& a) {
   sim::SimOptions options;
   options.backward = !a.forwardOnly;
   options.reshuffle = !a.noReshuffle;
+  options.timelines = !a.timeline.empty();
+  std::string timelineText;  // --timeline's, written before anything is printed
 
   const int64_t batches = a.trace.empty() ? a.batches : 1;
   const size_t total = a.workers.size() * static_cast<size_t>(batches) * a.strategies.size();
@@ -394,6 +448,7 @@ void runSimulate(const SimulateArgs& a) {
             hp ? sim::simulateHeadParallel(hp->ring, config.attention, hp->degree, hw, o)
                : sim::simulate(*p, hw, o);
         cells[strategy].add(r, planMs, msSince(simStart));
+        if (options.timelines) timelineText = simulatedTrace(r, headParallel);
         if (hp) cells[strategy].ulyssesDegrees.push_back(hp->degree);
         ++done;
         if (progress) {
@@ -421,6 +476,7 @@ void runSimulate(const SimulateArgs& a) {
     }
   }
   if (progress && tty) std::fprintf(stderr, "\n");
+  if (!a.timeline.empty()) writeUserFile(a.timeline, "--timeline file", timelineText + "\n");
   std::fputs(table.text.c_str(), stdout);
 }
 
@@ -516,6 +572,10 @@ void addSimulateCommand(CLI::App& app) {
              "simulates fastest, fcp+ulysses the largest within a node)");
   cmd->add_flag("--json", args->json, "One JSON record per (strategy, workers)");
   cmd->add_flag("--csv", args->csv, "CSV, one row per (strategy, workers)");
+  addText(cmd, "--timeline", args->timeline,
+          "Also write the simulated step as a Chrome trace (Perfetto) to this file: a process "
+          "per worker, each stage's compute and messages, forward then backward (one "
+          "--strategy, one --workers count, one batch)");
   cmd->callback([args] { runSimulate(*args); });
 }
 

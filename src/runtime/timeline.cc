@@ -98,39 +98,44 @@ std::string gatherChromeTrace(Transport& transport, const Timeline& timeline,
     }
   }
   if (refused) throw *refused;
-  struct Event {
-    int rank, lane;
-    double start, duration;
-    std::string name;
-  };
-  std::vector<Event> events;
-  double origin = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<Span>> ranks(texts.size());
   for (size_t r = 0; r < texts.size(); ++r) {
     std::istringstream in(texts[r]);
-    Event e{static_cast<int>(r), 0, 0, 0, {}};
-    while (in >> e.lane >> e.start >> e.duration) {
+    Span span;
+    while (in >> span.lane >> span.startUs >> span.durationUs) {
       in.get();
-      std::getline(in, e.name);
-      origin = std::min(origin, e.start);
-      events.push_back(e);
+      std::getline(in, span.name);
+      ranks[r].push_back(span);
     }
   }
+  return chromeTrace(ranks, "rank");
+}
+
+std::string chromeTrace(const std::vector<std::vector<Span>>& processes,
+                        std::string_view processName) {
+  double origin = std::numeric_limits<double>::infinity();
+  for (const auto& spans : processes)
+    for (const Span& s : spans) origin = std::min(origin, s.startUs);
   std::ostringstream os;
   os.precision(12);
   os << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
   bool first = true;
-  for (int r = 0; r < transport.size(); ++r) {
+  for (size_t r = 0; r < processes.size(); ++r) {
     for (int lane = 0; lane < 3; ++lane) {
       os << (first ? "" : ",") << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << r << ",\"tid\":" << lane
          << ",\"args\":{\"name\":\"" << kLaneNames[lane] << "\"}}";
       first = false;
     }
-    os << ",{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << r << ",\"args\":{\"name\":\"rank " << r << "\"}}";
+    os << ",{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << r << ",\"args\":{\"name\":\""
+       << escapeJson(std::string(processName)) << ' ' << r << "\"}}";
   }
-  for (const Event& e : events) {
-    os << ",{\"name\":\"" << escapeJson(e.name) << "\",\"cat\":\"" << kLaneNames[e.lane]
-       << "\",\"ph\":\"X\",\"pid\":" << e.rank << ",\"tid\":" << e.lane << ",\"ts\":" << e.start - origin
-       << ",\"dur\":" << e.duration << "}";
+  for (size_t r = 0; r < processes.size(); ++r) {
+    for (const Span& s : processes[r]) {
+      FCP_CHECK(s.lane >= 0 && s.lane < 3, "a span in lane ", s.lane, ": expected 0, 1 or 2");
+      os << ",{\"name\":\"" << escapeJson(s.name) << "\",\"cat\":\"" << kLaneNames[s.lane]
+         << "\",\"ph\":\"X\",\"pid\":" << r << ",\"tid\":" << s.lane
+         << ",\"ts\":" << s.startUs - origin << ",\"dur\":" << s.durationUs << "}";
+    }
   }
   os << "]}";
   return os.str();

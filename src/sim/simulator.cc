@@ -94,7 +94,6 @@ class Engine {
         result_.timelines[w].resize(stages_[w].size());
         for (size_t i = 0; i < stages_[w].size(); ++i) {
           result_.timelines[w][i].stage = stages_[w][i].planStage;
-          result_.timelines[w][i].startMs = std::numeric_limits<double>::infinity();
         }
       }
     }
@@ -142,7 +141,10 @@ class Engine {
       }
       result_.timeMs = std::max(result_.timeMs, result_.finishMs[w]);
       if (keep_) {
-        for (StageSpan& sp : result_.timelines[w]) sp.endMs = std::max(sp.endMs, sp.computeEndMs);
+        for (StageSpan& sp : result_.timelines[w]) {
+          sp.startMs = std::min(sp.computeStartMs, sp.commStartMs);
+          sp.endMs = std::max(sp.computeEndMs, sp.commEndMs);
+        }
       }
     }
     return std::move(result_);
@@ -271,10 +273,10 @@ class Engine {
       moved = false;
       if (!k.communicating && k.commDone < own.size() && k.computeDone >= k.commDone) {
         const SimStage& s = own[k.commDone];
-        if (keep_) span(w, k.commDone).startMs = std::min(span(w, k.commDone).startMs, t * 1e3);
+        if (keep_) span(w, k.commDone).commStartMs = t * 1e3;
         k.flowsLeft = static_cast<int64_t>(s.flows.size());
         if (k.flowsLeft == 0) {
-          if (keep_) span(w, k.commDone).endMs = t * 1e3;
+          if (keep_) span(w, k.commDone).commEndMs = t * 1e3;
           ++k.commDone;
         } else {
           k.communicating = true;
@@ -288,8 +290,7 @@ class Engine {
         const SimStage& s = own[k.computeDone];
         const auto waitFor = static_cast<int64_t>(k.computeDone) - s.waitBack;
         if (waitFor < 0 || static_cast<int64_t>(k.commDone) > waitFor) {
-          if (keep_)
-            span(w, k.computeDone).startMs = std::min(span(w, k.computeDone).startMs, t * 1e3);
+          if (keep_) span(w, k.computeDone).computeStartMs = t * 1e3;
           k.computing = true;
           result_.computeMs[wi] += s.computeSeconds * 1e3;
           push(t + s.computeSeconds, kComputeDone, w);
@@ -307,13 +308,14 @@ class Engine {
   void arrived(int32_t w, double t) {
     Worker& k = worker_[static_cast<size_t>(w)];
     if (--k.flowsLeft > 0) return;
-    if (keep_) span(w, k.commDone).endMs = t * 1e3;
+    if (keep_) span(w, k.commDone).commEndMs = t * 1e3;
     k.communicating = false;
     ++k.commDone;
     advance(w, t);
   }
 
-  /// Worker w's record of its stage i (timelines only). endMs is the later of its two ends.
+  /// Worker w's record of its stage i (timelines only); run() sets its startMs and endMs from
+  /// the two streams' spans.
   StageSpan& span(int32_t w, size_t i) { return result_.timelines[static_cast<size_t>(w)][i]; }
 
   /// Marks `port` for re-rating at time t (the current instant).

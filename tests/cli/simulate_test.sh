@@ -203,6 +203,69 @@ PY
 }
 check_json
 
+# --timeline: one cell only, a writable path that is no input; a refusal writes nothing.
+expect timeline_two_strategies "--timeline with 2 strategies and 1 worker counts: expected one --strategy and one --workers count" \
+  --strategy fcp,ring --timeline "$tmp/refused.json"
+expect timeline_batches "--timeline with --batches 2: expected 1" --strategy fcp --batches 2 --timeline "$tmp/refused.json"
+expect timeline_no_directory "--timeline file" --strategy fcp --timeline "$tmp/missing/t.json"
+expect timeline_is_trace "--timeline file" --strategy fcp --trace "$tmp/trace_88k.txt" --timeline "$tmp/trace_88k.txt"
+if [ -e "$tmp/refused.json" ] || [ "$(cat "$tmp/trace_88k.txt")" != "$(printf '40000\n48000')" ]; then
+  echo "FAIL timeline_refusal_wrote: a refused --timeline wrote or replaced a file"
+  failures=$((failures + 1))
+fi
+
+# A trace against the run's own figures: every worker's passes and stages, the forward's
+# busiest worker ending at forward_ms and the backward starting there, each worker's compute
+# spans (which never overlap, nor do its message spans) summing on average to its
+# breakdown's compute; a
+# head-parallel strategy's all-to-alls by name.
+check_timeline() {
+  local strategy=$1 why=""
+  "$fcp" simulate --strategy "$strategy" --workers 16 --json --timeline "$tmp/t_$strategy.json" \
+    > "$tmp/t_$strategy.out" 2> "$tmp/t.err" || why="exit code $?"
+  /usr/bin/python3 - "$tmp/t_$strategy.json" "$tmp/t_$strategy.out" "$strategy" > "$tmp/check.out" 2>&1 <<'PY' || why="$why; $(cat "$tmp/check.out")"
+import collections, json, sys
+trace = json.load(open(sys.argv[1]))
+record = json.loads(open(sys.argv[2]).read())
+events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+assert names == {w: "worker %d" % w for w in range(16)}, names
+lanes = collections.defaultdict(list)
+for e in events:
+    lanes[(e["pid"], e["tid"])].append((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3, e["name"]))
+forward_ms = record["forward_ms"]
+ends = []
+for w in range(16):
+    passes = {name: (a, b) for a, b, name in lanes[(w, 2)]}
+    assert set(passes) == {"forward", "backward"}, passes
+    assert abs(passes["forward"][0]) < 1e-6, passes
+    assert abs(passes["backward"][0] - forward_ms) < 1e-6 * forward_ms, (passes, forward_ms)
+    ends.append(passes["forward"][1])
+    for lane in (0, 1):
+        spans = sorted(lanes[(w, lane)])
+        assert spans, (w, lane)
+        for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
+            assert b0 <= a1 + 1e-6, ("overlap", w, lane, n0, n1)
+assert abs(max(ends) - forward_ms) < 1e-6 * forward_ms, (max(ends), forward_ms)
+busy = sum(b - a for w in range(16) for a, b, _ in lanes[(w, 0)]) / 16
+compute_ms = record["breakdown_ms"]["compute"]
+assert abs(busy - compute_ms) < 1e-6 * compute_ms, (busy, compute_ms)
+text = " ".join(n for _, _, n in lanes[(0, 0)] + lanes[(0, 1)])
+if sys.argv[3] == "usp":
+    assert "forward all-to-all in" in text and "backward all-to-all out messages" in text, text
+else:
+    assert "forward stage 0" in text and "backward stage 1 messages" in text, text
+PY
+  if [ -n "$why" ]; then
+    echo "FAIL timeline_$strategy:$why"
+    failures=$((failures + 1))
+  else
+    passed=$((passed + 1))
+  fi
+}
+check_timeline fcp
+check_timeline usp
+
 # --comm-ratio hardware tells FCP's planner the profile's link: H100, 16 workers (past one node,
 # so the NIC's 50 GB/s), 989 TFLOP/s / 3.5 / 50 GB/s = 5651.43 cost units per byte, the same
 # plan as that number given by hand; on this batch it differs from compute first (0).

@@ -1,6 +1,6 @@
-// gatherChromeTrace: every rank's spans reach rank 0 as Chrome-trace JSON, and a rank whose
-// spans are over the limit fails the gather on both ends without leaving a message behind (a
-// later gather on the same transport used to receive the refused rank's old text).
+// chromeTrace and gatherChromeTrace: every rank's spans reach rank 0 as Chrome-trace JSON, and a
+// rank whose spans are over the limit fails the gather on both ends without leaving a message
+// behind (a later gather on the same transport used to receive the refused rank's old text).
 #include "fcp/runtime/timeline.h"
 
 #include <gtest/gtest.h>
@@ -69,6 +69,24 @@ TEST(GatherChromeTraceTest, EveryRanksSpansReachRankZeroFromTheEarliestSpan) {
   EXPECT_EQ(spans, 1 + 2 + 3);
   EXPECT_EQ(laneNames, std::vector<int>(kRanks, 3));
   EXPECT_EQ(processNames, std::vector<int>(kRanks, 1));
+}
+
+TEST(ChromeTraceTest, IsWhatTheGatherWritesAndNamesItsProcesses) {
+  // The gather's trace is chromeTrace of the ranks' spans as they were serialised; fcp simulate
+  // writes its workers' spans with it.
+  std::string gathered;
+  runRanks(2, [&](ThreadTransport& t) {
+    std::string out = gatherChromeTrace(t, spansOf(t.rank(), t.rank() + 1));
+    if (t.rank() == 0) gathered = std::move(out);
+  });
+  const std::vector<std::vector<Span>> spans{spansOf(0, 1).spans(), spansOf(1, 2).spans()};
+  EXPECT_EQ(chromeTrace(spans, "rank"), gathered);
+  std::vector<std::string> names;
+  const nlohmann::json json = nlohmann::json::parse(chromeTrace(spans, "worker"));
+  for (const nlohmann::json& e : json.at("traceEvents"))
+    if (e.at("name") == "process_name") names.push_back(e.at("args").at("name"));
+  EXPECT_EQ(names, (std::vector<std::string>{"worker 0", "worker 1"}));
+  EXPECT_THROW(chromeTrace({{Span{"x", 3, 0, 1}}}, "worker"), Error);
 }
 
 TEST(GatherChromeTraceTest, ATimelineOverTheLimitLeavesNoMessageBehind) {

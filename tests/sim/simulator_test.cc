@@ -130,6 +130,20 @@ TEST(SimulatorTest, AMultiBufferPipelineComputesOnceItsOwnKvHasArrived) {
   const StageSpan& last = ahead.forward.timelines[1][2];
   EXPECT_NEAR(last.startMs, 1.0, 1e-6);
   EXPECT_NEAR(last.computeEndMs, 1001.0, 1e-6);
+  EXPECT_NEAR(last.computeStartMs, 1.0, 1e-6);
+  EXPECT_NEAR(last.endMs, 1001.0, 1e-6);
+  // Its stage 1, each stream on its own: the second block's messages from when the first was
+  // in (1 ms) to 1001 ms, the (empty) compute at 1 ms, once stage 0's messages were done.
+  const StageSpan& second = ahead.forward.timelines[1][1];
+  EXPECT_NEAR(second.commStartMs, 1.0, 1e-6);
+  EXPECT_NEAR(second.commEndMs, 1001.0, 1e-6);
+  EXPECT_NEAR(second.computeStartMs, 1.0, 1e-6);
+  EXPECT_NEAR(second.computeEndMs, 1.0, 1e-6);
+  EXPECT_NEAR(second.startMs, 1.0, 1e-6);
+  EXPECT_NEAR(second.endMs, 1001.0, 1e-6);
+  // Stage 2 has no messages: they are posted and done once stage 1's are.
+  EXPECT_NEAR(last.commStartMs, 1001.0, 1e-6);
+  EXPECT_NEAR(last.commEndMs, 1001.0, 1e-6);
   // A compute that reads a block arriving only in its own stage still waits as stage by stage.
   p.transfers.front().round = 0;
   p.forward.edit([&](auto& forward) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fcp/runtime/transport.h"
@@ -37,6 +38,12 @@ class Timeline {
  private:
   std::vector<Span> spans_;
 };
+
+/// The Chrome-trace JSON of `processes`' spans, process i named "<processName> i" with the
+/// three lanes as its threads; times start at the earliest span of any process. A span's lane
+/// must be 0, 1 or 2.
+std::string chromeTrace(const std::vector<std::vector<Span>>& processes,
+                        std::string_view processName);
 
 /// A rank's serialised spans (one line each) that gatherChromeTrace accepts, at most.
 inline constexpr int64_t kMaxTraceBytes = int64_t{1} << 30;

@@ -33,14 +33,19 @@ struct SimOptions {
   bool timelines = false;        ///< keep per-worker stage timelines
 };
 
-/// One stage of one worker on the timeline, in milliseconds from the pass's start.
+/// One stage of one worker on the timeline, in milliseconds from the pass's start: when each of
+/// the worker's two streams (compute, communication) entered and left it. A stream with
+/// nothing to do in the stage leaves it as it enters.
 struct StageSpan {
   /// plan stage index; -1 / -2 for a separate reshuffle in / out, or a head-parallel
   /// all-to-all before / after the attention
   int32_t stage = 0;
-  double startMs = 0;
-  double computeEndMs = 0; ///< when its compute finished
-  double endMs = 0;        ///< when its compute and transfers were all done
+  double startMs = 0;         ///< the earlier of the two streams' entries
+  double computeStartMs = 0;  ///< its compute began
+  double computeEndMs = 0;    ///< its compute finished
+  double commStartMs = 0;     ///< its messages were posted
+  double commEndMs = 0;       ///< its messages (all of them) were done
+  double endMs = 0;           ///< the later of the two streams' ends
 };
 
 /// One pass (forward or backward).
