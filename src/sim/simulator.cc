@@ -407,14 +407,58 @@ class Engine {
   PassResult result_;
 };
 
-/// Off-worker reshuffle bytes per (source, destination), for one direction.
-std::map<std::pair<int32_t, int32_t>, double> reshuffleMessages(const Plan& plan, bool inward,
-                                                                int64_t bytesPerToken) {
-  std::map<std::pair<int32_t, int32_t>, double> bytes;
+/// The token ranges of `plan`'s blocks in the packed batch: (begin, end, block), sorted by begin.
+struct BlockRange {
+  int64_t begin = 0, end = 0;
+  int32_t block = 0;
+};
+std::vector<BlockRange> blockRanges(const Plan& plan) {
+  std::vector<int64_t> starts(plan.batch.sequenceLengths.size() + 1, 0);
+  for (size_t i = 0; i < plan.batch.sequenceLengths.size(); ++i)
+    starts[i + 1] = starts[i] + plan.batch.sequenceLengths[i];
+  std::vector<BlockRange> ranges;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    for (const plan::Chunk& c : plan.blocks[b].chunks) {
+      const int64_t begin = starts[static_cast<size_t>(c.sequence)] + c.begin;
+      ranges.push_back({begin, begin + c.numTokens(), static_cast<int32_t>(b)});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const BlockRange& x, const BlockRange& y) { return x.begin < y.begin; });
+  return ranges;
+}
+
+/// Calls f(block) for each block of `ranges` holding a token of [begin, end).
+template <typename F>
+void forBlocksIn(const std::vector<BlockRange>& ranges, int64_t begin, int64_t end, F&& f) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), begin,
+                             [](int64_t token, const BlockRange& r) { return token < r.begin; });
+  if (it != ranges.begin()) --it;
+  for (; it != ranges.end() && it->begin < end; ++it) {
+    if (it->end > begin) f(it->block);
+  }
+}
+
+/// One reshuffle message: (source, destination, whether it waits for the pass's last compute).
+using ReshuffleKey = std::tuple<int32_t, int32_t, bool>;
+
+/// Off-worker reshuffle bytes per (source, destination), for one direction. Outward, with
+/// `late` (per block), a piece holding a late block's tokens is a message of its own, which
+/// leaves only once its worker's last stage has computed.
+std::map<ReshuffleKey, double> reshuffleMessages(const Plan& plan, bool inward,
+                                                 int64_t bytesPerToken,
+                                                 const std::vector<uint8_t>& late,
+                                                 const std::vector<BlockRange>& ranges) {
+  std::map<ReshuffleKey, double> bytes;
   for (const plan::ReshufflePiece& p : plan.reshuffle) {
     if (p.userWorker == p.fcpWorker) continue;
-    const auto key = inward ? std::make_pair(p.userWorker, p.fcpWorker)
-                            : std::make_pair(p.fcpWorker, p.userWorker);
+    bool waits = false;
+    if (!inward && !late.empty()) {
+      forBlocksIn(ranges, p.begin, p.end,
+                  [&](int32_t b) { waits = waits || late[static_cast<size_t>(b)] != 0; });
+    }
+    const auto key = inward ? ReshuffleKey{p.userWorker, p.fcpWorker, false}
+                            : ReshuffleKey{p.fcpWorker, p.userWorker, waits};
     bytes[key] += static_cast<double>((p.end - p.begin) * bytesPerToken);
   }
   return bytes;
@@ -650,6 +694,37 @@ int32_t computeWaitBack(const Plan& plan, const Stage& stage, int32_t w, int32_t
   return s - need;
 }
 
+/// Per block of `plan`, whether its worker holds its tokens before the reshuffle in: no piece
+/// of the reshuffle moves any of them.
+std::vector<uint8_t> blocksAtHome(const Plan& plan, const std::vector<BlockRange>& ranges) {
+  std::vector<uint8_t> home(plan.blocks.size(), 1);
+  for (const plan::ReshufflePiece& p : plan.reshuffle) {
+    if (p.userWorker != p.fcpWorker)
+      forBlocksIn(ranges, p.begin, p.end, [&](int32_t b) { home[static_cast<size_t>(b)] = 0; });
+  }
+  return home;
+}
+
+/// Per block of `plan`, whether its result (forward O; backward dQ, dK, dV) is final only once
+/// its worker's last stage of the pass has computed: a pair of that stage reads it as its Q
+/// block, or (backward) as its KV block, or a dK/dV partial for it comes back in that stage.
+std::vector<uint8_t> blocksFinishingLast(const Plan& plan, const plan::Stages& pass,
+                                         bool backward) {
+  std::vector<uint8_t> late(plan.blocks.size(), 0);
+  for (size_t w = 0; w < pass.size(); ++w) {
+    if (pass[w].size() == 0) continue;
+    const Stage last = pass[w][pass[w].size() - 1];
+    for (const int32_t p : last.compute) {
+      const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+      late[static_cast<size_t>(pair.qBlock)] = 1;
+      if (backward) late[static_cast<size_t>(pair.kvBlock)] = 1;
+    }
+    for (const int32_t t : last.recvGrad)
+      late[static_cast<size_t>(plan.transfers[static_cast<size_t>(t)].block)] = 1;
+  }
+  return late;
+}
+
 /// What the engine runs for one pass: the flows, and each worker's stages (flow ids index
 /// `flows`), before messages are merged.
 struct PassGraph {
@@ -686,12 +761,43 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
   std::vector<std::vector<SimStage>> stages(n);
   // This stage's Q blocks that compute with remote KV, once per pair (kPair) or per stage.
   std::vector<int32_t> merged;
+  // The seconds of computing `pairs` on worker w, merges included.
+  const auto computeSeconds = [&](std::span<const int32_t> pairs, size_t w) {
+    double total = fused ? fused->seconds(pairs) : 0.0;
+    merged.clear();
+    for (int32_t p : pairs) {
+      if (!fused) total += seconds[static_cast<size_t>(p)];
+      if (hw.mergeSecondsPerElement == 0) continue;
+      const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+      if (plan.owner[static_cast<size_t>(pair.kvBlock)] != static_cast<int32_t>(w))
+        merged.push_back(pair.qBlock);
+    }
+    if (perStage) {
+      std::sort(merged.begin(), merged.end());
+      merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+    }
+    for (const int32_t q : merged) {
+      total += hw.mergeSecondsPerElement *
+               static_cast<double>(plan.blocks[static_cast<size_t>(q)].numTokens() *
+                                   plan.config.attention.numHeadsQ * plan.config.attention.headDim);
+    }
+    return total;
+  };
+  // With the reshuffle in overlapping the first stage, that stage's compute runs in two parts:
+  // the pairs whose inputs the worker holds already (forward its Q and its own KV block,
+  // backward the Q block whose dO comes in) beside the reshuffle, the rest once it is in.
+  const bool reshuffleFirst = options.reshuffle && options.overlapReshuffle &&
+                              !plan.reshuffle.empty() && plan.owner.size() == plan.blocks.size();
+  const std::vector<BlockRange> ranges =
+      reshuffleFirst ? blockRanges(plan) : std::vector<BlockRange>{};
+  const std::vector<uint8_t> home =
+      reshuffleFirst ? blocksAtHome(plan, ranges) : std::vector<uint8_t>{};
+  std::vector<int32_t> ready, waiting;
   // (block, stage) of each block this worker receives in the pass.
   std::vector<std::pair<int32_t, int32_t>> arrivals;
   const bool multiBuffer = hw.pipeline == Pipeline::kMultiBuffer;
   for (size_t w = 0; w < n; ++w) {
     const auto& ws = passStages[w];
-    stages[w].resize(ws.size());
     arrivals.clear();
     for (size_t s = 0; s < ws.size() && multiBuffer; ++s) {
       for (const int32_t t : ws[s].recv) {
@@ -700,37 +806,46 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       }
     }
     std::sort(arrivals.begin(), arrivals.end());
+    // 1 once the first stage's waiting pairs have a stage of their own after it.
+    int32_t shift = 0;
+    stages[w].clear();
+    stages[w].reserve(ws.size() + 1);
     for (size_t s = 0; s < ws.size(); ++s) {
       const Stage& st = ws[s];
-      SimStage& out = stages[w][s];
+      SimStage out;
       out.planStage = static_cast<int32_t>(s);
       if (multiBuffer) {
         out.waitBack =
             computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s), arrivals);
+        // Stage 0's messages are the first engine stage's; a later stage's one further on.
+        if (shift == 1 && out.waitBack == static_cast<int32_t>(s)) ++out.waitBack;
       }
-      merged.clear();
-      if (fused) out.computeSeconds = fused->seconds(st.compute);
-      for (int32_t p : st.compute) {
-        if (!fused) out.computeSeconds += seconds[static_cast<size_t>(p)];
-        if (hw.mergeSecondsPerElement == 0) continue;
-        const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
-        if (plan.owner[static_cast<size_t>(pair.kvBlock)] != static_cast<int32_t>(w))
-          merged.push_back(pair.qBlock);
+      std::span<const int32_t> pairs = st.compute;
+      if (s == 0 && !home.empty()) {
+        ready.clear();
+        waiting.clear();
+        for (const int32_t p : st.compute) {
+          const plan::BlockPair& pair = plan.pairs[static_cast<size_t>(p)];
+          const auto kv = static_cast<size_t>(pair.kvBlock);
+          const bool held =
+              home[static_cast<size_t>(pair.qBlock)] != 0 &&
+              (backward || (plan.owner[kv] == static_cast<int32_t>(w) && home[kv] != 0));
+          (held ? ready : waiting).push_back(p);
+        }
+        if (!waiting.empty()) pairs = ready;
       }
-      if (perStage) {
-        std::sort(merged.begin(), merged.end());
-        merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
-      }
-      for (const int32_t q : merged) {
-        out.computeSeconds += hw.mergeSecondsPerElement *
-                              static_cast<double>(plan.blocks[static_cast<size_t>(q)].numTokens() *
-                                                  plan.config.attention.numHeadsQ *
-                                                  plan.config.attention.headDim);
-      }
+      out.computeSeconds = computeSeconds(pairs, w);
       out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
       out.flows.insert(out.flows.end(), st.recv.begin(), st.recv.end());
       for (int32_t t : st.sendGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
       for (int32_t t : st.recvGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
+      stages[w].push_back(std::move(out));
+      if (s == 0 && !waiting.empty()) {
+        // The waiting pairs' stage: no messages of its own; its compute waits for the stage
+        // before's messages (waitBack 1), which hold the reshuffle in.
+        stages[w].push_back(SimStage{0, computeSeconds(waiting, w), {}, 1});
+        shift = 1;
+      }
     }
     if (stages[w].empty()) stages[w].push_back({0, 0, {}});
   }
@@ -746,14 +861,23 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
         s.push_back(SimStage{-2, 0, {}});
       }
     }
+    // Overlapping the last stage, the reshuffle out carries the results already final; those
+    // its compute finishes leave in a stage of their own after it, at both ends.
+    const std::vector<uint8_t> late =
+        reshuffleFirst ? blocksFinishingLast(plan, passStages, backward) : std::vector<uint8_t>{};
+    std::vector<size_t> last(n);  // each worker's last stage, before any stage after it
+    for (size_t w = 0; w < n; ++w) last[w] = stages[w].size() - 1;
     for (const bool inward : {true, false}) {
       for (const auto& [key, bytes] :
-           reshuffleMessages(plan, inward, inward ? inBytes : outBytes)) {
+           reshuffleMessages(plan, inward, inward ? inBytes : outBytes, late, ranges)) {
+        const auto [from, to, waits] = key;
         const auto id = static_cast<int32_t>(flows.size());
-        flows.push_back({key.first, key.second, bytes});
-        for (const int32_t w : {key.first, key.second}) {
+        flows.push_back({from, to, bytes});
+        for (const int32_t w : {from, to}) {
           auto& s = stages[static_cast<size_t>(w)];
-          (inward ? s.front() : s.back()).flows.push_back(id);
+          const size_t at = last[static_cast<size_t>(w)] + (waits ? 1 : 0);
+          if (at == s.size()) s.push_back(SimStage{s.back().planStage, 0, {}, 1});
+          (inward ? s.front() : s[at]).flows.push_back(id);
         }
       }
     }

@@ -585,6 +585,87 @@ TEST(SimulatorTest, ReshuffleCostsItsBytes) {
   EXPECT_NEAR(r.forward.timeMs - without, (in + out) / 1e9 * 1e3, 1e-6);
 }
 
+/// A plan of two workers and `stages` stages whose blocks are whole sequences of `tokens` tokens
+/// each (block i, sequence i), every one computed with itself (full mask: tokens^2 entries, 1 s
+/// at 1 TFLOP/s for 5e5 tokens) in stage `stageOf[i]` by worker 1, and held before the reshuffle
+/// by `user[i]`: the reshuffle brings worker 0's blocks in and takes their outputs back.
+plan::Plan reshuffledPlan(size_t stages, const std::vector<int32_t>& user,
+                          const std::vector<size_t>& stageOf, int64_t tokens) {
+  plan::Plan p = barePlan(2, stages);
+  for (size_t i = 0; i < user.size(); ++i) {
+    const auto b = static_cast<int32_t>(i);
+    p.batch.sequenceLengths.push_back(tokens);
+    p.blocks.push_back({{{b, 0, tokens}}});
+    p.owner.push_back(1);
+    p.reshuffle.push_back({user[i], 1, b * tokens, (b + 1) * tokens});
+    p.pairs.push_back({b, b, tokens * tokens, forwardFlops(p.config.attention, tokens * tokens)});
+    p.forward.edit([&](auto& forward) { forward[1][stageOf[i]].compute.push_back(b); });
+  }
+  p.backward = p.forward;
+  return p;
+}
+
+TEST(SimulatorTest, WhatTheReshuffleBringsIsComputedOnceItIsIn) {
+  // Worker 1 computes block 0 (its own) and block 1 (worker 0's) in stage 0, for 1 s each, and
+  // block 2 (its own) in stage 1; block 1's Q, K and V take 2 s to come in, its O 2/3 s to go
+  // back. Block 0 computes beside the reshuffle (0-1 s), block 1 once it is in (2-3 s), block
+  // 2 after it (3-4 s) while block 1's O goes home. Computing block 1 before its tokens were
+  // in, as the simulator did, gave 3 s.
+  constexpr int64_t kTokens = 500'000;
+  const plan::Plan p = reshuffledPlan(2, {1, 0, 1}, {0, 0, 1}, kTokens);
+  const auto& a = p.config.attention;
+  HardwareProfile h = unitHardware();
+  h.interNodeBytesPerSecond =
+      static_cast<double>(kTokens * (a.qBytesPerToken() + a.kvBytesPerToken())) / 2;
+  SimOptions o = forwardOnly();
+  o.reshuffle = true;
+  for (const Pipeline pipeline : {Pipeline::kLockstep, Pipeline::kMultiBuffer}) {
+    h.pipeline = pipeline;
+    const SimResult r = simulate(p, h, o);
+    EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
+    // Worker 1's stage 0 runs in two parts: its own block beside the reshuffle, then the rest.
+    const auto& spans = r.forward.timelines[1];
+    ASSERT_EQ(spans.size(), 3u);
+    EXPECT_EQ(spans[1].stage, 0);
+    EXPECT_NEAR(spans[0].computeEndMs, 1000.0, 1e-6);
+    EXPECT_NEAR(spans[0].commEndMs, 2000.0, 1e-6);
+    EXPECT_NEAR(spans[1].computeStartMs, 2000.0, 1e-6);
+    EXPECT_NEAR(spans[2].commEndMs, 3000.0 + 2000.0 / 3.0, 1e-6);
+  }
+  // Without the reshuffle charged, there is nothing to wait for: 3 s.
+  EXPECT_NEAR(simulate(p, h, forwardOnly()).forward.timeMs, 3000.0, 1e-6);
+}
+
+TEST(SimulatorTest, AnOutputLeavesOnceItsLastPairIsComputed) {
+  // Worker 1 computes block 0 (its own) in stage 0 and block 1 (worker 0's, 1 s to come in) in
+  // stage 1, its last: block 1's O (1/3 s) can leave only after it, at 2 s, not beside it.
+  constexpr int64_t kTokens = 500'000;
+  const plan::Plan p = reshuffledPlan(2, {1, 0}, {0, 1}, kTokens);
+  const auto& a = p.config.attention;
+  HardwareProfile h = unitHardware();
+  h.interNodeBytesPerSecond =
+      static_cast<double>(kTokens * (a.qBytesPerToken() + a.kvBytesPerToken()));
+  SimOptions o = forwardOnly();
+  o.reshuffle = true;
+  const SimResult r = simulate(p, h, o);
+  EXPECT_NEAR(r.forward.timeMs, 2000.0 + 1000.0 / 3.0, 1e-6);
+  // Its own stage after the last, at both ends, named as the last: worker 0 posts it at 1 s,
+  // worker 1 once it has computed.
+  for (const size_t w : {0, 1}) {
+    const auto& spans = r.forward.timelines[w];
+    ASSERT_EQ(spans.size(), 3u) << w;
+    EXPECT_EQ(spans[2].stage, 1);
+    EXPECT_NEAR(spans[2].commStartMs, w == 0 ? 1000.0 : 2000.0, 1e-6) << w;
+    EXPECT_NEAR(spans[2].commEndMs, 2000.0 + 1000.0 / 3.0, 1e-6) << w;
+  }
+  // An output computed before the last stage leaves beside it: block 1 in stage 0, then 1 s of
+  // block 0 in stage 1, its O on the way meanwhile.
+  const plan::Plan early = reshuffledPlan(2, {1, 0}, {1, 0}, kTokens);
+  const SimResult e = simulate(early, h, o);
+  EXPECT_NEAR(e.forward.timeMs, 3000.0, 1e-6);
+  EXPECT_EQ(e.forward.timelines[1].size(), 3u);  // stage 0 in two parts, nothing after stage 1
+}
+
 TEST(SimulatorTest, StalledPlanIsReported) {
   plan::Plan p = barePlan(2, 1);
   addTransfer(p, 0, 1, 1000, 0);
