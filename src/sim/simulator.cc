@@ -783,9 +783,10 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
     }
     return total;
   };
-  // With the reshuffle in overlapping the first stage, that stage's compute runs in two parts:
-  // the pairs whose inputs the worker holds already (forward its Q and its own KV block,
-  // backward the Q block whose dO comes in) beside the reshuffle, the rest once it is in.
+  // With the reshuffle overlapping the pipeline, the reshuffle in has a stage of its own before
+  // stage 0, which computes beside it the pairs whose inputs the worker holds already (forward
+  // its Q and its own KV block, backward the Q block whose dO comes in); stage 0 computes the
+  // rest once it is in, and sends only then (what it sends may be coming in).
   const bool reshuffleFirst = options.reshuffle && options.overlapReshuffle &&
                               !plan.reshuffle.empty() && plan.owner.size() == plan.blocks.size();
   const std::vector<BlockRange> ranges =
@@ -806,8 +807,6 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       }
     }
     std::sort(arrivals.begin(), arrivals.end());
-    // 1 once the first stage's waiting pairs have a stage of their own after it.
-    int32_t shift = 0;
     stages[w].clear();
     stages[w].reserve(ws.size() + 1);
     for (size_t s = 0; s < ws.size(); ++s) {
@@ -817,11 +816,11 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       if (multiBuffer) {
         out.waitBack =
             computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s), arrivals);
-        // Stage 0's messages are the first engine stage's; a later stage's one further on.
-        if (shift == 1 && out.waitBack == static_cast<int32_t>(s)) ++out.waitBack;
       }
       std::span<const int32_t> pairs = st.compute;
       if (s == 0 && !home.empty()) {
+        // The reshuffle in's own stage first, computing the pairs whose blocks it does not
+        // move; stage 0 computes the rest once it is in (waitBack counts back to it).
         ready.clear();
         waiting.clear();
         for (const int32_t p : st.compute) {
@@ -832,7 +831,8 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
               (backward || (plan.owner[kv] == static_cast<int32_t>(w) && home[kv] != 0));
           (held ? ready : waiting).push_back(p);
         }
-        if (!waiting.empty()) pairs = ready;
+        stages[w].push_back(SimStage{0, computeSeconds(ready, w), {}});
+        pairs = waiting;
       }
       out.computeSeconds = computeSeconds(pairs, w);
       out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
@@ -840,12 +840,6 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       for (int32_t t : st.sendGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
       for (int32_t t : st.recvGrad) out.flows.push_back(static_cast<int32_t>(numT) + t);
       stages[w].push_back(std::move(out));
-      if (s == 0 && !waiting.empty()) {
-        // The waiting pairs' stage: no messages of its own; its compute waits for the stage
-        // before's messages (waitBack 1), which hold the reshuffle in.
-        stages[w].push_back(SimStage{0, computeSeconds(waiting, w), {}, 1});
-        shift = 1;
-      }
     }
     if (stages[w].empty()) stages[w].push_back({0, 0, {}});
   }

@@ -623,7 +623,8 @@ TEST(SimulatorTest, WhatTheReshuffleBringsIsComputedOnceItIsIn) {
     h.pipeline = pipeline;
     const SimResult r = simulate(p, h, o);
     EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
-    // Worker 1's stage 0 runs in two parts: its own block beside the reshuffle, then the rest.
+    // Worker 1's stage 0 runs in two parts: its own block beside the reshuffle in, in a stage
+    // of its own, then the rest.
     const auto& spans = r.forward.timelines[1];
     ASSERT_EQ(spans.size(), 3u);
     EXPECT_EQ(spans[1].stage, 0);
@@ -653,17 +654,17 @@ TEST(SimulatorTest, AnOutputLeavesOnceItsLastPairIsComputed) {
   // worker 1 once it has computed.
   for (const size_t w : {0, 1}) {
     const auto& spans = r.forward.timelines[w];
-    ASSERT_EQ(spans.size(), 3u) << w;
-    EXPECT_EQ(spans[2].stage, 1);
-    EXPECT_NEAR(spans[2].commStartMs, w == 0 ? 1000.0 : 2000.0, 1e-6) << w;
-    EXPECT_NEAR(spans[2].commEndMs, 2000.0 + 1000.0 / 3.0, 1e-6) << w;
+    ASSERT_EQ(spans.size(), 4u) << w;  // the reshuffle in's, stages 0 and 1, the one after
+    EXPECT_EQ(spans[3].stage, 1);
+    EXPECT_NEAR(spans[3].commStartMs, w == 0 ? 1000.0 : 2000.0, 1e-6) << w;
+    EXPECT_NEAR(spans[3].commEndMs, 2000.0 + 1000.0 / 3.0, 1e-6) << w;
   }
   // An output computed before the last stage leaves beside it: block 1 in stage 0, then 1 s of
   // block 0 in stage 1, its O on the way meanwhile.
   const plan::Plan early = reshuffledPlan(2, {1, 0}, {1, 0}, kTokens);
   const SimResult e = simulate(early, h, o);
   EXPECT_NEAR(e.forward.timeMs, 3000.0, 1e-6);
-  EXPECT_EQ(e.forward.timelines[1].size(), 3u);  // stage 0 in two parts, nothing after stage 1
+  EXPECT_EQ(e.forward.timelines[1].size(), 3u);  // the reshuffle in's, 0, 1; nothing after
 }
 
 TEST(SimulatorTest, StalledPlanIsReported) {
