@@ -16,9 +16,10 @@
 /// that brought the KV it reads, not for the previous stage's. The reshuffle moves
 /// its off-worker bytes (forward: Q, K, V in and O out; backward: dO in and dQ, dK, dV out)
 /// during the first and the last stage, or, with overlapReshuffle off, in a stage of its own
-/// before and after. Overlapped, it holds what it carries: the first stage computes the pairs
-/// whose blocks no piece moves beside the reshuffle in and the others once it is in, and a
-/// result the last stage completes leaves in a stage of its own after that stage's compute.
+/// before and after. Overlapped, it holds what it carries: the reshuffle in has a stage of its
+/// own, computing beside it the first stage's pairs whose blocks no piece moves, before stage 0
+/// (the rest of its pairs and its transfers); a result the last stage completes leaves in a
+/// stage of its own after that stage's compute.
 
 #include <cstdint>
 #include <vector>
