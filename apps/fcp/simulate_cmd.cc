@@ -229,15 +229,22 @@ void checkArgs(const SimulateArgs& a) {
 
 /// The Chrome trace (Perfetto) of a simulated step: a process per worker, its compute and
 /// messages per stage in two lanes and each pass in the third, the backward after the forward.
-/// Stages -1 and -2 are a separate reshuffle (the ablation steps) or, for the head-parallel
-/// strategies, the all-to-alls, in and out.
-std::string simulatedTrace(const sim::SimResult& r, bool headParallel) {
+/// Stages that are no plan stage are named by what they hold (sim::kReshuffleIn, ...).
+std::string simulatedTrace(const sim::SimResult& r) {
   const size_t n = r.forward.timelines.size();
   std::vector<std::vector<runtime::Span>> workers(n);
-  const auto name = [&](const char* pass, int32_t stage) {
-    if (stage >= 0) return std::string(pass) + " stage " + std::to_string(stage);
-    return std::string(pass) + (headParallel ? " all-to-all " : " reshuffle ") +
-           (stage == -1 ? "in" : "out");
+  const auto name = [](const char* pass, int32_t stage) {
+    static const std::map<int32_t, const char*> kNames = {
+        {sim::kReshuffleIn, "reshuffle in"},
+        {sim::kReshuffleOut, "reshuffle out"},
+        {sim::kReshuffleOutAfter, "reshuffle out after"},
+        {sim::kAllToAllIn, "all-to-all in"},
+        {sim::kAllToAllOut, "all-to-all out"},
+        {sim::kPermuteIn, "permute in"},
+        {sim::kPermuteOut, "permute out"}};
+    const auto it = kNames.find(stage);
+    return std::string(pass) + ' ' +
+           (it != kNames.end() ? std::string(it->second) : "stage " + std::to_string(stage));
   };
   for (const auto& [pass, label, offsetMs] :
        {std::tuple{&r.forward, "forward", 0.0},
@@ -355,7 +362,6 @@ void runSimulate(const SimulateArgs& a) {
   sim::SimOptions options;
   options.backward = !a.forwardOnly;
   options.reshuffle = !a.noReshuffle;
-  options.timelines = !a.timeline.empty();
   std::string timelineText;  // --timeline's, written before anything is printed
 
   const int64_t batches = a.trace.empty() ? a.batches : 1;
@@ -444,11 +450,14 @@ void runSimulate(const SimulateArgs& a) {
         }
         const double planMs = msSince(planStart);
         const auto simStart = std::chrono::steady_clock::now();
+        // Only the cell's own run keeps timelines, for --timeline; the oracle's runs do not.
+        sim::SimOptions run = o;
+        run.timelines = !a.timeline.empty();
         const sim::SimResult r =
-            hp ? sim::simulateHeadParallel(hp->ring, config.attention, hp->degree, hw, o)
-               : sim::simulate(*p, hw, o);
+            hp ? sim::simulateHeadParallel(hp->ring, config.attention, hp->degree, hw, run)
+               : sim::simulate(*p, hw, run);
         cells[strategy].add(r, planMs, msSince(simStart));
-        if (options.timelines) timelineText = simulatedTrace(r, headParallel);
+        if (run.timelines) timelineText = simulatedTrace(r);
         if (hp) cells[strategy].ulyssesDegrees.push_back(hp->degree);
         ++done;
         if (progress) {

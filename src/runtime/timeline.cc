@@ -2,6 +2,7 @@
 #include "fcp/runtime/timeline.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -20,8 +21,16 @@ constexpr const char* kLaneNames[] = {"compute", "communication", "pass"};
 std::string escapeJson(const std::string& text) {
   std::string out;
   for (const char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {  // a control character: \u00XX
+      char code[8];
+      std::snprintf(code, sizeof code, "\\u%04x", static_cast<unsigned>(c));
+      out += code;
+    } else {
+      out += c;
+    }
   }
   return out;
 }

@@ -37,6 +37,15 @@ struct SimStage {
   /// compute reads arrived earlier (FCP with D buffers computes in stage g + D − 1 what arrived
   /// in stage g).
   int32_t waitBack = 1;
+  /// Whether this stage's messages wait for the stage before's compute, which frees the
+  /// buffers they land in (FCP's group g reuses group g − D's). Not for the first plan stage
+  /// after the reshuffle in's own stage: its buffers are fresh, and that stage's compute holds
+  /// nothing its messages need.
+  bool afterCompute = true;
+  /// The stage whose messages (and every earlier stage's) must be done before this stage's are
+  /// posted, counted back: 1, one stage's messages after another's. More lets them fly beside
+  /// the stages' between (the outputs the last compute finishes beside those already final).
+  int32_t commWaitBack = 1;
 };
 
 /// The event-driven engine for one pass.
@@ -86,6 +95,18 @@ class Engine {
     active_.resize(4 * n_);
     isDirty_.assign(4 * n_, 0);
     worker_.resize(n_);
+    size_t entries = 0;
+    for (size_t w = 0; w < n_; ++w) {
+      worker_[w].firstLeft = entries;
+      entries += stages_[w].size();
+      for (size_t i = 0; i < stages_[w].size(); ++i) {
+        for (const int32_t f : stages_[w][i].flows) {
+          FlowState& s = flow_[static_cast<size_t>(f)];
+          (s.src == static_cast<int32_t>(w) ? s.srcStage : s.dstStage) = static_cast<int32_t>(i);
+        }
+      }
+    }
+    left_.assign(entries, 0);
     result_.computeMs.assign(n_, 0);
     result_.finishMs.assign(n_, 0);
     if (keep_) {
@@ -126,10 +147,12 @@ class Engine {
           advance(e.id, e.time);
           break;
         }
-        case kArrived:
-          arrived(flow_[static_cast<size_t>(e.id)].src, e.time);
-          arrived(flow_[static_cast<size_t>(e.id)].dst, e.time);
+        case kArrived: {
+          const FlowState& f = flow_[static_cast<size_t>(e.id)];
+          arrived(f.src, f.srcStage, e.time);
+          arrived(f.dst, f.dstStage, e.time);
           break;
+        }
       }
     }
     for (size_t w = 0; w < n_; ++w) {
@@ -152,6 +175,14 @@ class Engine {
 
  private:
   enum Kind { kComputeDone, kArrived };
+  /// A worker's two streams: the stages whose messages it has posted, how many of the first of
+  /// them are done (commDone: every stage before it), the stages it has computed, and whether
+  /// it computes now.
+  struct Worker {
+    size_t commPosted = 0, commDone = 0, computeDone = 0;
+    bool computing = false, finished = false;
+    size_t firstLeft = 0;  ///< its stages' entries in left_
+  };
   struct Event {
     double time;
     uint64_t seq;
@@ -168,6 +199,7 @@ class Engine {
     int32_t outSlot = -1, inSlot = -1;  ///< index in active_[outPort] / active_[inPort]
     int32_t heapPos = -1;               ///< index in heap_, −1 when not draining
     int32_t src = 0, dst = 0;
+    int32_t srcStage = 0, dstStage = 0;  ///< the stage holding it at each end
     int32_t posted = 0;  ///< endpoints that have posted it (0, 1, 2)
   };
   struct Drain {
@@ -271,18 +303,20 @@ class Engine {
     const std::vector<SimStage>& own = stages_[wi];
     for (bool moved = true; moved;) {
       moved = false;
-      if (!k.communicating && k.commDone < own.size() && k.computeDone >= k.commDone) {
-        const SimStage& s = own[k.commDone];
-        if (keep_) span(w, k.commDone).commStartMs = t * 1e3;
-        k.flowsLeft = static_cast<int64_t>(s.flows.size());
-        if (k.flowsLeft == 0) {
-          if (keep_) span(w, k.commDone).commEndMs = t * 1e3;
-          ++k.commDone;
-        } else {
-          k.communicating = true;
-          for (int32_t f : s.flows) {
-            if (++flow_[static_cast<size_t>(f)].posted == 2) start(f, t);
-          }
+      if (k.commPosted < own.size() &&
+          k.computeDone + (own[k.commPosted].afterCompute ? 0 : 1) >= k.commPosted &&
+          static_cast<int64_t>(k.commDone) >
+              static_cast<int64_t>(k.commPosted) - own[k.commPosted].commWaitBack) {
+        const size_t i = k.commPosted++;
+        const SimStage& s = own[i];
+        if (keep_) span(w, i).commStartMs = t * 1e3;
+        left_[k.firstLeft + i] = static_cast<int64_t>(s.flows.size());
+        if (s.flows.empty()) {
+          if (keep_) span(w, i).commEndMs = t * 1e3;
+          settle(k);
+        }
+        for (int32_t f : s.flows) {
+          if (++flow_[static_cast<size_t>(f)].posted == 2) start(f, t);
         }
         moved = true;
       }
@@ -304,13 +338,18 @@ class Engine {
     }
   }
 
-  /// One of worker w's flows of its current communication stage is done.
-  void arrived(int32_t w, double t) {
+  /// Counts worker k's stages whose messages are done from the first: each posted one whose
+  /// messages all are.
+  void settle(Worker& k) {
+    while (k.commDone < k.commPosted && left_[k.firstLeft + k.commDone] == 0) ++k.commDone;
+  }
+
+  /// One of worker w's messages of its stage `stage` is done.
+  void arrived(int32_t w, int32_t stage, double t) {
     Worker& k = worker_[static_cast<size_t>(w)];
-    if (--k.flowsLeft > 0) return;
-    if (keep_) span(w, k.commDone).commEndMs = t * 1e3;
-    k.communicating = false;
-    ++k.commDone;
+    if (--left_[k.firstLeft + static_cast<size_t>(stage)] > 0) return;
+    if (keep_) span(w, static_cast<size_t>(stage)).commEndMs = t * 1e3;
+    settle(k);
     advance(w, t);
   }
 
@@ -396,12 +435,9 @@ class Engine {
   double dirtyTime_ = 0;
   /// A worker's two streams: stages whose communication and whose compute are done, and
   /// whether each is inside its next stage.
-  struct Worker {
-    size_t commDone = 0, computeDone = 0;
-    bool communicating = false, computing = false, finished = false;
-    int64_t flowsLeft = 0;  ///< of the communication stage it is in
-  };
   std::vector<Worker> worker_;
+  /// Per worker and posted stage (from Worker::firstLeft), its messages not yet done.
+  std::vector<int64_t> left_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
   uint64_t seq_ = 0;
   PassResult result_;
@@ -419,12 +455,14 @@ std::vector<BlockRange> blockRanges(const Plan& plan) {
   std::vector<BlockRange> ranges;
   for (size_t b = 0; b < plan.blocks.size(); ++b) {
     for (const plan::Chunk& c : plan.blocks[b].chunks) {
+      if (c.numTokens() <= 0) continue;  // holds no token
       const int64_t begin = starts[static_cast<size_t>(c.sequence)] + c.begin;
       ranges.push_back({begin, begin + c.numTokens(), static_cast<int32_t>(b)});
     }
   }
-  std::sort(ranges.begin(), ranges.end(),
-            [](const BlockRange& x, const BlockRange& y) { return x.begin < y.begin; });
+  std::sort(ranges.begin(), ranges.end(), [](const BlockRange& x, const BlockRange& y) {
+    return std::tie(x.begin, x.end, x.block) < std::tie(y.begin, y.end, y.block);
+  });
   return ranges;
 }
 
@@ -675,14 +713,16 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
 
 /// How many stages back from stage s the communication is that worker w's compute in stage s
 /// waits for: the latest stage before s in which a KV block its pairs read arrived (`arrivals`,
-/// its (block, stage) pairs sorted), and at least stage 0 from stage 1 on (stage 0's
-/// communication holds the reshuffle in, when it overlaps). A compute that reads a block
+/// its (block, stage) pairs sorted), and at least the stage that brings the reshuffle in: with
+/// `reshuffleFirst` its own stage before stage 0 (plan stage s is then the engine's s + 1, and
+/// −1 counts back to it), otherwise stage 0 from stage 1 on. A compute that reads a block
 /// arriving in its own stage or later, or never, waits as a stage-by-stage pipeline would: for
 /// the stage before (1), as does every compute of a plan without block owners.
 int32_t computeWaitBack(const Plan& plan, const Stage& stage, int32_t w, int32_t s,
-                        const std::vector<std::pair<int32_t, int32_t>>& arrivals) {
+                        const std::vector<std::pair<int32_t, int32_t>>& arrivals,
+                        bool reshuffleFirst) {
   if (plan.owner.size() != plan.blocks.size()) return 1;  // a plan made by hand: no owners
-  int32_t need = s > 0 ? 0 : -1;
+  int32_t need = s > 0 && !reshuffleFirst ? 0 : -1;
   for (const int32_t p : stage.compute) {
     const int32_t kv = plan.pairs[static_cast<size_t>(p)].kvBlock;
     if (plan.owner[static_cast<size_t>(kv)] == w) continue;
@@ -787,8 +827,10 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
   // stage 0, which computes beside it the pairs whose inputs the worker holds already (forward
   // its Q and its own KV block, backward the Q block whose dO comes in); stage 0 computes the
   // rest once it is in, and sends only then (what it sends may be coming in).
-  const bool reshuffleFirst = options.reshuffle && options.overlapReshuffle &&
-                              !plan.reshuffle.empty() && plan.owner.size() == plan.blocks.size();
+  const bool reshuffleFirst =
+      options.reshuffle && options.overlapReshuffle && plan.owner.size() == plan.blocks.size() &&
+      std::any_of(plan.reshuffle.begin(), plan.reshuffle.end(),
+                  [](const plan::ReshufflePiece& p) { return p.userWorker != p.fcpWorker; });
   const std::vector<BlockRange> ranges =
       reshuffleFirst ? blockRanges(plan) : std::vector<BlockRange>{};
   const std::vector<uint8_t> home =
@@ -814,8 +856,8 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       SimStage out;
       out.planStage = static_cast<int32_t>(s);
       if (multiBuffer) {
-        out.waitBack =
-            computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s), arrivals);
+        out.waitBack = computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s),
+                                       arrivals, !home.empty());
       }
       std::span<const int32_t> pairs = st.compute;
       if (s == 0 && !home.empty()) {
@@ -831,8 +873,9 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
               (backward || (plan.owner[kv] == static_cast<int32_t>(w) && home[kv] != 0));
           (held ? ready : waiting).push_back(p);
         }
-        stages[w].push_back(SimStage{0, computeSeconds(ready, w), {}});
+        stages[w].push_back(SimStage{kReshuffleIn, computeSeconds(ready, w), {}});
         pairs = waiting;
+        out.afterCompute = false;
       }
       out.computeSeconds = computeSeconds(pairs, w);
       out.flows.insert(out.flows.end(), st.send.begin(), st.send.end());
@@ -851,28 +894,52 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
         backward ? a.qBytesPerToken() + a.kvBytesPerToken() : a.oBytesPerToken();
     if (!options.overlapReshuffle) {
       for (auto& s : stages) {
-        s.insert(s.begin(), SimStage{-1, 0, {}});
-        s.push_back(SimStage{-2, 0, {}});
+        s.insert(s.begin(), SimStage{kReshuffleIn, 0, {}});
+        s.push_back(SimStage{kReshuffleOut, 0, {}});
       }
     }
-    // Overlapping the last stage, the reshuffle out carries the results already final; those
-    // its compute finishes leave in a stage of their own after it, at both ends.
+    // Overlapping the last stage, the reshuffle out has two stages after it, at both ends: the
+    // results already final leave once the last stage's messages are done (beside its
+    // compute), those it finishes once it has, beside the first if they are still on their way.
     const std::vector<uint8_t> late =
         reshuffleFirst ? blocksFinishingLast(plan, passStages, backward) : std::vector<uint8_t>{};
-    std::vector<size_t> last(n);  // each worker's last stage, before any stage after it
-    for (size_t w = 0; w < n; ++w) last[w] = stages[w].size() - 1;
-    for (const bool inward : {true, false}) {
-      for (const auto& [key, bytes] :
-           reshuffleMessages(plan, inward, inward ? inBytes : outBytes, late, ranges)) {
+    const auto outward = reshuffleMessages(plan, false, outBytes, late, ranges);
+    std::vector<size_t> early(n), after(n);  // where each worker's outward messages go
+    for (size_t w = 0; w < n; ++w) early[w] = after[w] = stages[w].size() - 1;
+    if (reshuffleFirst) {
+      std::vector<uint8_t> final(n, 0), finishing(n, 0);
+      for (const auto& [key, bytes] : outward) {
         const auto [from, to, waits] = key;
-        const auto id = static_cast<int32_t>(flows.size());
-        flows.push_back({from, to, bytes});
-        for (const int32_t w : {from, to}) {
-          auto& s = stages[static_cast<size_t>(w)];
-          const size_t at = last[static_cast<size_t>(w)] + (waits ? 1 : 0);
-          if (at == s.size()) s.push_back(SimStage{s.back().planStage, 0, {}, 1});
-          (inward ? s.front() : s[at]).flows.push_back(id);
+        (waits ? finishing : final)[static_cast<size_t>(from)] = 1;
+        (waits ? finishing : final)[static_cast<size_t>(to)] = 1;
+      }
+      for (size_t w = 0; w < n; ++w) {
+        if (final[w]) {
+          early[w] = stages[w].size();
+          stages[w].push_back(SimStage{kReshuffleOut, 0, {}});
+          stages[w].back().afterCompute = false;
         }
+        if (finishing[w]) {
+          after[w] = stages[w].size();
+          stages[w].push_back(SimStage{kReshuffleOutAfter, 0, {}});
+          stages[w].back().commWaitBack = final[w] ? 2 : 1;
+        }
+      }
+    }
+    for (const auto& [key, bytes] : reshuffleMessages(plan, true, inBytes, late, ranges)) {
+      const auto [from, to, waits] = key;
+      const auto id = static_cast<int32_t>(flows.size());
+      flows.push_back({from, to, bytes});
+      stages[static_cast<size_t>(from)].front().flows.push_back(id);
+      stages[static_cast<size_t>(to)].front().flows.push_back(id);
+    }
+    for (const auto& [key, bytes] : outward) {
+      const auto [from, to, waits] = key;
+      const auto id = static_cast<int32_t>(flows.size());
+      flows.push_back({from, to, bytes});
+      for (const int32_t w : {from, to}) {
+        const auto wi = static_cast<size_t>(w);
+        stages[wi][waits ? after[wi] : early[wi]].flows.push_back(id);
       }
     }
   }
@@ -994,12 +1061,12 @@ PassGraph headParallelPass(const Plan& ring, const AttentionConfig& attention, i
     }
     for (size_t i = 0; i < r; ++i) {
       auto& out = g.stages[i * u + j];
-      out.push_back(SimStage{-1, 0, {}});
+      out.push_back(SimStage{kAllToAllIn, 0, {}});
       for (SimStage st : sub.stages[i]) {
         for (int32_t& f : st.flows) f += offset;
         out.push_back(std::move(st));
       }
-      out.push_back(SimStage{-2, 0, {}});
+      out.push_back(SimStage{kAllToAllOut, 0, {}});
     }
   }
   const auto [before, after] = allToAllBytes(ring.config.attention, backward);
@@ -1019,8 +1086,8 @@ PassGraph headParallelPass(const Plan& ring, const AttentionConfig& attention, i
     const std::vector<double> out = permuteSeconds(ring, degree, fullAfter, after, hw);
     for (size_t w = 0; w < g.stages.size(); ++w) {
       auto& s = g.stages[w];
-      s.insert(s.begin(), SimStage{-1, in[w], {}});
-      s.push_back(SimStage{-2, out[w], {}});
+      s.insert(s.begin(), SimStage{kPermuteIn, in[w], {}});
+      s.push_back(SimStage{kPermuteOut, out[w], {}});
     }
   }
   return g;

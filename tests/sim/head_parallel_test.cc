@@ -92,8 +92,8 @@ TEST(HeadParallelTest, UlyssesTimesItsAllToAllsAroundEachSequencesWholeKernel) {
          {std::tuple{&r.forward, qkvBytes, qBytes}, std::tuple{&r.backward, qBytes, qkvBytes}}) {
       const auto& spans = pass->timelines[0];
       ASSERT_GE(spans.size(), 3u);
-      EXPECT_EQ(spans.front().stage, -1);
-      EXPECT_EQ(spans.back().stage, -2);
+      EXPECT_EQ(spans.front().stage, kAllToAllIn);
+      EXPECT_EQ(spans.back().stage, kAllToAllOut);
       EXPECT_NEAR(spans.front().endMs - spans.front().startMs, allToAll(in) * 1e3, 1e-9);
       EXPECT_NEAR(spans.back().endMs - spans.back().startMs, allToAll(out) * 1e3, 1e-9);
     }
@@ -135,9 +135,9 @@ TEST(HeadParallelTest, EachMemberPermutesItsTensorsInMemoryBeforeAndAfterTheAllT
   for (size_t w = 0; w < 8; ++w) {
     const auto& spans = r.forward.timelines[w];
     ASSERT_EQ(spans.size(), bare.forward.timelines[w].size() + 2);
-    EXPECT_EQ(spans[0].stage, -1);
+    EXPECT_EQ(spans[0].stage, kPermuteIn);
     EXPECT_NEAR(spans[0].computeEndMs - spans[0].startMs, forwardIn * 1e3, 1e-9);
-    EXPECT_EQ(spans.back().stage, -2);
+    EXPECT_EQ(spans.back().stage, kPermuteOut);
     EXPECT_NEAR(spans.back().endMs - spans.back().startMs, forwardOut * 1e3, 1e-9);
   }
   EXPECT_EQ(r.transferBytes, bare.transferBytes);

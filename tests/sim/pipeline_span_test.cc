@@ -55,7 +55,13 @@ TEST(PipelineSpanTest, TheMultiBufferPipelineIsTheLockstepWhereComputeReadsThePr
   EXPECT_EQ(simulate(ring, hw, o).timeMs, simulate(ring, multiBuffer, o).timeMs);
   c.bufferDepth = 2;
   const plan::Plan two = plan::buildPlan(batch, c, hw.costModel(c.attention));
-  EXPECT_EQ(simulate(two, hw, o).timeMs, simulate(two, multiBuffer, o).timeMs);
+  // Without the reshuffle: with it, the backward's last stage, which computes local pairs only,
+  // waits in the multi-buffer pipeline for the reshuffle in alone, not for the stage before's
+  // returning partials (reshuffleFirst), and the pass is a little shorter.
+  SimOptions bare = o;
+  bare.reshuffle = false;
+  EXPECT_EQ(simulate(two, hw, bare).timeMs, simulate(two, multiBuffer, bare).timeMs);
+  EXPECT_LE(simulate(two, multiBuffer, o).timeMs, simulate(two, hw, o).timeMs);
   c.bufferDepth = 3;
   const plan::Plan three = plan::buildPlan(batch, c, hw.costModel(c.attention));
   EXPECT_LT(simulate(three, multiBuffer, o).timeMs, simulate(three, hw, o).timeMs);

@@ -589,20 +589,40 @@ TEST(SimulatorTest, ReshuffleCostsItsBytes) {
 /// each (block i, sequence i), every one computed with itself (full mask: tokens^2 entries, 1 s
 /// at 1 TFLOP/s for 5e5 tokens) in stage `stageOf[i]` by worker 1, and held before the reshuffle
 /// by `user[i]`: the reshuffle brings worker 0's blocks in and takes their outputs back.
-plan::Plan reshuffledPlan(size_t stages, const std::vector<int32_t>& user,
-                          const std::vector<size_t>& stageOf, int64_t tokens) {
-  plan::Plan p = barePlan(2, stages);
-  for (size_t i = 0; i < user.size(); ++i) {
+/// One block of reshuffledBlocks: a whole sequence of `tokens` tokens that `owner` computes
+/// with itself in stage `stage`, held by `user` before the reshuffle.
+struct ReshuffledBlock {
+  int64_t tokens = 0;
+  int32_t user = 0, owner = 0;
+  size_t stage = 0;
+};
+plan::Plan reshuffledBlocks(int64_t workers, size_t stages,
+                            const std::vector<ReshuffledBlock>& blocks) {
+  plan::Plan p = barePlan(workers, stages);
+  int64_t begin = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
     const auto b = static_cast<int32_t>(i);
-    p.batch.sequenceLengths.push_back(tokens);
-    p.blocks.push_back({{{b, 0, tokens}}});
-    p.owner.push_back(1);
-    p.reshuffle.push_back({user[i], 1, b * tokens, (b + 1) * tokens});
-    p.pairs.push_back({b, b, tokens * tokens, forwardFlops(p.config.attention, tokens * tokens)});
-    p.forward.edit([&](auto& forward) { forward[1][stageOf[i]].compute.push_back(b); });
+    const int64_t t = blocks[i].tokens;
+    p.batch.sequenceLengths.push_back(t);
+    p.blocks.push_back({{{b, 0, t}}});
+    p.owner.push_back(blocks[i].owner);
+    p.reshuffle.push_back({blocks[i].user, blocks[i].owner, begin, begin + t});
+    begin += t;
+    p.pairs.push_back({b, b, t * t, forwardFlops(p.config.attention, t * t)});
+    p.forward.edit([&](auto& forward) {
+      forward[static_cast<size_t>(blocks[i].owner)][blocks[i].stage].compute.push_back(b);
+    });
   }
   p.backward = p.forward;
   return p;
+}
+
+/// reshuffledBlocks on two workers, every block worker 1's and `tokens` long.
+plan::Plan reshuffledPlan(size_t stages, const std::vector<int32_t>& user,
+                          const std::vector<size_t>& stageOf, int64_t tokens) {
+  std::vector<ReshuffledBlock> blocks;
+  for (size_t i = 0; i < user.size(); ++i) blocks.push_back({tokens, user[i], 1, stageOf[i]});
+  return reshuffledBlocks(2, stages, blocks);
 }
 
 TEST(SimulatorTest, WhatTheReshuffleBringsIsComputedOnceItIsIn) {
@@ -625,16 +645,51 @@ TEST(SimulatorTest, WhatTheReshuffleBringsIsComputedOnceItIsIn) {
     EXPECT_NEAR(r.forward.timeMs, 4000.0, 1e-6);
     // Worker 1's stage 0 runs in two parts: its own block beside the reshuffle in, in a stage
     // of its own, then the rest.
+    // Block 1's O goes home in the reshuffle out's stage after stage 1, beside its compute.
     const auto& spans = r.forward.timelines[1];
-    ASSERT_EQ(spans.size(), 3u);
+    ASSERT_EQ(spans.size(), 4u);
+    EXPECT_EQ(spans[0].stage, kReshuffleIn);
     EXPECT_EQ(spans[1].stage, 0);
+    EXPECT_EQ(spans[3].stage, kReshuffleOut);
     EXPECT_NEAR(spans[0].computeEndMs, 1000.0, 1e-6);
     EXPECT_NEAR(spans[0].commEndMs, 2000.0, 1e-6);
     EXPECT_NEAR(spans[1].computeStartMs, 2000.0, 1e-6);
-    EXPECT_NEAR(spans[2].commEndMs, 3000.0 + 2000.0 / 3.0, 1e-6);
+    EXPECT_NEAR(spans[3].commStartMs, 3000.0, 1e-6);
+    EXPECT_NEAR(spans[3].commEndMs, 3000.0 + 2000.0 / 3.0, 1e-6);
   }
   // Without the reshuffle charged, there is nothing to wait for: 3 s.
   EXPECT_NEAR(simulate(p, h, forwardOnly()).forward.timeMs, 3000.0, 1e-6);
+  // Backward (2.5 s a pair): block 0 beside block 1's dO coming in (2/3 s), block 1 after it,
+  // block 2 last, while block 1's dQ, dK and dV (2 s) go home: 7.5 s.
+  o.backward = true;
+  EXPECT_NEAR(simulate(p, h, o).backward.timeMs, 7500.0, 1e-6);
+}
+
+TEST(SimulatorTest, TransfersDoNotWaitForWhatComputesBesideTheReshuffleIn) {
+  // Worker 1 computes its own block 0 for 1 s beside the reshuffle in (block 1: one token from
+  // worker 0) and sends block 0 to worker 0 (1 s) in stage 0: the transfer needs nothing that
+  // compute holds, so both end at 1 s, not 2.
+  plan::Plan p = reshuffledPlan(1, {1, 0}, {0, 0}, 500'000);
+  p.batch.sequenceLengths[1] = 1;
+  p.blocks[1] = {{{1, 0, 1}}};
+  p.reshuffle[1] = {0, 1, 500'000, 500'001};
+  p.pairs[1] = {1, 1, 1, forwardFlops(p.config.attention, 1)};
+  addTransfer(p, 1, 0, 1'000'000'000, 0);
+  SimOptions o = forwardOnly();
+  o.reshuffle = true;
+  EXPECT_NEAR(simulate(p, unitHardware(), o).forward.timeMs, 1000.0, 1e-3);
+}
+
+TEST(SimulatorTest, AReshuffleThatMovesNothingChangesNothing) {
+  // Every piece stays on its worker: the same times and stages as without the reshuffle.
+  const plan::Plan p = reshuffledPlan(2, {1, 1, 1}, {0, 0, 1}, 500'000);
+  SimOptions o = forwardOnly();
+  o.backward = true;
+  const SimResult without = simulate(p, unitHardware(), o);
+  o.reshuffle = true;
+  const SimResult with = simulate(p, unitHardware(), o);
+  EXPECT_DOUBLE_EQ(with.timeMs, without.timeMs);
+  EXPECT_EQ(with.forward.timelines[1].size(), without.forward.timelines[1].size());
 }
 
 TEST(SimulatorTest, AnOutputLeavesOnceItsLastPairIsComputed) {
@@ -655,7 +710,7 @@ TEST(SimulatorTest, AnOutputLeavesOnceItsLastPairIsComputed) {
   for (const size_t w : {0, 1}) {
     const auto& spans = r.forward.timelines[w];
     ASSERT_EQ(spans.size(), 4u) << w;  // the reshuffle in's, stages 0 and 1, the one after
-    EXPECT_EQ(spans[3].stage, 1);
+    EXPECT_EQ(spans[3].stage, kReshuffleOutAfter);
     EXPECT_NEAR(spans[3].commStartMs, w == 0 ? 1000.0 : 2000.0, 1e-6) << w;
     EXPECT_NEAR(spans[3].commEndMs, 2000.0 + 1000.0 / 3.0, 1e-6) << w;
   }
@@ -664,7 +719,28 @@ TEST(SimulatorTest, AnOutputLeavesOnceItsLastPairIsComputed) {
   const plan::Plan early = reshuffledPlan(2, {1, 0}, {1, 0}, kTokens);
   const SimResult e = simulate(early, h, o);
   EXPECT_NEAR(e.forward.timeMs, 3000.0, 1e-6);
-  EXPECT_EQ(e.forward.timelines[1].size(), 3u);  // the reshuffle in's, 0, 1; nothing after
+  // The reshuffle in's stage, 0, 1, the reshuffle out's beside stage 1's compute; none after.
+  ASSERT_EQ(e.forward.timelines[1].size(), 4u);
+  EXPECT_EQ(e.forward.timelines[1][3].stage, kReshuffleOut);
+}
+
+TEST(SimulatorTest, OutputsTheLastStageFinishesDoNotWaitForThoseAlreadyOnTheirWay) {
+  // Worker 1 computes blocks 0 (its own), 1 (worker 0's) and 2 (worker 2's) for 40 ms each in
+  // stages 0, 0 and 1; worker 0 computes its own block 3 for 1 s. Block 1's O leaves after
+  // stage 0 but worker 0 takes it only once it has computed (1 s); block 2's O, finished by
+  // the last stage (0.12 s), goes to worker 2 at once, not after block 1's.
+  constexpr int64_t kSmall = 100'000, kLarge = 500'000;
+  const plan::Plan p = reshuffledBlocks(
+      3, 2, {{kSmall, 1, 1, 0}, {kSmall, 0, 1, 0}, {kSmall, 2, 1, 1}, {kLarge, 0, 0, 0}});
+  SimOptions o = forwardOnly();
+  o.reshuffle = true;
+  const SimResult r = simulate(p, unitHardware(), o);
+  const auto& one = r.forward.timelines[1];
+  ASSERT_EQ(one.size(), 5u);  // the reshuffle in's, 0, 1, the reshuffle out's two
+  EXPECT_EQ(one[4].stage, kReshuffleOutAfter);
+  EXPECT_GT(one[3].commEndMs, 1000.0);  // block 1's O, once worker 0 has computed
+  EXPECT_LT(one[4].commEndMs, 130.0);   // block 2's O, at about 0.12 s
+  EXPECT_GT(r.forward.timeMs, 1000.0);
 }
 
 TEST(SimulatorTest, StalledPlanIsReported) {

@@ -18,8 +18,8 @@
 /// during the first and the last stage, or, with overlapReshuffle off, in a stage of its own
 /// before and after. Overlapped, it holds what it carries: the reshuffle in has a stage of its
 /// own, computing beside it the first stage's pairs whose blocks no piece moves, before stage 0
-/// (the rest of its pairs and its transfers); a result the last stage completes leaves in a
-/// stage of its own after that stage's compute.
+/// (the rest of its pairs and its transfers); the results already final leave once the last
+/// stage's messages are done, beside its compute, and those it completes once it has computed.
 
 #include <cstdint>
 #include <vector>
@@ -36,12 +36,23 @@ struct SimOptions {
   bool timelines = false;        ///< keep per-worker stage timelines
 };
 
+/// StageSpan::stage of the stages that are no plan stage.
+inline constexpr int32_t kReshuffleIn = -1;  ///< the reshuffle in, in a stage of its own
+/// the reshuffle out, in a stage of its own (overlapped: the results already final, beside the
+/// last stage's compute)
+inline constexpr int32_t kReshuffleOut = -2;
+/// overlapped, the reshuffle out of the results the last stage's compute finishes, after it
+inline constexpr int32_t kReshuffleOutAfter = -7;
+inline constexpr int32_t kAllToAllIn = -3;   ///< head-parallel: the all-to-all before the attention
+inline constexpr int32_t kAllToAllOut = -4;  ///< and after it
+inline constexpr int32_t kPermuteIn = -5;   ///< head-parallel: the permute before the all-to-all in
+inline constexpr int32_t kPermuteOut = -6;  ///< and after the all-to-all out
+
 /// One stage of one worker on the timeline, in milliseconds from the pass's start: when each of
 /// the worker's two streams (compute, communication) entered and left it. A stream with
 /// nothing to do in the stage leaves it as it enters.
 struct StageSpan {
-  /// plan stage index; -1 / -2 for a separate reshuffle in / out, or a head-parallel
-  /// all-to-all before / after the attention
+  /// plan stage index, or one of the codes above (kReshuffleIn, ...)
   int32_t stage = 0;
   double startMs = 0;         ///< the earlier of the two streams' entries
   double computeStartMs = 0;  ///< its compute began
