@@ -229,22 +229,12 @@ void checkArgs(const SimulateArgs& a) {
 
 /// The Chrome trace (Perfetto) of a simulated step: a process per worker, its compute and
 /// messages per stage in two lanes and each pass in the third, the backward after the forward.
-/// Stages that are no plan stage are named by what they hold (sim::kReshuffleIn, ...).
+/// Stages that are no plan stage are named by what they hold (sim::stageName).
 std::string simulatedTrace(const sim::SimResult& r) {
   const size_t n = r.forward.timelines.size();
   std::vector<std::vector<runtime::Span>> workers(n);
   const auto name = [](const char* pass, int32_t stage) {
-    static const std::map<int32_t, const char*> kNames = {
-        {sim::kReshuffleIn, "reshuffle in"},
-        {sim::kReshuffleOut, "reshuffle out"},
-        {sim::kReshuffleOutAfter, "reshuffle out after"},
-        {sim::kAllToAllIn, "all-to-all in"},
-        {sim::kAllToAllOut, "all-to-all out"},
-        {sim::kPermuteIn, "permute in"},
-        {sim::kPermuteOut, "permute out"}};
-    const auto it = kNames.find(stage);
-    return std::string(pass) + ' ' +
-           (it != kNames.end() ? std::string(it->second) : "stage " + std::to_string(stage));
+    return std::string(pass) + ' ' + sim::stageName(stage);
   };
   for (const auto& [pass, label, offsetMs] :
        {std::tuple{&r.forward, "forward", 0.0},

@@ -58,10 +58,13 @@ struct SimStage {
 /// one drain time, kept in an indexed 4-ary heap (`heap_`, position `FlowState::heapPos`) and
 /// moved in place when its rate changes; compute ends and arrivals go through `queue_`. A
 /// worker runs two streams through its stages. Its communication enters stage i once stage
-/// i − 1's communication and compute are both done (the buffers stage i receives into are freed
-/// by that compute); its compute enters stage i once stage i − 1's compute and stage
-/// i − waitBack's communication are done (the data its pairs read has arrived). With waitBack 1
-/// both streams enter each stage together: the stage-by-stage lock-step.
+/// i − 1's compute is done (the buffers stage i receives into are freed by that compute; not
+/// where SimStage::afterCompute says otherwise) and stage i − commWaitBack's communication and
+/// every earlier stage's are done (commWaitBack 1, one stage's messages after another's, but
+/// for the reshuffle out's last stage); its compute enters stage i once stage i − 1's compute
+/// and stage i − waitBack's communication are done (the data its pairs read has arrived). With
+/// every waitBack 1 and the defaults, both streams enter each stage together: the
+/// stage-by-stage lock-step.
 ///
 /// Rates are recomputed once per instant, not once per start or end: a port whose flow set
 /// changed is *dirty*, and before time moves past the instant every dirty port's flows are
@@ -159,8 +162,8 @@ class Engine {
       const Worker& k = worker_[w];
       if (k.commDone < stages_[w].size() || k.computeDone < stages_[w].size()) {
         throw Error(ErrorCode::kInvalidPlan,
-                    "simulation stalls: worker " + std::to_string(w) + " waits forever in stage " +
-                        std::to_string(stages_[w][std::min(k.commDone, k.computeDone)].planStage));
+                    "simulation stalls: worker " + std::to_string(w) + " waits forever in " +
+                        stageName(stages_[w][std::min(k.commDone, k.computeDone)].planStage));
       }
       result_.timeMs = std::max(result_.timeMs, result_.finishMs[w]);
       if (keep_) {
@@ -433,8 +436,6 @@ class Engine {
   std::vector<uint8_t> isDirty_;
   std::vector<int32_t> dirty_;
   double dirtyTime_ = 0;
-  /// A worker's two streams: stages whose communication and whose compute are done, and
-  /// whether each is inside its next stage.
   std::vector<Worker> worker_;
   /// Per worker and posted stage (from Worker::firstLeft), its messages not yet done.
   std::vector<int64_t> left_;
@@ -715,9 +716,10 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
 /// waits for: the latest stage before s in which a KV block its pairs read arrived (`arrivals`,
 /// its (block, stage) pairs sorted), and at least the stage that brings the reshuffle in: with
 /// `reshuffleFirst` its own stage before stage 0 (plan stage s is then the engine's s + 1, and
-/// −1 counts back to it), otherwise stage 0 from stage 1 on. A compute that reads a block
-/// arriving in its own stage or later, or never, waits as a stage-by-stage pipeline would: for
-/// the stage before (1), as does every compute of a plan without block owners.
+/// −1 counts back to it), otherwise stage 0 from stage 1 on (a floor kept from when stage 0
+/// held the reshuffle in; without one it binds nothing a figure shows). A compute that reads a
+/// block arriving in its own stage or later, or never, waits as a stage-by-stage pipeline would:
+/// for the stage before (1), as does every compute of a plan without block owners.
 int32_t computeWaitBack(const Plan& plan, const Stage& stage, int32_t w, int32_t s,
                         const std::vector<std::pair<int32_t, int32_t>>& arrivals,
                         bool reshuffleFirst) {
@@ -827,6 +829,9 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
   // stage 0, which computes beside it the pairs whose inputs the worker holds already (forward
   // its Q and its own KV block, backward the Q block whose dO comes in); stage 0 computes the
   // rest once it is in, and sends only then (what it sends may be coming in).
+  // The reshuffle in has a stage of its own before stage 0, apart (ablation steps) or overlapped
+  // with the pairs that need nothing it moves: computes wait for that stage, not stage 0's.
+  const bool reshuffleApart = options.reshuffle && !options.overlapReshuffle;
   const bool reshuffleFirst =
       options.reshuffle && options.overlapReshuffle && plan.owner.size() == plan.blocks.size() &&
       std::any_of(plan.reshuffle.begin(), plan.reshuffle.end(),
@@ -857,7 +862,7 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       out.planStage = static_cast<int32_t>(s);
       if (multiBuffer) {
         out.waitBack = computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s),
-                                       arrivals, !home.empty());
+                                       arrivals, reshuffleApart || !home.empty());
       }
       std::span<const int32_t> pairs = st.compute;
       if (s == 0 && !home.empty()) {
@@ -1136,6 +1141,27 @@ int64_t reshuffleBytes(const Plan& plan, const AttentionConfig& a) {
 }
 
 }  // namespace
+
+std::string stageName(int32_t stage) {
+  switch (stage) {
+    case kReshuffleIn:
+      return "reshuffle in";
+    case kReshuffleOut:
+      return "reshuffle out";
+    case kReshuffleOutAfter:
+      return "reshuffle out after";
+    case kAllToAllIn:
+      return "all-to-all in";
+    case kAllToAllOut:
+      return "all-to-all out";
+    case kPermuteIn:
+      return "permute in";
+    case kPermuteOut:
+      return "permute out";
+    default:
+      return "stage " + std::to_string(stage);
+  }
+}
 
 SimResult simulate(const Plan& plan, const HardwareProfile& hardware, const SimOptions& options) {
   checkProfile(hardware);

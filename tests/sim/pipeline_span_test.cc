@@ -55,9 +55,9 @@ TEST(PipelineSpanTest, TheMultiBufferPipelineIsTheLockstepWhereComputeReadsThePr
   EXPECT_EQ(simulate(ring, hw, o).timeMs, simulate(ring, multiBuffer, o).timeMs);
   c.bufferDepth = 2;
   const plan::Plan two = plan::buildPlan(batch, c, hw.costModel(c.attention));
-  // Without the reshuffle: with it, the backward's last stage, which computes local pairs only,
-  // waits in the multi-buffer pipeline for the reshuffle in alone, not for the stage before's
-  // returning partials (reshuffleFirst), and the pass is a little shorter.
+  // Without the reshuffle. With it, the multi-buffer pipeline is a little faster here (backward
+  // 73.73 against 73.91 ms): the backward's last stage, whose pairs are all local, starts
+  // before the stage before's returning partials are in (lock-step waits for them).
   SimOptions bare = o;
   bare.reshuffle = false;
   EXPECT_EQ(simulate(two, hw, bare).timeMs, simulate(two, multiBuffer, bare).timeMs);

@@ -22,6 +22,7 @@
 /// stage's messages are done, beside its compute, and those it completes once it has computed.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "fcp/plan/plan.h"
@@ -47,6 +48,9 @@ inline constexpr int32_t kAllToAllIn = -3;   ///< head-parallel: the all-to-all 
 inline constexpr int32_t kAllToAllOut = -4;  ///< and after it
 inline constexpr int32_t kPermuteIn = -5;   ///< head-parallel: the permute before the all-to-all in
 inline constexpr int32_t kPermuteOut = -6;  ///< and after the all-to-all out
+
+/// A StageSpan::stage by what it holds: "stage 3", "reshuffle in", "all-to-all out", ...
+std::string stageName(int32_t stage);
 
 /// One stage of one worker on the timeline, in milliseconds from the pass's start: when each of
 /// the worker's two streams (compute, communication) entered and left it. A stream with
