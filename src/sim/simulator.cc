@@ -715,16 +715,16 @@ void mergeMessages(std::vector<Flow>& flows, std::vector<std::vector<SimStage>>&
 /// How many stages back from stage s the communication is that worker w's compute in stage s
 /// waits for: the latest stage before s in which a KV block its pairs read arrived (`arrivals`,
 /// its (block, stage) pairs sorted), and at least the stage that brings the reshuffle in: with
-/// `reshuffleFirst` its own stage before stage 0 (plan stage s is then the engine's s + 1, and
+/// `reshuffleStage` its own stage before stage 0 (plan stage s is then the engine's s + 1, and
 /// −1 counts back to it), otherwise stage 0 from stage 1 on (a floor kept from when stage 0
 /// held the reshuffle in; without one it binds nothing a figure shows). A compute that reads a
 /// block arriving in its own stage or later, or never, waits as a stage-by-stage pipeline would:
 /// for the stage before (1), as does every compute of a plan without block owners.
 int32_t computeWaitBack(const Plan& plan, const Stage& stage, int32_t w, int32_t s,
                         const std::vector<std::pair<int32_t, int32_t>>& arrivals,
-                        bool reshuffleFirst) {
+                        bool reshuffleStage) {
   if (plan.owner.size() != plan.blocks.size()) return 1;  // a plan made by hand: no owners
-  int32_t need = s > 0 && !reshuffleFirst ? 0 : -1;
+  int32_t need = s > 0 && !reshuffleStage ? 0 : -1;
   for (const int32_t p : stage.compute) {
     const int32_t kv = plan.pairs[static_cast<size_t>(p)].kvBlock;
     if (plan.owner[static_cast<size_t>(kv)] == w) continue;
@@ -825,12 +825,11 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
     }
     return total;
   };
-  // With the reshuffle overlapping the pipeline, the reshuffle in has a stage of its own before
-  // stage 0, which computes beside it the pairs whose inputs the worker holds already (forward
-  // its Q and its own KV block, backward the Q block whose dO comes in); stage 0 computes the
-  // rest once it is in, and sends only then (what it sends may be coming in).
-  // The reshuffle in has a stage of its own before stage 0, apart (ablation steps) or overlapped
-  // with the pairs that need nothing it moves: computes wait for that stage, not stage 0's.
+  // The reshuffle in has a stage of its own before stage 0: apart (the ablation steps), or
+  // overlapped (reshuffleFirst, where some piece moves), computing beside it the pairs whose
+  // inputs the worker holds already (forward its Q and its own KV block, backward the Q block
+  // whose dO comes in), while stage 0 computes the rest once it is in and sends only then (what
+  // it sends may be coming in). Either way computes wait for that stage, not for stage 0's.
   const bool reshuffleApart = options.reshuffle && !options.overlapReshuffle;
   const bool reshuffleFirst =
       options.reshuffle && options.overlapReshuffle && plan.owner.size() == plan.blocks.size() &&
@@ -862,7 +861,7 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
       out.planStage = static_cast<int32_t>(s);
       if (multiBuffer) {
         out.waitBack = computeWaitBack(plan, st, static_cast<int32_t>(w), static_cast<int32_t>(s),
-                                       arrivals, reshuffleApart || !home.empty());
+                                       arrivals, reshuffleApart || reshuffleFirst);
       }
       std::span<const int32_t> pairs = st.compute;
       if (s == 0 && !home.empty()) {
