@@ -313,7 +313,7 @@ class Engine {
         const size_t i = k.commPosted++;
         const SimStage& s = own[i];
         if (keep_) span(w, i).commStartMs = t * 1e3;
-        left_[k.firstLeft + i] = static_cast<int64_t>(s.flows.size());
+        left_[k.firstLeft + i] = static_cast<int32_t>(s.flows.size());
         if (s.flows.empty()) {
           if (keep_) span(w, i).commEndMs = t * 1e3;
           settle(k);
@@ -438,7 +438,7 @@ class Engine {
   double dirtyTime_ = 0;
   std::vector<Worker> worker_;
   /// Per worker and posted stage (from Worker::firstLeft), its messages not yet done.
-  std::vector<int64_t> left_;
+  std::vector<int32_t> left_;  // a stage holds under 2^31 messages (flow ids are int32_t)
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
   uint64_t seq_ = 0;
   PassResult result_;
@@ -930,7 +930,7 @@ PassGraph buildPass(const Plan& plan, const HardwareProfile& hw, const SimOption
         }
       }
     }
-    for (const auto& [key, bytes] : reshuffleMessages(plan, true, inBytes, late, ranges)) {
+    for (const auto& [key, bytes] : reshuffleMessages(plan, true, inBytes, {}, ranges)) {
       const auto [from, to, waits] = key;
       const auto id = static_cast<int32_t>(flows.size());
       flows.push_back({from, to, bytes});
